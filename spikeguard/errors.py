@@ -1,0 +1,24 @@
+"""Error types shared by every stage of spikeguard.
+
+`UsageError` is a user mistake (bad argument, bad file): the CLI turns it into a one-line
+message and exit code 2. `DeviceOutOfMemory` is the one out-of-memory type the guard uses
+everywhere: the emulated CPU budget raises it, and on CUDA `torch.cuda.OutOfMemoryError`
+is caught and re-raised as it, so callers handle one type.
+"""
+
+
+class UsageError(ValueError):
+    """A user mistake: bad argument, unknown preset, missing file. Exit code 2."""
+
+
+class DeviceOutOfMemory(RuntimeError):
+    """The device (real, or the emulated byte budget on CPU) ran out of memory."""
+
+    def __init__(self, message: str, *, needed_bytes: int = 0, budget_bytes: int = 0):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+
+
+class BudgetInfeasible(DeviceOutOfMemory):
+    """The planner found no plan under the budget; says what budget would work."""
