@@ -1,0 +1,37 @@
+"""Byte sizes as people write them ("24GiB", "500MB", 1048576) and back."""
+
+from __future__ import annotations
+
+import re
+
+from spikeguard.errors import UsageError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from an int or a string with an optional unit; positive or UsageError."""
+    if isinstance(value, bool):
+        raise UsageError(f"budget must be a byte count, got {value!r}")
+    if isinstance(value, (int, float)):
+        num_bytes = int(value)
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise UsageError(f"cannot read {value!r} as a byte size (e.g. 24GiB, 500MB, 1048576)")
+        num_bytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise UsageError(f"budget must be an int or a string like '24GiB', got {type(value).__name__}")
+    if num_bytes <= 0:
+        raise UsageError(f"budget must be positive, got {value!r}")
+    return num_bytes
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units with three significant figures: 1.82 GiB, 512 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.3g} {unit}"
+    return f"{int(num_bytes)} B"

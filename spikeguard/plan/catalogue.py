@@ -1,0 +1,138 @@
+"""Operator catalogue of the MoE expert path: what each operator keeps for backward.
+
+N = routed token copies on this process, D = model width, F = expert hidden width,
+b = bytes per element. The expert path, stage by stage (spikeguard.model.experts):
+
+    x_ND --gate_up--> h_N2F --silu(h[:, :F])--> s_NF --(* h[:, F:])--> a_NF --down--> y_ND
+
+Each operator is named for the tensor it produces, and each of those tensors is kept for
+backward by some later operator. Bytes are exact and linear in N, because the counts are
+known after routing:
+
+    op        tensor   bytes      who keeps it               actions
+    dispatch  x_ND     N*D*b      gate_up (weight grad)      save, offload
+    gate_up   h_N2F    N*2F*b     silu and mul (both halves) save, recompute, offload
+    silu      s_NF     N*F*b      mul                        save, recompute, offload
+    act       a_NF     N*F*b      down (weight grad)         save, recompute, offload
+    down      y_ND     N*D*b      combine (weighting)        save, offload
+    combine   w_N,i_N  N*(b+8)    combine (weights, index)   save (small, always kept)
+
+`dispatch` is never recomputed: under expert parallelism it is an all-to-all output, and
+recomputing it would repeat a collective. `down` is not recomputed: that would put the
+combine inside the recomputed region.
+
+RECOMPUTE is applied with selective activation checkpointing over the smallest region
+that contains the recomputed tensors and their consumers. A tensor inside such a region
+that is not recomputed is cached by SAC on the device, so it can only be SAVE there:
+that is the one structural constraint `region_of` and `valid_plans` enforce.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+
+class Action(enum.Enum):
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+# Stages in execution order and the ops whose tensors they consume (for region building).
+OPS = ("dispatch", "gate_up", "silu", "act", "down")
+EXPERT_STAGES = ("gate_up", "silu", "act", "down")
+CONSUMERS = {"dispatch": ("gate_up",), "gate_up": ("silu", "act"), "silu": ("act",),
+             "act": ("down",), "down": ()}
+ALLOWED = {
+    "dispatch": (Action.SAVE, Action.OFFLOAD),
+    "gate_up": tuple(Action),
+    "silu": tuple(Action),
+    "act": tuple(Action),
+    "down": (Action.SAVE, Action.OFFLOAD),
+}
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What the byte arithmetic needs: widths and element sizes."""
+
+    d_model: int
+    d_expert: int
+    elem_bytes: int = 4
+    weight_bytes: int = 4
+    index_bytes: int = 8
+
+    def bytes_per_token(self) -> dict[str, int]:
+        """Bytes kept per routed token copy, per operator (the slope of the linear model)."""
+        D, F, b = self.d_model, self.d_expert, self.elem_bytes
+        return {"dispatch": D * b, "gate_up": 2 * F * b, "silu": F * b, "act": F * b,
+                "down": D * b, "combine": self.weight_bytes + self.index_bytes}
+
+    def predict(self, num_routed: int) -> dict[str, int]:
+        """Exact bytes each operator keeps for `num_routed` token copies, all saved."""
+        return {op: num_routed * per for op, per in self.bytes_per_token().items()}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """An action per operator of one MoE layer's expert path."""
+
+    actions: tuple[Action, ...]   # aligned with OPS
+
+    @staticmethod
+    def of(**by_op: Action) -> "LayerPlan":
+        return LayerPlan(tuple(by_op.get(op, Action.SAVE) for op in OPS))
+
+    def action(self, op: str) -> Action:
+        return self.actions[OPS.index(op)]
+
+    def as_dict(self) -> dict[str, Action]:
+        return dict(zip(OPS, self.actions))
+
+    def recomputed(self) -> tuple[str, ...]:
+        return tuple(op for op, a in zip(OPS, self.actions) if a is Action.RECOMPUTE)
+
+    def region(self) -> tuple[str, ...]:
+        return region_of(self.recomputed())
+
+    def describe(self) -> str:
+        return " ".join(f"{op}={a.value[:3]}" for op, a in zip(OPS, self.actions))
+
+
+def region_of(recomputed: tuple[str, ...]) -> tuple[str, ...]:
+    """Stages that must run under one checkpoint so the `recomputed` tensors can be dropped:
+    from the first producer to the last consumer (empty when nothing is recomputed)."""
+    if not recomputed:
+        return ()
+    stages = set(recomputed) | {c for op in recomputed for c in CONSUMERS[op]}
+    idx = [EXPERT_STAGES.index(s) for s in stages]
+    return EXPERT_STAGES[min(idx): max(idx) + 1]
+
+
+def is_valid(plan: LayerPlan) -> bool:
+    """Allowed actions per op, and only SAVE for non-recomputed tensors inside the region."""
+    by_op = plan.as_dict()
+    if any(a not in ALLOWED[op] for op, a in by_op.items()):
+        return False
+    region = plan.region()
+    # Tensors produced inside the region (not its last stage, whose output leaves it).
+    inner = region[:-1]
+    return all(by_op[op] is not Action.OFFLOAD for op in inner)
+
+
+def valid_plans() -> list[LayerPlan]:
+    """Every valid plan of one layer (a few dozen): the planner's menu."""
+    menu = []
+    for actions in itertools.product(*(ALLOWED[op] for op in OPS)):
+        plan = LayerPlan(tuple(actions))
+        if is_valid(plan):
+            menu.append(plan)
+    return menu
+
+
+ALL_SAVE = LayerPlan.of()
+EXPERTS_RECOMPUTE = LayerPlan.of(gate_up=Action.RECOMPUTE, silu=Action.RECOMPUTE,
+                                 act=Action.RECOMPUTE)
+ALL_OFFLOAD = LayerPlan(tuple(Action.OFFLOAD for _ in OPS))

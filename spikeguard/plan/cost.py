@@ -1,0 +1,97 @@
+"""Cost model: seconds each plan adds, calibrated on the running device, corrected online.
+
+Recompute costs the forward time of the stages re-run in backward; offload costs the two
+copies (to host and back) minus what hides under compute. On CUDA the copies run on a side
+stream, so they hide under the layer's forward and backward compute (about three times
+its forward); on CPU the copy blocks, so its whole time is added.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spikeguard.plan.catalogue import EXPERT_STAGES, Action, ExpertShape, LayerPlan, OPS
+
+EMA_WEIGHT = 0.1          # weight of a new measurement in the online correction
+BACKWARD_TO_FORWARD = 2.0  # backward compute is about twice the forward's (two GEMMs per GEMM)
+
+
+@dataclass
+class CostModel:
+    """Seconds per routed token per stage, and seconds per byte copied each way."""
+
+    stage_s_per_token: dict[str, float] = field(
+        default_factory=lambda: {s: 1e-8 for s in EXPERT_STAGES})
+    d2h_s_per_byte: float = 1e-10
+    h2d_s_per_byte: float = 1e-10
+    copies_overlap: bool = False
+
+    def observe(self, stage: str, num_routed: int, seconds: float) -> None:
+        """Exponential average of a measured stage time (ignores tiny samples)."""
+        if num_routed < 64 or seconds <= 0:
+            return
+        old = self.stage_s_per_token[stage]
+        self.stage_s_per_token[stage] = (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds / num_routed
+
+    def recompute_s_per_token(self, plan: LayerPlan) -> float:
+        region = plan.region()
+        total = sum(self.stage_s_per_token[s] for s in region)
+        if "silu" in region and plan.action("silu") is Action.SAVE:
+            total -= self.stage_s_per_token["silu"]  # served from SAC's cache
+        return total
+
+    def offload_s_per_token(self, plan: LayerPlan, shape: ExpertShape) -> float:
+        per_token = shape.bytes_per_token()
+        off_bytes = sum(per_token[op] for op, a in zip(OPS, plan.actions) if a is Action.OFFLOAD)
+        copy_s = off_bytes * (self.d2h_s_per_byte + self.h2d_s_per_byte)
+        if not self.copies_overlap:
+            return copy_s
+        window_s = (1 + BACKWARD_TO_FORWARD) * sum(self.stage_s_per_token.values())
+        return max(0.0, copy_s - window_s)
+
+    def calibrate(self, shape: ExpertShape, num_experts: int, device: torch.device,
+                  dtype: torch.dtype = torch.float32, num_routed: int = 512, reps: int = 3) -> None:
+        """Time each stage and the host copies on this device (a few ms)."""
+        from spikeguard.model.experts import SwiGLUExperts  # the model's own stages
+        from spikeguard.runtime.executor import stage_functions
+
+        experts = SwiGLUExperts(num_experts, shape.d_model, shape.d_expert).to(device, dtype)
+        counts = [num_routed // num_experts] * num_experts
+        counts[-1] += num_routed - sum(counts)
+        fns = stage_functions(experts, counts)
+        tensors = {"dispatch": torch.randn(num_routed, shape.d_model, device=device, dtype=dtype)}
+        with torch.no_grad():
+            for stage in EXPERT_STAGES:
+                samples = []
+                for _ in range(reps):
+                    start = _now(device)
+                    tensors[stage] = fns[stage](tensors)
+                    samples.append(_now(device) - start)
+                self.stage_s_per_token[stage] = statistics.median(samples) / num_routed
+            self._calibrate_copies(device, dtype)
+        self.copies_overlap = device.type == "cuda"
+
+    def _calibrate_copies(self, device: torch.device, dtype: torch.dtype, num_bytes: int = 4 << 20):
+        src = torch.randn(num_bytes // 4, device=device).to(dtype)
+        host = torch.empty(src.shape, dtype=dtype, pin_memory=device.type == "cuda")
+        d2h, h2d = [], []
+        for _ in range(3):
+            start = _now(device)
+            host.copy_(src)
+            d2h.append(_now(device) - start)
+            start = _now(device)
+            src.copy_(host)
+            h2d.append(_now(device) - start)
+        nbytes = src.numel() * src.element_size()
+        self.d2h_s_per_byte = statistics.median(d2h) / nbytes
+        self.h2d_s_per_byte = statistics.median(h2d) / nbytes
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

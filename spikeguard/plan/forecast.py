@@ -1,0 +1,33 @@
+"""Forecast: the bytes still to come in this micro-batch after the current layer.
+
+The rest of this micro-batch's layers each keep their attention part (measured on the
+layers already run: same shapes, same bytes) plus the least their expert path can keep
+(the smallest plan), for a load forecast from the largest seen so far in this
+micro-batch with a safety margin; then the output head (measured on earlier micro-batches
+per token, or a conservative estimate before the first one). The pipeline issue adds the
+micro-batches the schedule keeps resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Forecast:
+    num_layers: int
+    load_margin: float = 0.25
+    head_bytes_per_token: float = 0.0
+    resident_bytes: int = 0  # other micro-batches the schedule keeps (pipeline issue)
+
+    def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: int,
+                      min_expert_bytes_per_token: int, num_tokens: int) -> int:
+        remaining = self.num_layers - layer - 1
+        future_routed = max_routed_seen * (1 + self.load_margin)
+        per_layer = layer_part_bytes + min_expert_bytes_per_token * future_routed
+        return int(remaining * per_layer + self.head_bytes_per_token * num_tokens
+                   + self.resident_bytes)
+
+    def observe_head(self, head_bytes: int, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.head_bytes_per_token = max(self.head_bytes_per_token, head_bytes / num_tokens)

@@ -1,0 +1,309 @@
+"""The guard: the public API that attaches spikeguard to a model.
+
+    guard = spikeguard.attach(model, budget="2GiB", policy="adaptive", optimizer=opt)
+    with guard.step():
+        for micro_batch in batches:
+            model(micro_batch.x, micro_batch.y).loss.backward()
+    guard.history[-1]   # peak_bytes, budget_bytes, decisions, imbalance, ...
+    guard.detach()
+
+Every forward of the model is one micro-batch. In each MoE layer the guard's expert
+runner is the decision window: the planner picks a plan from the exact routed counts, the
+executor runs the expert path under it. Static policies share the same executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import time
+from collections import Counter
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
+from spikeguard.memory.budget import format_bytes, parse_bytes
+from spikeguard.memory.ledger import Ledger
+from spikeguard.model.moe import MoEBlock
+from spikeguard.plan.catalogue import (ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS, Action,
+                                       ExpertShape, LayerPlan)
+from spikeguard.plan.cost import CostModel
+from spikeguard.plan.forecast import Forecast
+from spikeguard.plan.planner import Decision, Planner
+from spikeguard.runtime.executor import ExpertPathExecutor, base_policy
+from spikeguard.runtime.hooks import Context, SavedTensorTracker
+from spikeguard.runtime.offload import OffloadEngine
+
+POLICIES = ("adaptive", "none", "full", "experts", "offload")
+STATIC_PLANS = {"none": ALL_SAVE, "full": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
+                "offload": ALL_OFFLOAD}
+CUDA_MARGIN_FRACTION = 0.05  # of capacity left to the allocator's fragmentation and NCCL
+# Under "full" the whole layer is recomputed; recorded as every operator recomputed.
+FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
+OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 1}
+
+
+def attach(model: nn.Module, budget=None, policy: str = "adaptive",
+           optimizer: Optional[torch.optim.Optimizer] = None) -> "Guard":
+    """Attach a guard to a model with MoE blocks; see the module docstring."""
+    return Guard(model, budget=budget, policy=policy, optimizer=optimizer)
+
+
+class Guard:
+    """Keeps one model's training under a device memory budget."""
+
+    def __init__(self, model: nn.Module, *, budget=None, policy: str = "adaptive",
+                 optimizer: Optional[torch.optim.Optimizer] = None):
+        if policy not in POLICIES:
+            raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if getattr(model, "_spikeguard", None) is not None:
+            raise UsageError("this model already has a spikeguard attached; detach() it first")
+        self.moe_blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        if not self.moe_blocks:
+            raise UsageError("no MoE block found in the model (looked for spikeguard MoEBlock)")
+        self.model = model
+        self.policy = policy
+        self.device = next(model.parameters()).device
+        self.budget_bytes = self._resolve_budget(budget)
+        self.ledger = Ledger(self.budget_bytes, self.device)
+        self.ctx = Context()
+        self.engine = OffloadEngine(self.ledger, self.device)
+        self.tracker = SavedTensorTracker(self.ledger, self.engine, self.ctx)
+        experts = self.moe_blocks[0].experts
+        dtype = experts.w13_ED2F.dtype
+        self.shape = ExpertShape(d_model=experts.w13_ED2F.shape[1], d_expert=experts.d_expert,
+                                 elem_bytes=torch.empty((), dtype=dtype).element_size())
+        self.cost = CostModel()
+        self.cost.calibrate(self.shape, experts.num_experts, self.device, dtype)
+        self.planner = Planner(self.shape, self.cost)
+        self.forecast = Forecast(num_layers=len(self.moe_blocks))
+        self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
+        self.optimizer = optimizer
+        self.history: list[dict] = []
+        self._step: Optional[dict] = None
+        self._full_recompute = policy == "full"
+        self._handles: list = []
+        self._install()
+        self.ledger.set_static(self._static_bytes())
+
+    # ---- life cycle -------------------------------------------------------------------
+    def _resolve_budget(self, budget) -> int:
+        if budget is not None:
+            return parse_bytes(budget)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(total * (1 - CUDA_MARGIN_FRACTION))
+        raise UsageError("on CPU there is no device memory to measure: give a budget "
+                         "(e.g. budget='512MiB'); the ledger emulates a device of that size")
+
+    def _static_bytes(self) -> int:
+        params = [p for p in self.model.parameters()]
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        state_bytes = 0
+        if self.optimizer is not None:
+            measured = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                           for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+            per_param = OPTIMIZER_STATES.get(type(self.optimizer).__name__, 2)
+            state_bytes = max(measured, per_param * grad_bytes)
+        return param_bytes + grad_bytes + state_bytes
+
+    def _install(self) -> None:
+        self.model._spikeguard = self
+        self._orig_forward = self.model.forward
+        self.model.forward = functools.partial(self._guarded_forward, self._orig_forward)
+        self._wrapped_layers = []
+        for block in self.moe_blocks:
+            block.expert_runner = self._run_experts
+            layer = _parent_layer(self.model, block)
+            self._wrapped_layers.append(layer)
+            layer.forward = functools.partial(self._layer_forward, layer, layer.forward,
+                                              block.layer_idx)
+            self._handles.append(block.register_forward_pre_hook(self._enter_moe))
+            self._handles.append(block.register_forward_hook(self._leave_moe))
+        last = self._wrapped_layers[-1]
+        self._handles.append(last.register_forward_hook(self._enter_head))
+
+    def detach(self) -> None:
+        """Remove every hook and wrapper: the model computes exactly as before attach."""
+        if getattr(self.model, "_spikeguard", None) is not self:
+            raise UsageError("this guard is not attached (detach() was already called)")
+        for handle in self._handles:
+            handle.remove()
+        for block in self.moe_blocks:
+            block.expert_runner = None
+        for layer in self._wrapped_layers:
+            del layer.forward
+        del self.model.forward
+        self.model._spikeguard = None
+
+    @contextlib.contextmanager
+    def step(self):
+        """One optimizer step: all micro-batches' forward and backward run inside."""
+        self.ledger.set_static(self._static_bytes())
+        self.ledger.reset_peak()
+        self._step = {"micro_batches": 0, "decisions": Counter(), "imbalance": {},
+                      "safety_net_reruns": 0, "evicted_bytes": 0, "plan_us": [],
+                      "offloaded_bytes": self.engine.offloaded_bytes_total, "start": time.perf_counter()}
+        try:
+            yield self
+        finally:
+            self._finish_step()
+
+    def _finish_step(self) -> None:
+        s = self._step
+        imbalance = [s["imbalance"].get(b.layer_idx, 1.0) for b in self.moe_blocks]
+        self.history.append({
+            "step": len(self.history), "policy": self.policy,
+            "peak_bytes": int(self.ledger.peak_bytes), "budget_bytes": self.budget_bytes,
+            "static_bytes": self.ledger.static_bytes,
+            "decisions": {a: s["decisions"].get(a, 0) for a in ("save", "recompute", "offload")},
+            "imbalance": imbalance, "max_imbalance": max(imbalance),
+            "micro_batches": s["micro_batches"], "safety_net_reruns": s["safety_net_reruns"],
+            "evicted_bytes": s["evicted_bytes"],
+            "offloaded_bytes": self.engine.offloaded_bytes_total - s["offloaded_bytes"],
+            "plan_us": (sum(s["plan_us"]) / len(s["plan_us"])) if s["plan_us"] else 0.0,
+            "seconds": time.perf_counter() - s["start"],
+        })
+        self._step = None
+
+    # ---- forward: one call is one micro-batch -----------------------------------------
+    def _guarded_forward(self, orig_forward, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return orig_forward(*args, **kwargs)
+        mb = self._step["micro_batches"] if self._step else 0
+        try:
+            return self._forward_micro_batch(orig_forward, mb, args, kwargs)
+        except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+            if self.policy != "adaptive" or self._full_recompute:
+                raise _as_device_oom(err) from None
+            message = str(err)
+        # Safety net: free this micro-batch and run it again with everything recomputed.
+        self._abandon(mb)
+        if self._step:
+            self._step["safety_net_reruns"] += 1
+        print(f"spikeguard: micro-batch {mb} ran out of memory ({message}); "
+              f"re-running it with full recompute", flush=True)
+        self._full_recompute = True
+        try:
+            return self._forward_micro_batch(orig_forward, mb, args, kwargs)
+        except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+            raise BudgetInfeasible(
+                f"even full recompute does not fit: {err}; try a budget of at least "
+                f"{format_bytes(getattr(err, 'needed_bytes', 0) or self.budget_bytes * 1.25)}",
+                needed_bytes=getattr(err, "needed_bytes", 0), budget_bytes=self.budget_bytes) from None
+        finally:
+            self._full_recompute = False
+
+    def _forward_micro_batch(self, orig_forward, mb, args, kwargs):
+        self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
+        self._max_routed = 0
+        with self.tracker.hooks():
+            out = orig_forward(*args, **kwargs)
+        self.engine.end_forward()
+        self.ctx.tags.clear()
+        num_tokens = _num_tokens(args, kwargs)
+        self.forecast.observe_head(self.ledger.bytes_by(mb, len(self.moe_blocks), "head"), num_tokens)
+        if self._step is not None:
+            self._step["micro_batches"] += 1
+        return out
+
+    def _abandon(self, mb: int) -> None:
+        self.ctx.tags.clear()
+        gc.collect()  # the failed forward's graph holds ledger entries until collected
+        for key in [k for k, e in self.ledger._entries.items() if e.where[0] == mb]:
+            self.ledger.drop(key)
+        self.tracker.forget_micro_batch(mb)
+
+    def _layer_forward(self, layer, orig_forward, layer_idx, *args, **kwargs):
+        self.ctx.layer, self.ctx.op = layer_idx, "attn"
+        if self._full_recompute and torch.is_grad_enabled():
+            return checkpoint(orig_forward, *args, use_reentrant=False, **kwargs,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                           base_policy))
+        return orig_forward(*args, **kwargs)
+
+    def _enter_moe(self, block, args) -> None:
+        self.ctx.op = "router"
+
+    def _leave_moe(self, block, args, output) -> None:
+        self.ctx.tags.clear()
+        self.ctx.op = "attn"
+
+    def _enter_head(self, module, args, output) -> None:
+        self.ctx.layer, self.ctx.op = len(self.moe_blocks), "head"
+
+    # ---- the decision window ----------------------------------------------------------
+    def _run_experts(self, block: MoEBlock, dispatched) -> torch.Tensor:
+        counts = dispatched.tokens_per_expert
+        num_routed = dispatched.x_ND.shape[0]
+        if self._full_recompute:
+            self._record(block.layer_idx, counts, FULL_RECOMPUTE)
+            return block.experts(dispatched.x_ND, counts)
+        decision = self.decide(block.layer_idx, num_routed)
+        self._record(block.layer_idx, counts, decision.plan)
+        self.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
+        self.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
+        y_ND = self.executor.run(block.experts, dispatched.x_ND, counts, decision.plan)
+        self.ctx.op = "combine"
+        return y_ND
+
+    def decide(self, layer: int, num_routed: int) -> Decision:
+        start = time.perf_counter()
+        if self.policy != "adaptive":
+            decision = self.planner.fixed(STATIC_PLANS[self.policy], num_routed)
+        else:
+            mb = self.ctx.micro_batch
+            self._max_routed = max(self._max_routed, num_routed)
+            layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
+            to_come = self.forecast.still_to_come(
+                layer, layer_part, self._max_routed, self.planner.min_bytes_per_token,
+                self._tokens_hint(num_routed))
+            headroom = self.budget_bytes - self.ledger.in_use() - to_come
+            evictable = self.tracker.evictable(mb, layer)
+            decision = self.planner.decide(num_routed, headroom, evictable)
+            if decision.evict_bytes:
+                freed = self.tracker.evict(mb, layer, decision.evict_bytes)
+                if self._step:
+                    self._step["evicted_bytes"] += freed
+        if self._step is not None:
+            self._step["plan_us"].append((time.perf_counter() - start) * 1e6)
+        return decision
+
+    def _tokens_hint(self, num_routed: int) -> int:
+        top_k = self.moe_blocks[0].router.top_k
+        return max(1, num_routed // top_k)
+
+    def _record(self, layer: int, counts: list[int], plan: LayerPlan) -> None:
+        if self._step is None:
+            return
+        for action in plan.actions:
+            self._step["decisions"][action.value] += 1
+        mean = sum(counts) / max(len(counts), 1)
+        imb = max(counts) / mean if mean > 0 else 1.0
+        self._step["imbalance"][layer] = max(self._step["imbalance"].get(layer, 0.0), imb)
+
+
+def _parent_layer(model: nn.Module, block: nn.Module) -> nn.Module:
+    """The module that directly contains `block` (its transformer layer)."""
+    for module in model.modules():
+        if any(child is block for child in module.children()):
+            return module
+    return block
+
+
+def _num_tokens(args, kwargs) -> int:
+    for value in list(args) + list(kwargs.values()):
+        if torch.is_tensor(value):
+            return value.numel()
+    return 0
+
+
+def _as_device_oom(err: BaseException) -> DeviceOutOfMemory:
+    if isinstance(err, DeviceOutOfMemory):
+        return err
+    return DeviceOutOfMemory(f"CUDA out of memory: {str(err).splitlines()[0]}")

@@ -1,0 +1,153 @@
+"""Saved-tensor hooks: every tensor autograd keeps passes through here.
+
+The pack hook decides, per tensor, between keeping it on the device (counted by the
+ledger, which may refuse it) and copying it to the host pool (the offload engine). The
+decision comes from the tags the executor puts on the storages of the expert path
+(op, action); untagged tensors are kept and attributed to the current operator context.
+
+These hooks sit outside any checkpoint region: inside one, torch's own checkpoint hooks
+are innermost and drop what will be recomputed; the region's inputs are saved before its
+hooks are entered, so they come here and may be offloaded (torch 2.13,
+torch/utils/checkpoint.py: `save_inputs` runs before `_checkpoint_hook` is entered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from spikeguard.memory.ledger import Ledger, StorageKey, storage_bytes, storage_key
+from spikeguard.plan.catalogue import Action
+from spikeguard.runtime.offload import OffloadedStorage, OffloadEngine
+
+
+class Packed:
+    """What autograd holds instead of a tensor: the tensor itself, or its host copy."""
+
+    __slots__ = ("tensor", "key", "ledger", "stored", "meta", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: StorageKey, ledger: Ledger):
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.key = key
+        self.ledger: Optional[Ledger] = ledger
+        self.stored: Optional[OffloadedStorage] = None
+        self.meta = (tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def to_host(self, stored: OffloadedStorage) -> None:
+        """Swap the device reference for the host copy (offload now, or evict later)."""
+        if self.ledger is not None:
+            self.ledger.release(self.key)
+            self.ledger = None
+        self.tensor = None
+        self.stored = stored
+        stored.refs += 1
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor
+        return self.stored.view(*self.meta)
+
+    def __del__(self):
+        if self.ledger is not None:
+            self.ledger.release(self.key)
+        if self.stored is not None:
+            self.stored.release()
+
+
+@dataclass
+class Context:
+    """Where the forward is now: which micro-batch, layer and operator."""
+
+    micro_batch: int = 0
+    layer: int = -1
+    op: str = "embed"
+    tags: dict[StorageKey, tuple[str, Action, int]] = field(default_factory=dict)
+    serial: int = 0
+
+    def tag(self, t: torch.Tensor, op: str, action: Action) -> None:
+        """Mark the storage of `t` as the output of `op`, to be kept per `action`."""
+        self.serial += 1
+        self.tags[storage_key(t)] = (op, action, self.serial)
+
+    def untag(self, t: torch.Tensor) -> None:
+        self.tags.pop(storage_key(t), None)
+
+    def where(self, op: Optional[str] = None) -> tuple[int, int, str]:
+        return (self.micro_batch, self.layer, op or self.op)
+
+
+class SavedTensorTracker:
+    """The pack/unpack pair installed around each guarded forward."""
+
+    def __init__(self, ledger: Ledger, engine: OffloadEngine, ctx: Context):
+        self.ledger = ledger
+        self.engine = engine
+        self.ctx = ctx
+        # Live holders by (micro-batch, layer): candidates for eviction.
+        self.holders: dict[tuple[int, int], list] = {}
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, Packed.unpack)
+
+    def pack(self, t: torch.Tensor) -> Packed:
+        key = storage_key(t)
+        op, action, serial = self.ctx.tags.get(key, (self.ctx.op, Action.SAVE, -1))
+        where = self.ctx.where(op)
+        if action is Action.OFFLOAD:
+            packed = Packed(t, key, None)
+            packed.to_host(self.engine.offload(t, where, serial))
+            packed.stored.refs -= 1  # offload() already counted this holder
+            return packed
+        self.ledger.acquire(key, storage_bytes(t), where)
+        packed = Packed(t, key, self.ledger)
+        self.holders.setdefault(where[:2], []).append(_weak(packed))
+        return packed
+
+    def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
+        """Offload saved tensors of earlier layers of `micro_batch`, earliest layer first,
+        until `num_bytes` are freed; returns the bytes freed. Their backward is furthest away."""
+        freed = 0
+        layers = sorted(ly for (mb, ly) in self.holders if mb == micro_batch and ly < before_layer)
+        for layer in layers:
+            for ref in self.holders.get((micro_batch, layer), []):
+                packed = ref()
+                if packed is None or packed.tensor is None or not self.ledger.holds(packed.key):
+                    continue
+                where = (micro_batch, layer, "evicted")
+                stored = self.engine.offload(packed.tensor, where)
+                stored.refs -= 1
+                freed += self.ledger.drop(packed.key)
+                # Every other holder of the same storage moves to the host copy too.
+                for other_ref in self.holders.get((micro_batch, layer), []):
+                    other = other_ref()
+                    if other is not None and other.key == packed.key and other.tensor is not None:
+                        other.ledger = None
+                        other.to_host(stored)
+                if freed >= num_bytes:
+                    return freed
+        return freed
+
+    def evictable(self, micro_batch: int, before_layer: int) -> int:
+        keys = set()
+        total = 0
+        for (mb, layer), refs in self.holders.items():
+            if mb != micro_batch or layer >= before_layer:
+                continue
+            for ref in refs:
+                packed = ref()
+                if packed is not None and packed.tensor is not None and packed.key not in keys \
+                        and self.ledger.holds(packed.key):
+                    keys.add(packed.key)
+                    total += storage_bytes(packed.tensor)
+        return total
+
+    def forget_micro_batch(self, micro_batch: int) -> None:
+        for key in [k for k in self.holders if k[0] == micro_batch]:
+            del self.holders[key]
+
+
+def _weak(obj):
+    import weakref
+    return weakref.ref(obj)
