@@ -15,7 +15,11 @@ known after routing:
     silu      s_NF     N*F*b      mul                        save, recompute, offload
     act       a_NF     N*F*b      down (weight grad)         save, recompute, offload
     down      y_ND     N*D*b      combine (weighting)        save, offload
-    combine   w_N,i_N  N*(b+8)    combine (weights, index)   save (small, always kept)
+    combine   yw_ND,.. N*(D*b+b+8)  combine (weighted rows,    save (always kept)
+                                  weights, index)
+
+`combine`'s weighted rows are kept by torch's `index_add` backward (torch 2.13 saves
+its source), so they are counted although only their shape is read.
 
 `dispatch` is never recomputed: under expert parallelism it is an all-to-all output, and
 recomputing it would repeat a collective. `down` is not recomputed: that would put the
@@ -68,7 +72,8 @@ class ExpertShape:
         """Bytes kept per routed token copy, per operator (the slope of the linear model)."""
         D, F, b = self.d_model, self.d_expert, self.elem_bytes
         return {"dispatch": D * b, "gate_up": 2 * F * b, "silu": F * b, "act": F * b,
-                "down": D * b, "combine": self.weight_bytes + self.index_bytes}
+                "down": D * b,
+                "combine": D * b + self.weight_bytes + self.index_bytes}
 
     def predict(self, num_routed: int) -> dict[str, int]:
         """Exact bytes each operator keeps for `num_routed` token copies, all saved."""

@@ -29,5 +29,5 @@ class Forecast:
                    + self.resident_bytes)
 
     def observe_head(self, head_bytes: int, num_tokens: int) -> None:
-        if num_tokens > 0:
-            self.head_bytes_per_token = max(self.head_bytes_per_token, head_bytes / num_tokens)
+        if num_tokens > 0 and head_bytes > 0:
+            self.head_bytes_per_token = head_bytes / num_tokens

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
 from spikeguard.memory.budget import format_bytes, parse_bytes
-from spikeguard.memory.ledger import Ledger
+from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import (ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS, Action,
                                        ExpertShape, LayerPlan)
@@ -80,12 +80,15 @@ class Guard:
         self.cost = CostModel()
         self.cost.calibrate(self.shape, experts.num_experts, self.device, dtype)
         self.planner = Planner(self.shape, self.cost)
-        self.forecast = Forecast(num_layers=len(self.moe_blocks))
+        self.forecast = Forecast(num_layers=len(self.moe_blocks),
+                                 head_bytes_per_token=self._head_estimate())
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
         self.optimizer = optimizer
         self.history: list[dict] = []
         self._step: Optional[dict] = None
-        self._full_recompute = policy == "full"
+        self._full_recompute = policy == "full"   # new layers start fully recomputed
+        self._in_full_region = False                # inside a whole-layer checkpoint
+        self._in_forward = False                    # False during backward's recompute
         self._handles: list = []
         self._install()
         self.ledger.set_static(self._static_bytes())
@@ -100,8 +103,19 @@ class Guard:
         raise UsageError("on CPU there is no device memory to measure: give a budget "
                          "(e.g. budget='512MiB'); the ledger emulates a device of that size")
 
+    def _head_estimate(self) -> float:
+        """Bytes per token the output head keeps, before the first micro-batch measures it:
+        a conservative guess from the last Linear (its input, logits and log-softmax)."""
+        linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            return 0.0
+        head = linears[-1]
+        elem = head.weight.element_size()
+        return float(elem * (4 * head.in_features + 2 * head.out_features) + 16)
+
     def _static_bytes(self) -> int:
         params = [p for p in self.model.parameters()]
+        self.tracker.static_keys = {storage_key(p) for p in params}
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         state_bytes = 0
@@ -202,8 +216,12 @@ class Guard:
     def _forward_micro_batch(self, orig_forward, mb, args, kwargs):
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self._max_routed = 0
-        with self.tracker.hooks():
-            out = orig_forward(*args, **kwargs)
+        self._in_forward = True
+        try:
+            with self.tracker.hooks():
+                out = orig_forward(*args, **kwargs)
+        finally:
+            self._in_forward = False
         self.engine.end_forward()
         self.ctx.tags.clear()
         num_tokens = _num_tokens(args, kwargs)
@@ -220,29 +238,44 @@ class Guard:
         self.tracker.forget_micro_batch(mb)
 
     def _layer_forward(self, layer, orig_forward, layer_idx, *args, **kwargs):
-        self.ctx.layer, self.ctx.op = layer_idx, "attn"
+        if self._in_forward:
+            self.ctx.layer, self.ctx.op = layer_idx, "attn"
         if self._full_recompute and torch.is_grad_enabled():
-            return checkpoint(orig_forward, *args, use_reentrant=False, **kwargs,
+            # The flag is set inside the checkpointed function, so backward's recompute
+            # takes the same path as the forward did.
+            return checkpoint(functools.partial(self._full_region, orig_forward), *args,
+                              use_reentrant=False, **kwargs,
                               context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                            base_policy))
         return orig_forward(*args, **kwargs)
 
+    def _full_region(self, orig_forward, *args, **kwargs):
+        outer, self._in_full_region = self._in_full_region, True
+        try:
+            return orig_forward(*args, **kwargs)
+        finally:
+            self._in_full_region = outer
+
     def _enter_moe(self, block, args) -> None:
-        self.ctx.op = "router"
+        if self._in_forward:
+            self.ctx.op = "router"
 
     def _leave_moe(self, block, args, output) -> None:
-        self.ctx.tags.clear()
-        self.ctx.op = "attn"
+        if self._in_forward:
+            self.ctx.tags.clear()
+            self.ctx.op = "attn"
 
     def _enter_head(self, module, args, output) -> None:
-        self.ctx.layer, self.ctx.op = len(self.moe_blocks), "head"
+        if self._in_forward:
+            self.ctx.layer, self.ctx.op = len(self.moe_blocks), "head"
 
     # ---- the decision window ----------------------------------------------------------
     def _run_experts(self, block: MoEBlock, dispatched) -> torch.Tensor:
         counts = dispatched.tokens_per_expert
         num_routed = dispatched.x_ND.shape[0]
-        if self._full_recompute:
-            self._record(block.layer_idx, counts, FULL_RECOMPUTE)
+        if self._in_full_region:
+            if self._in_forward:
+                self._record(block.layer_idx, counts, FULL_RECOMPUTE)
             return block.experts(dispatched.x_ND, counts)
         decision = self.decide(block.layer_idx, num_routed)
         self._record(block.layer_idx, counts, decision.plan)

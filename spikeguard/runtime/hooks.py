@@ -87,12 +87,16 @@ class SavedTensorTracker:
         self.ctx = ctx
         # Live holders by (micro-batch, layer): candidates for eviction.
         self.holders: dict[tuple[int, int], list] = {}
+        # Parameters saved by matmuls are static bytes, counted once in the ledger's static.
+        self.static_keys: set[StorageKey] = set()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, Packed.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
-    def pack(self, t: torch.Tensor) -> Packed:
+    def pack(self, t: torch.Tensor):
         key = storage_key(t)
+        if key in self.static_keys:
+            return t
         op, action, serial = self.ctx.tags.get(key, (self.ctx.op, Action.SAVE, -1))
         where = self.ctx.where(op)
         if action is Action.OFFLOAD:
@@ -146,6 +150,10 @@ class SavedTensorTracker:
     def forget_micro_batch(self, micro_batch: int) -> None:
         for key in [k for k in self.holders if k[0] == micro_batch]:
             del self.holders[key]
+
+
+def _unpack(packed):
+    return packed.unpack() if isinstance(packed, Packed) else packed
 
 
 def _weak(obj):
