@@ -1,7 +1,9 @@
 """Forecast: the bytes still to come in this micro-batch after the current layer.
 
-The rest of this micro-batch's layers each keep their attention part (measured on the
-layers already run: same shapes, same bytes) plus the least their expert path can keep
+This layer still keeps what runs after its experts (a shared expert: per token, measured
+on earlier micro-batches or estimated from its shape before the first). The rest of this
+micro-batch's layers each keep their attention part (measured on the layer now running:
+same shapes, same bytes), that post-expert part, plus the least their expert path can keep
 (the smallest plan), for a load forecast from the largest seen so far in this
 micro-batch with a safety margin; then the output head (measured on earlier micro-batches
 per token, or a conservative estimate before the first one). The pipeline issue adds the
@@ -18,16 +20,21 @@ class Forecast:
     num_layers: int
     load_margin: float = 0.25
     head_bytes_per_token: float = 0.0
+    post_bytes_per_token: float = 0.0
     resident_bytes: int = 0  # other micro-batches the schedule keeps (pipeline issue)
 
     def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: int,
                       min_expert_bytes_per_token: int, num_tokens: int) -> int:
         remaining = self.num_layers - layer - 1
         future_routed = max_routed_seen * (1 + self.load_margin)
-        per_layer = layer_part_bytes + min_expert_bytes_per_token * future_routed
-        return int(remaining * per_layer + self.head_bytes_per_token * num_tokens
+        post = self.post_bytes_per_token * num_tokens
+        per_layer = layer_part_bytes + post + min_expert_bytes_per_token * future_routed
+        return int(post + remaining * per_layer + self.head_bytes_per_token * num_tokens
                    + self.resident_bytes)
 
-    def observe_head(self, head_bytes: int, num_tokens: int) -> None:
+    def observe(self, head_bytes: int, post_bytes: int, num_tokens: int) -> None:
+        """Per-token bytes measured on a finished micro-batch replace the estimates."""
         if num_tokens > 0 and head_bytes > 0:
             self.head_bytes_per_token = head_bytes / num_tokens
+        if num_tokens > 0 and post_bytes > 0:
+            self.post_bytes_per_token = post_bytes / num_tokens

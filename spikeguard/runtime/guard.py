@@ -81,7 +81,8 @@ class Guard:
         self.cost.calibrate(self.shape, experts.num_experts, self.device, dtype)
         self.planner = Planner(self.shape, self.cost)
         self.forecast = Forecast(num_layers=len(self.moe_blocks),
-                                 head_bytes_per_token=self._head_estimate())
+                                 head_bytes_per_token=self._head_estimate(),
+                                 post_bytes_per_token=self._shared_estimate())
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
         self.optimizer = optimizer
         self.history: list[dict] = []
@@ -113,6 +114,16 @@ class Guard:
         elem = head.weight.element_size()
         return float(elem * (4 * head.in_features + 2 * head.out_features) + 16)
 
+    def _shared_estimate(self) -> float:
+        """Bytes per token a shared expert keeps (SwiGLU: gate/up output, silu, product),
+        before the first micro-batch measures it."""
+        shared = getattr(self.moe_blocks[0], "shared", None)
+        if shared is None:
+            return 0.0
+        linears = [m for m in shared.modules() if isinstance(m, nn.Linear)]
+        elem = linears[0].weight.element_size()
+        return float(elem * 2 * sum(m.out_features for m in linears[:-1]))
+
     def _static_bytes(self) -> int:
         params = [p for p in self.model.parameters()]
         self.tracker.static_keys = {storage_key(p) for p in params}
@@ -138,6 +149,8 @@ class Guard:
             layer.forward = functools.partial(self._layer_forward, layer, layer.forward,
                                               block.layer_idx)
             self._handles.append(block.register_forward_pre_hook(self._enter_moe))
+            if getattr(block, "shared", None) is not None:
+                self._handles.append(block.shared.register_forward_pre_hook(self._enter_shared))
             self._handles.append(block.register_forward_hook(self._leave_moe))
         last = self._wrapped_layers[-1]
         self._handles.append(last.register_forward_hook(self._enter_head))
@@ -215,6 +228,7 @@ class Guard:
 
     def _forward_micro_batch(self, orig_forward, mb, args, kwargs):
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
+        self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
         self._max_routed = 0
         self._in_forward = True
         try:
@@ -225,7 +239,9 @@ class Guard:
         self.engine.end_forward()
         self.ctx.tags.clear()
         num_tokens = _num_tokens(args, kwargs)
-        self.forecast.observe_head(self.ledger.bytes_by(mb, len(self.moe_blocks), "head"), num_tokens)
+        post = max(self.ledger.bytes_by(mb, b.layer_idx, "shared") for b in self.moe_blocks)
+        self.forecast.observe(self.ledger.bytes_by(mb, len(self.moe_blocks), "head"), post,
+                              num_tokens)
         if self._step is not None:
             self._step["micro_batches"] += 1
         return out
@@ -255,6 +271,10 @@ class Guard:
             return orig_forward(*args, **kwargs)
         finally:
             self._in_full_region = outer
+
+    def _enter_shared(self, module, args) -> None:
+        if self._in_forward:
+            self.ctx.op = "shared"
 
     def _enter_moe(self, block, args) -> None:
         if self._in_forward:

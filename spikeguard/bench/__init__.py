@@ -1,0 +1,1 @@
+"""Benchmarks: side-by-side comparisons in one process, never timed assertions."""

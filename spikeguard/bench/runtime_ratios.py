@@ -1,0 +1,131 @@
+"""Throughput of the ceiling, full recompute and adaptive under 0.85x the ceiling's peak.
+
+    .venv/bin/python -m spikeguard.bench.runtime_ratios --preset small --reps 7
+
+One process, the same data for every policy, runs interleaved (ceiling, full, adaptive,
+ceiling, ...) so machine noise hits all alike; medians are quoted. The ceiling is the plain
+model with no guard and no limit. On a CPU-only machine the device is emulated by the
+ledger's byte budget: the ratios are CPU figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import spikeguard
+from spikeguard.data.corpus import load_corpus
+from spikeguard.errors import UsageError
+from spikeguard.memory.budget import format_bytes
+from spikeguard.model import build_model, model_config
+
+POLICIES = ("ceiling", "full", "adaptive")
+
+
+def _step(model, batches) -> float:
+    """Forward and backward of every micro-batch; seconds."""
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    for idx_BT, targets_BT in batches:
+        model(idx_BT, targets_BT).loss.backward()
+    return time.perf_counter() - start
+
+
+def _guarded_step(model, guard, batches) -> float:
+    with guard.step():
+        return _step(model, batches)
+
+
+def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fraction: float,
+            seed: int = 0) -> dict:
+    """Run the comparison; returns per-policy medians and the ratios."""
+    cfg = model_config(preset)
+    corpus = load_corpus(None)
+    gen = torch.Generator().manual_seed(seed)
+    batches = [corpus.get_batch("train", batch_size, cfg.seq_len, gen) for _ in range(micro_batches)]
+    models = {p: build_model(cfg, seed=seed) for p in POLICIES}
+
+    probe = spikeguard.attach(build_model(cfg, seed=seed), budget=1 << 50, policy="none")
+    _guarded_step(probe.model, probe, batches)
+    ceiling_peak = probe.history[-1]["peak_bytes"]
+    budget = int(fraction * ceiling_peak)
+    guards = {p: spikeguard.attach(models[p], budget=budget, policy=p) for p in ("full", "adaptive")}
+
+    times = {p: [] for p in POLICIES}
+    for rep in range(reps + 1):  # the first round warms up and is dropped
+        for p in POLICIES:
+            seconds = _step(models[p], batches) if p == "ceiling" else \
+                _guarded_step(models[p], guards[p], batches)
+            if rep:
+                times[p].append(seconds)
+    tokens = batch_size * micro_batches * cfg.seq_len
+    result = {"preset": preset, "tokens_per_step": tokens, "ceiling_peak_bytes": ceiling_peak,
+              "budget_bytes": budget, "policies": {}}
+    for p in POLICIES:
+        med = statistics.median(times[p])
+        hist = guards[p].history[1:] if p in guards else []
+        result["policies"][p] = {
+            "median_s": med, "tokens_per_s": tokens / med,
+            "peak_bytes": max((h["peak_bytes"] for h in hist), default=ceiling_peak),
+            "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
+            "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
+            "decisions": hist[-1]["decisions"] if hist else {},
+        }
+    tps = {p: result["policies"][p]["tokens_per_s"] for p in POLICIES}
+    result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
+    result["full_over_ceiling"] = tps["full"] / tps["ceiling"]
+    gap = tps["ceiling"] - tps["full"]
+    result["gap_closed"] = (tps["adaptive"] - tps["full"]) / gap if gap > 0 else float("nan")
+    return result
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{result['preset']}: budget {format_bytes(result['budget_bytes'])} "
+                        f"= {result['budget_bytes'] / result['ceiling_peak_bytes']:.2f}x ceiling peak "
+                        f"(CPU; device emulated by the ledger's budget)")
+    for col in ("policy", "tokens/s", "vs ceiling", "peak", "overruns", "reruns", "decisions"):
+        table.add_column(col)
+    ceiling = result["policies"]["ceiling"]["tokens_per_s"]
+    for name, row in result["policies"].items():
+        table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{row['tokens_per_s'] / ceiling:.3f}",
+                      format_bytes(row["peak_bytes"]), str(row["overruns"]),
+                      str(row["safety_net_reruns"]), str(row["decisions"]))
+    console = Console()
+    console.print(table)
+    console.print(f"adaptive/ceiling {result['adaptive_over_ceiling']:.3f} | "
+                  f"full/ceiling {result['full_over_ceiling']:.3f} | "
+                  f"gap closed {result['gap_closed']:.0%}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--fraction", type=float, default=0.85)
+    args = parser.parse_args(argv)
+    try:
+        for name in ("batch_size", "micro_batches", "reps"):
+            if getattr(args, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive")
+        if not 0 < args.fraction <= 1:
+            raise UsageError("--fraction must be in (0, 1]")
+        torch.manual_seed(0)
+        print_table(measure(args.preset, args.batch_size, args.micro_batches, args.reps,
+                            args.fraction))
+    except UsageError as err:
+        print(f"spikeguard: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
