@@ -303,6 +303,10 @@ class Guard:
         self.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
         y_ND = self.executor.run(block.experts, dispatched.x_ND, counts, decision.plan)
         self.ctx.op = "combine"
+        if dispatched.x_ND.requires_grad and block.layer_idx > 0:
+            # When backward has passed this layer's experts, bring the layer below back.
+            dispatched.x_ND.register_hook(functools.partial(
+                _prefetch, self.engine, self.ctx.micro_batch, block.layer_idx - 1))
         return y_ND
 
     def decide(self, layer: int, num_routed: int) -> Decision:
@@ -317,6 +321,10 @@ class Guard:
                 layer, layer_part, self._max_routed, self.planner.min_bytes_per_token,
                 self._tokens_hint(num_routed))
             headroom = self.budget_bytes - self.ledger.in_use() - to_come
+            if self.device.type == "cuda":
+                # The allocator also holds the stage temporaries (per-expert GEMM outputs
+                # before their concatenation): leave room for the largest of them.
+                headroom -= num_routed * self.shape.bytes_per_token()["gate_up"]
             evictable = self.tracker.evictable(mb, layer)
             decision = self.planner.decide(num_routed, headroom, evictable)
             if decision.evict_bytes:
@@ -339,6 +347,11 @@ class Guard:
         mean = sum(counts) / max(len(counts), 1)
         imb = max(counts) / mean if mean > 0 else 1.0
         self._step["imbalance"][layer] = max(self._step["imbalance"].get(layer, 0.0), imb)
+
+
+def _prefetch(engine: OffloadEngine, micro_batch: int, layer: int, grad):
+    engine.prefetch_layer(micro_batch, layer)
+    return None
 
 
 def _parent_layer(model: nn.Module, block: nn.Module) -> nn.Module:

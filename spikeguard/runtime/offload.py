@@ -75,6 +75,8 @@ class OffloadedStorage:
     def view(self, size, stride, offset) -> torch.Tensor:
         self.prefetch()
         self.engine.wait(self.reload_event)
+        if self.engine.is_cuda:  # made on the side stream, used on the current one
+            self.reloaded.record_stream(torch.cuda.current_stream(self.device))
         return self.reloaded.as_strided(size, stride, offset)
 
     def _reload_key(self) -> StorageKey:

@@ -1,0 +1,104 @@
+"""The per-step log line and the JSON-lines step log.
+
+One fixed-width line per step, so columns line up in a terminal and in a log file:
+
+    step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | val 2.401
+    step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | peak 1.82 MiB / 2.00 MiB | save 28 rec 3 off 1
+
+The memory fields appear only when a memory guard added them to the step record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from spikeguard.errors import UsageError
+
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_rate(per_s: float) -> str:
+    """12 -> '12', 6340 -> '6.34k', 41234 -> '41.2k', 1.5e6 -> '1.50M' (3 significant digits)."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if per_s >= scale:
+            value = per_s / scale
+            decimals = 2 if value < 10 else 1 if value < 100 else 0
+            return f"{value:.{decimals}f}{suffix}"
+    return f"{per_s:.0f}"
+
+
+def format_bytes(num_bytes: float, unit: Optional[str] = None) -> str:
+    """Binary units; pass `unit` to print two figures in the same unit (peak / budget)."""
+    unit = unit or byte_unit(num_bytes)
+    return f"{num_bytes / 1024 ** _BINARY_UNITS.index(unit):.2f} {unit}"
+
+
+def byte_unit(num_bytes: float) -> str:
+    """The largest binary unit in which `num_bytes` is at least 1."""
+    index = 0
+    while index + 1 < len(_BINARY_UNITS) and abs(num_bytes) >= 1024 ** (index + 1):
+        index += 1
+    return _BINARY_UNITS[index]
+
+
+def step_line(record: dict[str, Any], num_steps: int) -> str:
+    """The fixed-width console line of one step record."""
+    width = max(4, len(str(num_steps)))
+    parts = [
+        f"step {record['step']:>{width}}",
+        f"loss {record['loss']:.3f}",
+        f"{format_rate(record['tokens_per_s']):>6} tok/s",
+        f"imb {record['imbalance']:.1f}x",
+    ]
+    if "peak_bytes" in record and "budget_bytes" in record:
+        budget = record["budget_bytes"]
+        unit = byte_unit(max(budget or 0, record["peak_bytes"] or 0))
+        budget_text = format_bytes(budget, unit) if budget else "none"
+        parts.append(f"peak {format_bytes(record['peak_bytes'], unit)} / {budget_text}")
+    decisions = record.get("decisions")
+    if isinstance(decisions, dict):
+        parts.append(f"save {decisions.get('save', 0)} rec {decisions.get('recompute', 0)} "
+                     f"off {decisions.get('offload', 0)}")
+    if record.get("val_loss") is not None:
+        parts.append(f"val {record['val_loss']:.3f}")
+    return " | ".join(parts)
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats become null: NaN / Infinity are not JSON, and a diverged loss
+    must not make the whole log unreadable to strict parsers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def check_log_path(path: str | Path) -> Path:
+    """UsageError unless `path` can be a log file: lets the CLI fail before any work."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--log path is a directory: {p}")
+    if not p.parent.is_dir():
+        raise UsageError(f"--log folder does not exist: {p.parent}")
+    return p
+
+
+def open_log(path: str | Path) -> IO[str]:
+    """Open (truncate) a JSON-lines log; a bad path is a UsageError."""
+    p = check_log_path(path)
+    try:
+        return open(p, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot open --log file {p}: {exc.strerror or exc}") from None
+
+
+def write_record(log_file: IO[str], record: dict[str, Any]) -> None:
+    """One JSON object per line, flushed so an interrupted run keeps its steps."""
+    log_file.write(json.dumps(_json_safe(record), default=str) + "\n")
+    log_file.flush()
