@@ -173,12 +173,18 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
     _say(console, f"data: {corpus.source}")
     factory = None
     if guard_args is not None:
-        def factory(model, optimizer):
-            return _make_guard(model, guard_args, optimizer)
+        # Training here runs on CPU, where there is no device memory: the peak and budget
+        # in the step lines are the bytes the guard's ledger tracks against its budget.
+        _say(console, "memory: CPU run, peak / budget are the guard's emulated device")
+
+        def factory(guarded_model, optimizer):
+            return _make_guard(guarded_model, guard_args, optimizer)
     records = train(model, model_cfg, train_cfg, corpus, guard_factory=factory, log_path=log,
                     console=console)
     s = summarize(records)
-    _say(console, f"done: {s['steps']} steps in {s['train_time_s']:.1f} s | train loss "
+    seconds = s["train_time_s"]
+    _say(console, f"done: {s['steps']} steps in {seconds:.{1 if seconds >= 10 else 2}f} s "
+                  f"(training only) | train loss "
                   f"{s['loss_first']:.3f} -> {s['loss_last']:.3f} | val loss "
                   f"{s['val_loss_init']:.3f} -> {s['val_loss_final']:.3f} | "
                   f"{format_rate(s['tokens_per_s'])} tok/s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import time
 from collections import Counter
 from typing import Optional
@@ -38,6 +39,7 @@ from spikeguard.runtime.executor import ExpertPathExecutor, base_policy
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.offload import OffloadEngine
 
+log = logging.getLogger("spikeguard")
 POLICIES = ("adaptive", "none", "full", "experts", "offload")
 STATIC_PLANS = {"none": ALL_SAVE, "full": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
                 "offload": ALL_OFFLOAD}
@@ -189,7 +191,7 @@ class Guard:
             "peak_bytes": int(self.ledger.peak_bytes), "budget_bytes": self.budget_bytes,
             "static_bytes": self.ledger.static_bytes,
             "decisions": {a: s["decisions"].get(a, 0) for a in ("save", "recompute", "offload")},
-            "imbalance": imbalance, "max_imbalance": max(imbalance),
+            "layer_imbalance": imbalance, "max_imbalance": max(imbalance),
             "micro_batches": s["micro_batches"], "safety_net_reruns": s["safety_net_reruns"],
             "evicted_bytes": s["evicted_bytes"],
             "offloaded_bytes": self.engine.offloaded_bytes_total - s["offloaded_bytes"],
@@ -213,8 +215,8 @@ class Guard:
         self._abandon(mb)
         if self._step:
             self._step["safety_net_reruns"] += 1
-        print(f"spikeguard: micro-batch {mb} ran out of memory ({message}); "
-              f"re-running it with full recompute", flush=True)
+        log.warning("micro-batch %d ran out of memory (%s); re-running it with full recompute",
+                    mb, message)
         self._full_recompute = True
         try:
             return self._forward_micro_batch(orig_forward, mb, args, kwargs)
@@ -293,6 +295,8 @@ class Guard:
     def _run_experts(self, block: MoEBlock, dispatched) -> torch.Tensor:
         counts = dispatched.tokens_per_expert
         num_routed = dispatched.x_ND.shape[0]
+        if not self._in_forward:  # evaluation under no_grad: nothing is kept, nothing to plan
+            return block.experts(dispatched.x_ND, counts)
         if self._in_full_region:
             if self._in_forward:
                 self._record(block.layer_idx, counts, FULL_RECOMPUTE)

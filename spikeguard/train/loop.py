@@ -156,11 +156,12 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
         val_gen = torch.Generator().manual_seed(train_cfg.seed + _VAL_SEED_OFFSET)
         val_batches = [corpus.get_batch("val", train_cfg.batch_size, seq_len, val_gen)
                        for _ in range(train_cfg.eval_batches)]
+        # Before the guard exists: the initial weights' loss needs no memory management.
+        val_loss_init = evaluate(model, val_batches)
         optimizer = make_optimizer(model, train_cfg)
         if guard_factory is not None:
             guard = guard_factory(model, optimizer)
         model.train()
-        val_loss_init = evaluate(model, val_batches)
         records = []
         reporter = stack.enter_context(_reporter(console, train_cfg.steps))
         for step in range(1, train_cfg.steps + 1):

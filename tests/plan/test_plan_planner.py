@@ -1,0 +1,143 @@
+"""The planner: least added time within the headroom, eviction, infeasibility, decision time.
+
+N = routed token copies of one layer. Costs come from a fixed CostModel (no calibration),
+so every expected decision is computed independently by brute force over the menu.
+
+    .venv/bin/python -m pytest tests/plan/test_plan_planner.py -q -s   # -s shows the timing
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import pytest
+
+from spikeguard.errors import BudgetInfeasible
+from spikeguard.plan.catalogue import (ALL_SAVE, EXPERTS_RECOMPUTE, OPS, Action, ExpertShape,
+                                       LayerPlan, valid_plans)
+from spikeguard.plan.cost import CostModel
+from spikeguard.plan.planner import Planner
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPE = ExpertShape(d_model=64, d_expert=96)
+NUM_ROUTED = 1000
+
+
+def _cost() -> CostModel:
+    # Distinct stage costs, so that the least-time plan is (nearly always) unique.
+    return CostModel(stage_s_per_token={"gate_up": 4e-8, "silu": 1e-9, "act": 2e-9, "down": 3e-8},
+                     d2h_s_per_byte=3e-11, h2d_s_per_byte=2e-11)
+
+
+@pytest.fixture(scope="module")
+def planner() -> Planner:
+    return Planner(SHAPE, _cost())
+
+
+def _device_bytes(plan: LayerPlan, num_routed: int) -> int:
+    """Independent arithmetic: combine always, plus every SAVEd operator."""
+    per = SHAPE.bytes_per_token()
+    return num_routed * (per["combine"] + sum(per[op] for op in OPS if plan.action(op) is Action.SAVE))
+
+
+def _all_save_bytes(num_routed: int) -> int:
+    return sum(SHAPE.predict(num_routed).values())
+
+
+def _min_bytes(num_routed: int) -> int:
+    return min(_device_bytes(p, num_routed) for p in valid_plans())
+
+
+def test_device_bytes_of_every_plan(planner):
+    assert _device_bytes(ALL_SAVE, NUM_ROUTED) == _all_save_bytes(NUM_ROUTED)
+    assert planner.min_bytes_per_token * NUM_ROUTED == _min_bytes(NUM_ROUTED)
+    for plan in valid_plans():
+        assert planner.fixed(plan, NUM_ROUTED).device_bytes == _device_bytes(plan, NUM_ROUTED)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 10**9])
+def test_all_save_when_it_fits(planner, extra):
+    headroom = _all_save_bytes(NUM_ROUTED) + extra
+    decision = planner.decide(NUM_ROUTED, headroom)
+    assert decision.plan == ALL_SAVE
+    assert decision.added_s == 0.0 and decision.evict_bytes == 0
+    assert decision.device_bytes == _all_save_bytes(NUM_ROUTED)
+
+
+def test_one_byte_short_of_all_save_is_not_all_save(planner):
+    decision = planner.decide(NUM_ROUTED, _all_save_bytes(NUM_ROUTED) - 1)
+    assert decision.plan != ALL_SAVE and decision.added_s > 0
+
+
+def test_chosen_plan_fits_and_is_the_cheapest_that_fits(planner):
+    lo, hi = _min_bytes(NUM_ROUTED), _all_save_bytes(NUM_ROUTED)
+    for i in range(41):
+        headroom = lo + (hi - lo) * i // 40
+        decision = planner.decide(NUM_ROUTED, headroom)
+        assert decision.evict_bytes == 0
+        assert decision.device_bytes <= headroom
+        assert decision.device_bytes == _device_bytes(decision.plan, NUM_ROUTED)
+        fitting = [p for p in valid_plans() if _device_bytes(p, NUM_ROUTED) <= headroom]
+        best_s = min(planner.added_s(p, NUM_ROUTED) for p in fitting)
+        assert decision.added_s == pytest.approx(best_s, rel=1e-12, abs=0.0), headroom
+
+
+def test_offload_costs_its_copies_on_cpu_and_recompute_its_region():
+    cost = _cost()
+    planner = Planner(SHAPE, cost)
+    per = SHAPE.bytes_per_token()
+    offload_act = LayerPlan.of(act=Action.OFFLOAD)
+    expected = NUM_ROUTED * per["act"] * (cost.d2h_s_per_byte + cost.h2d_s_per_byte)
+    assert planner.added_s(offload_act, NUM_ROUTED) == pytest.approx(expected, rel=1e-12)
+    # silu recomputed: region (silu, act) re-runs both stages in backward.
+    recompute_silu = LayerPlan.of(silu=Action.RECOMPUTE)
+    expected = NUM_ROUTED * (cost.stage_s_per_token["silu"] + cost.stage_s_per_token["act"])
+    assert planner.added_s(recompute_silu, NUM_ROUTED) == pytest.approx(expected, rel=1e-12)
+    # EXPERTS_RECOMPUTE: act is consumed by down, so the region runs gate_up .. down.
+    expected = NUM_ROUTED * sum(cost.stage_s_per_token[s] for s in ("gate_up", "silu", "act", "down"))
+    assert planner.added_s(EXPERTS_RECOMPUTE, NUM_ROUTED) == pytest.approx(expected, rel=1e-12)
+
+
+def test_below_the_smallest_plan_evicts_exactly_the_shortfall(planner):
+    need = _min_bytes(NUM_ROUTED)
+    for headroom, evictable in [(need - 1, 1), (need - 5000, 10**6), (0, need), (-300, need + 300)]:
+        decision = planner.decide(NUM_ROUTED, headroom, evictable)
+        assert decision.evict_bytes == need - headroom
+        assert decision.device_bytes == need == _device_bytes(decision.plan, NUM_ROUTED)
+
+
+@pytest.mark.parametrize("headroom,evictable", [(0, 0), (1000, 0), (0, 999), (-1, 0)])
+def test_no_plan_and_not_enough_to_evict_is_infeasible(planner, headroom, evictable):
+    need = _min_bytes(NUM_ROUTED)
+    if evictable:
+        evictable = need - headroom - 1    # one byte short
+    with pytest.raises(BudgetInfeasible) as info:
+        planner.decide(NUM_ROUTED, headroom, evictable)
+    assert info.value.needed_bytes == need - headroom - evictable > 0
+    assert re.search(r"\d+(\.\d+)? (B|KiB|MiB|GiB)", str(info.value))
+
+
+def test_decision_time_for_8_layers_of_64_experts():
+    """Prints the time of the decisions of one micro-batch of an 8-layer, 64-expert model
+    (medium preset widths, 8192 routed copies a layer). Printed, never asserted."""
+    shape = ExpertShape(d_model=256, d_expert=128)
+    planner = Planner(shape, CostModel())
+    num_routed = 8192
+    all_save = sum(shape.predict(num_routed).values())
+    tight = planner.min_bytes_per_token * num_routed + (all_save - planner.min_bytes_per_token
+                                                         * num_routed) // 3
+    for label, headroom in (("calm (all save fits)", all_save), ("spike (1/3 of the range)", tight)):
+        samples = []
+        for _ in range(50):
+            start = time.perf_counter()
+            for _layer in range(8):
+                decision = planner.decide(num_routed, headroom)
+            samples.append((time.perf_counter() - start) * 1e6)
+        assert decision.device_bytes <= headroom
+        print(f"\nplanner: 8 layers x 64 experts, N=8192, {label}: "
+              f"{statistics.median(samples):.0f} us per micro-batch "
+              f"({statistics.median(samples) / 8:.1f} us per layer decision), "
+              f"plan {decision.plan.describe()}")

@@ -1,0 +1,138 @@
+"""The `spikeguard` command: exit codes, one-line errors, a short real run, the log.
+
+    .venv/bin/python -m pytest tests/test_cli.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spikeguard import cli
+from spikeguard.errors import DeviceOutOfMemory, UsageError
+
+TINY = ["train", "--preset", "tiny", "--steps", "1", "--batch-size", "2"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """One intra-op thread while these tests run.
+
+    The 2-core test machine is shared with other jobs; with torch's default 2 threads
+    under that contention OpenMP barriers made 40 tiny steps take 9-20 s instead of
+    0.2-0.4 s (measured). The results do not depend on it: each test compares runs made
+    with the same setting.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# "{tmp}" stands for the test's tmp_path, where _make_data_files puts the data files.
+BAD_ARGS = {
+    "unknown preset": ["train", "--preset", "huge"],
+    "top-k > experts": TINY + ["--num-experts", "4", "--top-k", "5"],
+    "missing data": TINY + ["--data", "{tmp}/missing.txt"],
+    "empty data file": TINY + ["--data", "{tmp}/empty.txt"],
+    "empty data folder": TINY + ["--data", "{tmp}/empty_dir"],
+    "too little data": TINY + ["--data", "{tmp}/short.txt"],
+    "zero steps": TINY + ["--steps", "0"],
+    "zero batch size": TINY + ["--batch-size", "0"],
+    "negative micro-batches": TINY + ["--micro-batches", "-1"],
+    "zero seq len": TINY + ["--seq-len", "0"],
+    "zero lr": TINY + ["--lr", "0"],
+    "negative lr": TINY + ["--lr", "-0.001"],
+    "zero eval-every": TINY + ["--eval-every", "0"],
+    "zero experts": TINY + ["--num-experts", "0"],
+    "not an int": TINY + ["--steps", "ten"],
+    "unknown flag": TINY + ["--bogus"],
+    "unknown policy": TINY + ["--policy", "sometimes"],
+    "no command": [],
+    "unknown command": ["fly"],
+    "log folder missing": TINY + ["--log", "{tmp}/nowhere/run.jsonl"],
+    "demo zero steps": ["demo", "--steps", "0"],
+    "zero threads": TINY + ["--threads", "0"],
+}
+
+
+def _make_data_files(tmp_path) -> None:
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "short.txt").write_bytes(b"print('hi')\n" * 3)
+
+
+@pytest.mark.parametrize("case", BAD_ARGS)
+def test_bad_input_is_exit_2_with_one_line(case, tmp_path, capsys):
+    _make_data_files(tmp_path)
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in BAD_ARGS[case]]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("spikeguard: error: ")
+    assert captured.out == ""               # failed before any work was reported
+
+
+def test_no_traceback_through_the_real_interpreter(tmp_path):
+    for argv in (["train", "--preset", "huge"],
+                 TINY + ["--data", str(tmp_path / "missing.txt")]):
+        proc = subprocess.run([sys.executable, "-m", "spikeguard", *argv], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith("spikeguard: error: ")
+        assert "Traceback" not in proc.stderr
+
+
+def test_help_is_exit_0(capsys):
+    assert cli.main(["train", "--help"]) == 0
+    assert "--micro-batches" in capsys.readouterr().out
+
+
+def test_train_runs_and_logs(tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    argv = ["train", "--preset", "tiny", "--steps", "4", "--batch-size", "4",
+            "--micro-batches", "2", "--eval-every", "2", "--log", str(log)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[0].split() for line in out if line.startswith("step")] == \
+        [["step", str(i)] for i in range(1, 5)]
+    assert out[-1].startswith("done: 4 steps")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_train_with_data_folder(tmp_path, capsys):
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    (folder / "sub" / "b.txt").write_text("pack my box with five dozen liquor jugs\n" * 40)
+    assert cli.main(TINY + ["--data", str(folder)]) == 0
+    assert "2 files" in capsys.readouterr().out
+
+
+def test_demo_runs(capsys):
+    assert cli.main(["demo", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model small" in out and "done: 2 steps" in out
+
+
+@pytest.mark.parametrize("error,code,prefix", [
+    (DeviceOutOfMemory("needed 2.6 GiB, budget 2.0 GiB\nat layer 3"), 3,
+     "spikeguard: out of memory: needed 2.6 GiB"),
+    (KeyboardInterrupt(), 130, "spikeguard: interrupted"),
+    (UsageError("bad\nthing"), 2, "spikeguard: error: bad thing"),
+])
+def test_errors_during_training(error, code, prefix, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr("spikeguard.train.loop.train", fail)
+    assert cli.main(TINY) == code
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix)
