@@ -16,8 +16,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
-
-POLICIES = ("adaptive", "none", "full", "experts", "offload")
+from spikeguard.runtime.policies import POLICIES
 DEMO_PRESET = "small"
 # 30 steps of 8 x 128 tokens: a step stays well under a second on 2 CPU cores and the
 # validation loss falls from ~5.6 (uniform over 256 bytes) to under 3.

@@ -38,9 +38,9 @@ from spikeguard.plan.planner import Decision, Planner
 from spikeguard.runtime.executor import ExpertPathExecutor, base_policy
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.offload import OffloadEngine
+from spikeguard.runtime.policies import POLICIES
 
 log = logging.getLogger("spikeguard")
-POLICIES = ("adaptive", "none", "full", "experts", "offload")
 STATIC_PLANS = {"none": ALL_SAVE, "full": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
                 "offload": ALL_OFFLOAD}
 CUDA_MARGIN_FRACTION = 0.05  # of capacity left to the allocator's fragmentation and NCCL
@@ -298,8 +298,7 @@ class Guard:
         if not self._in_forward:  # evaluation under no_grad: nothing is kept, nothing to plan
             return block.experts(dispatched.x_ND, counts)
         if self._in_full_region:
-            if self._in_forward:
-                self._record(block.layer_idx, counts, FULL_RECOMPUTE)
+            self._record(block.layer_idx, counts, FULL_RECOMPUTE)
             return block.experts(dispatched.x_ND, counts)
         decision = self.decide(block.layer_idx, num_routed)
         self._record(block.layer_idx, counts, decision.plan)

@@ -1,0 +1,1 @@
+"""Planning: operator catalogue, cost model, forecast and the planner every stage calls."""

@@ -1,0 +1,1 @@
+"""Runtime: executor, offload engine, saved-tensor hooks and the guard (the public API)."""
