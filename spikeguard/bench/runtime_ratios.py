@@ -90,18 +90,25 @@ def print_table(result: dict) -> None:
     table = Table(title=f"{result['preset']}: budget {format_bytes(result['budget_bytes'])} "
                         f"= {result['budget_bytes'] / result['ceiling_peak_bytes']:.2f}x ceiling peak "
                         f"(CPU; device emulated by the ledger's budget)")
-    for col in ("policy", "tokens/s", "vs ceiling", "peak", "overruns", "reruns", "decisions"):
+    for col in ("policy", "tokens/s", "vs ceiling", "peak", "overruns", "reruns",
+                "save / recompute / offload"):
         table.add_column(col)
     ceiling = result["policies"]["ceiling"]["tokens_per_s"]
     for name, row in result["policies"].items():
         table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{row['tokens_per_s'] / ceiling:.3f}",
                       format_bytes(row["peak_bytes"]), str(row["overruns"]),
-                      str(row["safety_net_reruns"]), str(row["decisions"]))
-    console = Console()
+                      str(row["safety_net_reruns"]), _decisions(row["decisions"]))
+    console = Console(width=110)
     console.print(table)
     console.print(f"adaptive/ceiling {result['adaptive_over_ceiling']:.3f} | "
                   f"full/ceiling {result['full_over_ceiling']:.3f} | "
                   f"gap closed {result['gap_closed']:.0%}")
+
+
+def _decisions(counts: dict) -> str:
+    if not counts:
+        return "-"
+    return " / ".join(str(counts.get(a, 0)) for a in ("save", "recompute", "offload"))
 
 
 def main(argv=None) -> int:
@@ -111,6 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--fraction", type=float, default=0.85)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: steadier on a shared machine)")
     args = parser.parse_args(argv)
     try:
         for name in ("batch_size", "micro_batches", "reps"):
@@ -118,6 +127,9 @@ def main(argv=None) -> int:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive")
         if not 0 < args.fraction <= 1:
             raise UsageError("--fraction must be in (0, 1]")
+        if args.threads <= 0:
+            raise UsageError("--threads must be positive")
+        torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         print_table(measure(args.preset, args.batch_size, args.micro_batches, args.reps,
                             args.fraction))

@@ -29,12 +29,12 @@ import torch
 from spikeguard.errors import DeviceOutOfMemory
 from spikeguard.memory.budget import format_bytes
 
-StorageKey = tuple[str, int]
+StorageKey = tuple[object, int]
 
 
 def storage_key(t: torch.Tensor) -> StorageKey:
     """Identity of the memory a tensor lives in (views of one storage share it)."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 def storage_bytes(t: torch.Tensor) -> int:

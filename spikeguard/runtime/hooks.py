@@ -23,6 +23,11 @@ from spikeguard.plan.catalogue import Action
 from spikeguard.runtime.offload import OffloadedStorage, OffloadEngine
 
 
+# Smaller saved tensors are not worth a host round trip; skipping their bookkeeping keeps
+# the pack hook cheap (it runs for every tensor autograd saves).
+EVICTABLE_MIN_BYTES = 16 << 10
+
+
 class Packed:
     """What autograd holds instead of a tensor: the tensor itself, or its host copy."""
 
@@ -33,10 +38,12 @@ class Packed:
         self.key = key
         self.ledger: Optional[Ledger] = ledger
         self.stored: Optional[OffloadedStorage] = None
-        self.meta = (tensor.size(), tensor.stride(), tensor.storage_offset())
+        self.meta = None
 
     def to_host(self, stored: OffloadedStorage) -> None:
         """Swap the device reference for the host copy (offload now, or evict later)."""
+        t = self.tensor
+        self.meta = (t.size(), t.stride(), t.storage_offset())
         if self.ledger is not None:
             self.ledger.release(self.key)
             self.ledger = None
@@ -104,9 +111,11 @@ class SavedTensorTracker:
             packed.to_host(self.engine.offload(t, where, serial))
             packed.stored.refs -= 1  # offload() already counted this holder
             return packed
-        self.ledger.acquire(key, storage_bytes(t), where)
+        num_bytes = storage_bytes(t)
+        self.ledger.acquire(key, num_bytes, where)
         packed = Packed(t, key, self.ledger)
-        self.holders.setdefault(where[:2], []).append(_weak(packed))
+        if num_bytes >= EVICTABLE_MIN_BYTES:
+            self.holders.setdefault(where[:2], []).append(_weak(packed))
         return packed
 
     def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
