@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from spikeguard.errors import UsageError
@@ -29,9 +30,16 @@ def parse_bytes(value: int | float | str) -> int:
     return num_bytes
 
 
-def format_bytes(num_bytes: float) -> str:
-    """Binary units with three significant figures: 1.82 GiB, 512 KiB."""
+def format_bytes(num_bytes: float, round_up: bool = False) -> str:
+    """Binary units with three significant figures: 1.82 GiB, 512 KiB.
+
+    `round_up` for figures that are lower bounds ("a budget of at least ..."): the printed
+    value, read back, is then never below `num_bytes`."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(num_bytes) >= size:
-            return f"{num_bytes / size:.3g} {unit}"
-    return f"{int(num_bytes)} B"
+            value = num_bytes / size
+            if round_up:
+                scale = 10 ** (2 - int(math.floor(math.log10(value))))
+                return f"{math.ceil(value * scale) / scale:g} {unit}"
+            return f"{value:.3g} {unit}"
+    return f"{int(math.ceil(num_bytes)) if round_up else int(num_bytes)} B"

@@ -15,11 +15,12 @@ known after routing:
     silu      s_NF     N*F*b      mul                        save, recompute, offload
     act       a_NF     N*F*b      down (weight grad)         save, recompute, offload
     down      y_ND     N*D*b      combine (weighting)        save, offload
-    combine   yw_ND,.. N*(D*b+b+8)  combine (weighted rows,    save (always kept)
-                                  weights, index)
+    combine   yw_ND,w_N N*(D*b+b) combine (weighted rows,    save (always kept)
+                                  weights)
 
 `combine`'s weighted rows are kept by torch's `index_add` backward (torch 2.13 saves
-its source), so they are counted although only their shape is read.
+its source), so they are counted although only their shape is read. Combine's int64 index
+is not: dispatch's gather already keeps it, so it is in use before the decision window.
 
 `dispatch` is never recomputed: under expert parallelism it is an all-to-all output, and
 recomputing it would repeat a collective. `down` is not recomputed: that would put the
@@ -66,14 +67,13 @@ class ExpertShape:
     d_expert: int
     elem_bytes: int = 4
     weight_bytes: int = 4
-    index_bytes: int = 8
 
     def bytes_per_token(self) -> dict[str, int]:
         """Bytes kept per routed token copy, per operator (the slope of the linear model)."""
         D, F, b = self.d_model, self.d_expert, self.elem_bytes
         return {"dispatch": D * b, "gate_up": 2 * F * b, "silu": F * b, "act": F * b,
                 "down": D * b,
-                "combine": D * b + self.weight_bytes + self.index_bytes}
+                "combine": D * b + self.weight_bytes}
 
     def predict(self, num_routed: int) -> dict[str, int]:
         """Exact bytes each operator keeps for `num_routed` token copies, all saved."""

@@ -37,6 +37,14 @@ class CostModel:
         old = self.stage_s_per_token[stage]
         self.stage_s_per_token[stage] = (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds / num_routed
 
+    def observe_copy(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """Exponential average of a measured host copy (ignores copies under 64 KiB)."""
+        if num_bytes < (64 << 10) or seconds <= 0:
+            return
+        name = "d2h_s_per_byte" if direction == "d2h" else "h2d_s_per_byte"
+        old = getattr(self, name)
+        setattr(self, name, (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds / num_bytes)
+
     def recompute_s_per_token(self, plan: LayerPlan) -> float:
         region = plan.region()
         total = sum(self.stage_s_per_token[s] for s in region)

@@ -32,7 +32,13 @@ class _MenuItem:
 
 
 class Planner:
-    """Chooses among the valid plans of one layer; pure arithmetic, microseconds."""
+    """Chooses among the valid plans of one layer; pure arithmetic, microseconds.
+
+    Bytes and seconds are both linear in the routed tokens, so the ranking of plans by
+    added time does not depend on the count: it is computed once per micro-batch
+    (`refresh`, which picks up the cost model's online corrections), and a decision walks
+    it to the first plan whose bytes fit.
+    """
 
     def __init__(self, shape: ExpertShape, cost: CostModel):
         self.shape = shape
@@ -44,6 +50,20 @@ class Planner:
              for p in valid_plans()),
             key=lambda m: -m.device_bytes_per_token)
         self.min_bytes_per_token = min(m.device_bytes_per_token for m in self.menu)
+        self._ranked: list[tuple[float, int, LayerPlan]] = []
+        self._smallest: tuple[float, int, LayerPlan] = (0.0, 0, self.menu[-1].plan)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rank the plans by added seconds per token with the cost model as it is now;
+        among equally cheap plans, the one keeping the most first (fewest round trips)."""
+        self._ranked = sorted(
+            ((self.added_s(m.plan, 1), m.device_bytes_per_token, m.plan) for m in self.menu),
+            key=lambda r: (r[0], -r[1]))
+        self._smallest = min(self._ranked, key=lambda r: (r[1], r[0]))
+
+    def ranked(self) -> list[tuple[float, int, LayerPlan]]:
+        return self._ranked
 
     def added_s(self, plan: LayerPlan, num_routed: int) -> float:
         return num_routed * (self.cost.recompute_s_per_token(plan)
@@ -51,24 +71,15 @@ class Planner:
 
     def decide(self, num_routed: int, headroom_bytes: int, evictable_bytes: int = 0) -> Decision:
         """Least added time within `headroom_bytes`; evicts or raises when nothing fits."""
-        best = None
-        for item in self.menu:
-            need = item.device_bytes_per_token * num_routed
-            if need > headroom_bytes:
-                continue
-            added = self.added_s(item.plan, num_routed)
-            if best is None or added < best.added_s:
-                best = Decision(item.plan, need, added)
-                if added == 0.0:
-                    break
-        if best is not None:
-            return best
-        smallest = min(self.menu, key=lambda m: (m.device_bytes_per_token,
-                                                 self.added_s(m.plan, num_routed)))
-        need = smallest.device_bytes_per_token * num_routed
+        for s_per_token, bytes_per_token, plan in self.ranked():
+            need = bytes_per_token * num_routed
+            if need <= headroom_bytes:
+                return Decision(plan, need, s_per_token * num_routed)
+        s_per_token, bytes_per_token, plan = self._smallest
+        need = bytes_per_token * num_routed
         shortfall = need - headroom_bytes
         if shortfall <= evictable_bytes:
-            return Decision(smallest.plan, need, self.added_s(smallest.plan, num_routed), shortfall)
+            return Decision(plan, need, s_per_token * num_routed, shortfall)
         raise BudgetInfeasible(
             f"no plan fits: this layer needs at least {format_bytes(need)} with its expert path "
             f"recomputed or offloaded, {format_bytes(shortfall - evictable_bytes)} more than the "

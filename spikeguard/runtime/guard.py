@@ -73,13 +73,13 @@ class Guard:
         self.budget_bytes = self._resolve_budget(budget)
         self.ledger = Ledger(self.budget_bytes, self.device)
         self.ctx = Context()
-        self.engine = OffloadEngine(self.ledger, self.device)
+        self.cost = CostModel()
+        self.engine = OffloadEngine(self.ledger, self.device, self.cost.observe_copy)
         self.tracker = SavedTensorTracker(self.ledger, self.engine, self.ctx)
         experts = self.moe_blocks[0].experts
         dtype = experts.w13_ED2F.dtype
         self.shape = ExpertShape(d_model=experts.w13_ED2F.shape[1], d_expert=experts.d_expert,
                                  elem_bytes=torch.empty((), dtype=dtype).element_size())
-        self.cost = CostModel()
         self.cost.calibrate(self.shape, experts.num_experts, self.device, dtype)
         self.planner = Planner(self.shape, self.cost)
         self.forecast = Forecast(num_layers=len(self.moe_blocks),
@@ -92,6 +92,7 @@ class Guard:
         self._full_recompute = policy == "full"   # new layers start fully recomputed
         self._in_full_region = False                # inside a whole-layer checkpoint
         self._in_forward = False                    # False during backward's recompute
+        self._mb_decisions: Counter = Counter()
         self._handles: list = []
         self._install()
         self.ledger.set_static(self._static_bytes())
@@ -221,17 +222,37 @@ class Guard:
         try:
             return self._forward_micro_batch(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-            raise BudgetInfeasible(
-                f"even full recompute does not fit: {err}; try a budget of at least "
-                f"{format_bytes(getattr(err, 'needed_bytes', 0) or self.budget_bytes * 1.25)}",
-                needed_bytes=getattr(err, "needed_bytes", 0), budget_bytes=self.budget_bytes) from None
+            failure = str(err)
         finally:
             self._full_recompute = False
+        self._abandon(mb)
+        needed = self._full_recompute_need(orig_forward, mb, args, kwargs)
+        raise BudgetInfeasible(
+            f"even full recompute does not fit: {failure}; try a budget of at least "
+            f"{format_bytes(needed, round_up=True)}", needed_bytes=needed, budget_bytes=self.budget_bytes)
+
+    def _full_recompute_need(self, orig_forward, mb, args, kwargs) -> int:
+        """The peak this micro-batch reaches under full recompute, measured with the emulated
+        budget lifted (CPU); on CUDA, where that cannot be tried, a quarter more than now."""
+        if self.device.type == "cuda":
+            return int(self.budget_bytes * 1.25)
+        saved_peak, self.ledger.enforce = self.ledger.peak_bytes, False
+        self.ledger.peak_bytes = self.ledger.in_use()
+        self._full_recompute = True
+        try:
+            self._forward_micro_batch(orig_forward, mb, args, kwargs)
+            return self.ledger.peak_bytes
+        finally:
+            self._full_recompute, self.ledger.enforce = False, True
+            self._abandon(mb)
+            self.ledger.peak_bytes = saved_peak
 
     def _forward_micro_batch(self, orig_forward, mb, args, kwargs):
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
         self._max_routed = 0
+        self._mb_decisions = Counter()  # merged into the step only if this attempt completes
+        self.planner.refresh()
         self._in_forward = True
         try:
             with self.tracker.hooks():
@@ -246,6 +267,7 @@ class Guard:
                               num_tokens)
         if self._step is not None:
             self._step["micro_batches"] += 1
+            self._step["decisions"].update(self._mb_decisions)
         return out
 
     def _abandon(self, mb: int) -> None:
@@ -276,6 +298,7 @@ class Guard:
 
     def _enter_shared(self, module, args) -> None:
         if self._in_forward:
+            self.ctx.tags.clear()  # combine is done: no tensor of the expert path is saved later
             self.ctx.op = "shared"
 
     def _enter_moe(self, block, args) -> None:
@@ -329,7 +352,15 @@ class Guard:
                 # before their concatenation): leave room for the largest of them.
                 headroom -= num_routed * self.shape.bytes_per_token()["gate_up"]
             evictable = self.tracker.evictable(mb, layer)
-            decision = self.planner.decide(num_routed, headroom, evictable)
+            try:
+                decision = self.planner.decide(num_routed, headroom, evictable)
+            except BudgetInfeasible as err:
+                raise BudgetInfeasible(
+                    f"micro-batch {mb}, layer {layer}: {err}; a budget of at least "
+                    f"{format_bytes(self.budget_bytes + err.needed_bytes)} would let the "
+                    f"planner fit it without the safety net",
+                    needed_bytes=self.budget_bytes + err.needed_bytes,
+                    budget_bytes=self.budget_bytes) from None
             if decision.evict_bytes:
                 freed = self.tracker.evict(mb, layer, decision.evict_bytes)
                 if self._step:
@@ -346,7 +377,7 @@ class Guard:
         if self._step is None:
             return
         for action in plan.actions:
-            self._step["decisions"][action.value] += 1
+            self._mb_decisions[action.value] += 1
         mean = sum(counts) / max(len(counts), 1)
         imb = max(counts) / mean if mean > 0 else 1.0
         self._step["imbalance"][layer] = max(self._step["imbalance"].get(layer, 0.0), imb)

@@ -13,6 +13,7 @@ torch/utils/checkpoint.py: `save_inputs` runs before `_checkpoint_hook` is enter
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -70,13 +71,22 @@ class Context:
     micro_batch: int = 0
     layer: int = -1
     op: str = "embed"
-    tags: dict[StorageKey, tuple[str, Action, int]] = field(default_factory=dict)
+    tags: dict[StorageKey, tuple] = field(default_factory=dict)
     serial: int = 0
 
     def tag(self, t: torch.Tensor, op: str, action: Action) -> None:
-        """Mark the storage of `t` as the output of `op`, to be kept per `action`."""
+        """Mark the storage of `t` as the output of `op`, to be kept per `action`.
+
+        The tag holds a weak reference to `t`: once `t` is gone its storage may be freed
+        and the address reused by an unrelated tensor, which must not inherit the tag."""
         self.serial += 1
-        self.tags[storage_key(t)] = (op, action, self.serial)
+        self.tags[storage_key(t)] = (op, action, self.serial, weakref.ref(t))
+
+    def lookup(self, key: StorageKey) -> tuple[str, Action, int]:
+        tag = self.tags.get(key)
+        if tag is None or tag[3]() is None:
+            return (self.op, Action.SAVE, -1)
+        return tag[:3]
 
     def untag(self, t: torch.Tensor) -> None:
         self.tags.pop(storage_key(t), None)
@@ -104,7 +114,7 @@ class SavedTensorTracker:
         key = storage_key(t)
         if key in self.static_keys:
             return t
-        op, action, serial = self.ctx.tags.get(key, (self.ctx.op, Action.SAVE, -1))
+        op, action, serial = self.ctx.lookup(key)
         where = self.ctx.where(op)
         if action is Action.OFFLOAD:
             packed = Packed(t, key, None)
@@ -166,5 +176,4 @@ def _unpack(packed):
 
 
 def _weak(obj):
-    import weakref
     return weakref.ref(obj)

@@ -15,8 +15,9 @@ reload with their size, stride and offset, so the values are bit for bit the ori
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -91,8 +92,10 @@ class OffloadedStorage:
 class OffloadEngine:
     """Creates and tracks offloaded storages; one per guard."""
 
-    def __init__(self, ledger: Ledger, device: torch.device):
+    def __init__(self, ledger: Ledger, device: torch.device,
+                 on_copy: Optional[Callable[[str, int, float], None]] = None):
         self.ledger = ledger
+        self.on_copy = on_copy  # (direction, bytes, seconds) for the cost model, CPU only
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.pool = HostPool(pin=self.is_cuda)
@@ -149,7 +152,9 @@ class OffloadEngine:
     # Copies: synchronous on CPU, on the side stream with events on CUDA.
     def copy_to_host(self, flat: torch.Tensor, host: torch.Tensor):
         if not self.is_cuda:
+            start = time.perf_counter()
             host.copy_(flat)
+            self._observe("d2h", host, time.perf_counter() - start)
             return None
         producer = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(producer)
@@ -162,7 +167,10 @@ class OffloadEngine:
 
     def copy_to_device(self, host: torch.Tensor, device: torch.device, after_event):
         if not self.is_cuda:
-            return host.clone(), None
+            start = time.perf_counter()
+            out = host.clone()
+            self._observe("h2d", host, time.perf_counter() - start)
+            return out, None
         with torch.cuda.stream(self.stream):
             if after_event is not None:
                 self.stream.wait_event(after_event)
@@ -171,6 +179,10 @@ class OffloadEngine:
             event = torch.cuda.Event()
             event.record(self.stream)
         return out, event
+
+    def _observe(self, direction: str, t: torch.Tensor, seconds: float) -> None:
+        if self.on_copy is not None:
+            self.on_copy(direction, t.numel() * t.element_size(), seconds)
 
     def wait(self, event) -> None:
         if event is not None:

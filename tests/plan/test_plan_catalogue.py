@@ -19,13 +19,14 @@ S, R, O = Action.SAVE, Action.RECOMPUTE, Action.OFFLOAD
 
 
 def test_bytes_per_token_by_hand():
-    # D=4, F=3, float32, float32 combine weight, int64 index.
+    # D=4, F=3, float32, float32 combine weight. Combine's int64 index is not combine's:
+    # dispatch's gather keeps it before the decision window (it counts under "router").
     shape = ExpertShape(d_model=4, d_expert=3)
     assert shape.bytes_per_token() == {"dispatch": 16, "gate_up": 24, "silu": 12, "act": 12,
-                                       "down": 16, "combine": 16 + 4 + 8}
+                                       "down": 16, "combine": 16 + 4}
     half = ExpertShape(d_model=4, d_expert=3, elem_bytes=2, weight_bytes=2)
     assert half.bytes_per_token()["gate_up"] == 12
-    assert half.bytes_per_token()["combine"] == 8 + 2 + 8
+    assert half.bytes_per_token()["combine"] == 8 + 2
 
 
 def test_predict_is_linear_in_routed_tokens():

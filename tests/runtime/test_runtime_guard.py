@@ -131,3 +131,20 @@ def test_usage_errors_are_value_errors_and_oom_errors_are_runtime_errors():
     assert issubclass(spikeguard.UsageError, ValueError)
     assert issubclass(spikeguard.BudgetInfeasible, spikeguard.DeviceOutOfMemory)
     assert issubclass(spikeguard.DeviceOutOfMemory, RuntimeError)
+
+
+def test_static_bytes_count_parameters_gradients_and_optimizer_moments():
+    model = build_model(CFG, seed=0)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    guard = spikeguard.attach(model, budget="1GiB", policy="none")
+    assert guard.ledger.static_bytes == 2 * param_bytes            # parameters + gradients
+    guard.detach()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = spikeguard.attach(model, budget="1GiB", policy="none", optimizer=optimizer)
+    assert guard.ledger.static_bytes == 4 * param_bytes            # + AdamW's two moments
+    with guard.step():
+        _forward_backward(model, _tokens(2, seed=4))
+    optimizer.step()                                               # the moments now exist
+    with guard.step():
+        _forward_backward(model, _tokens(2, seed=5))
+    assert [r["static_bytes"] for r in guard.history] == [4 * param_bytes] * 2

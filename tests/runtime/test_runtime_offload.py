@@ -155,7 +155,7 @@ def test_evicting_earlier_layers_keeps_gradients_bitwise(plain_grads):
         return sum(guard.ledger.bytes_by(mb, layer) for layer in range(-1, CFG.num_layers - 1))
 
     def decide(num_routed, headroom_bytes, evictable_bytes=0):
-        # Everything saved, and at the last layer: evict all that earlier layers hold.
+        # Everything saved, and at the last layer: evict all that earlier layers can give.
         if guard.ctx.layer == CFG.num_layers - 1:
             seen.append((evictable_bytes, earlier_bytes()))
             return Decision(ALL_SAVE, 0, 0.0, evict_bytes=evictable_bytes)
@@ -166,8 +166,9 @@ def test_evicting_earlier_layers_keeps_gradients_bitwise(plain_grads):
     guard.moe_blocks[-1].register_forward_hook(lambda *_: earlier_after.append(earlier_bytes()))
     _step(model, guard)
 
-    assert len(seen) == 2 and all(evictable == held > 0 for evictable, held in seen)
-    assert earlier_after == [0, 0]                  # they all left the device
+    # Evictable: what earlier layers hold, less the small tensors not worth a host trip.
+    assert len(seen) == 2 and all(0 < evictable <= held for evictable, held in seen)
+    assert earlier_after == [held - evictable for evictable, held in seen]
     assert guard.history[-1]["evicted_bytes"] == sum(e for e, _ in seen)
     assert guard.ledger.host_bytes == 0
     grads = [p.grad for p in model.parameters()]

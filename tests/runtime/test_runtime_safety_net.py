@@ -90,3 +90,17 @@ def test_blinded_guard_under_a_loose_budget_needs_no_rerun(reference):
     assert record["decisions"]["recompute"] == record["decisions"]["offload"] == 0
     grads = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(reference["grads"], grads))
+
+
+def test_decisions_count_only_what_ran(reference):
+    """The plans of an abandoned attempt never ran: the step must not report them."""
+    static = reference["static"]
+    budget = static + int(0.85 * (reference["peak"] - static))
+    model = build_model(CFG, seed=0)
+    guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    _blind(guard)
+    _step(model, guard)
+    record = guard.history[-1]
+    assert record["safety_net_reruns"] == 2
+    # Both micro-batches ended up fully recomputed: that is all that ran.
+    assert record["decisions"] == {"save": 0, "recompute": 2 * CFG.num_layers * 5, "offload": 0}
