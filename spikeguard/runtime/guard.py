@@ -19,7 +19,6 @@ import functools
 import gc
 import logging
 import time
-from collections import Counter
 from typing import Optional
 
 import torch
@@ -36,6 +35,7 @@ from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.planner import Decision, Planner
 from spikeguard.runtime.executor import ExpertPathExecutor, base_policy
+from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.offload import OffloadEngine
 from spikeguard.runtime.policies import POLICIES
@@ -88,11 +88,10 @@ class Guard:
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
         self.optimizer = optimizer
         self.history: list[dict] = []
-        self._step: Optional[dict] = None
+        self._step: Optional[StepRecorder] = None
         self._full_recompute = policy == "full"   # new layers start fully recomputed
         self._in_full_region = False                # inside a whole-layer checkpoint
         self._in_forward = False                    # False during backward's recompute
-        self._mb_decisions: Counter = Counter()
         self._handles: list = []
         self._install()
         self.ledger.set_static(self._static_bytes())
@@ -176,36 +175,22 @@ class Guard:
         """One optimizer step: all micro-batches' forward and backward run inside."""
         self.ledger.set_static(self._static_bytes())
         self.ledger.reset_peak()
-        self._step = {"micro_batches": 0, "decisions": Counter(), "imbalance": {},
-                      "safety_net_reruns": 0, "evicted_bytes": 0, "plan_us": [],
-                      "offloaded_bytes": self.engine.offloaded_bytes_total, "start": time.perf_counter()}
+        self._step = StepRecorder(self.engine.offloaded_bytes_total)
         try:
             yield self
         finally:
-            self._finish_step()
-
-    def _finish_step(self) -> None:
-        s = self._step
-        imbalance = [s["imbalance"].get(b.layer_idx, 1.0) for b in self.moe_blocks]
-        self.history.append({
-            "step": len(self.history), "policy": self.policy,
-            "peak_bytes": int(self.ledger.peak_bytes), "budget_bytes": self.budget_bytes,
-            "static_bytes": self.ledger.static_bytes,
-            "decisions": {a: s["decisions"].get(a, 0) for a in ("save", "recompute", "offload")},
-            "layer_imbalance": imbalance, "max_imbalance": max(imbalance),
-            "micro_batches": s["micro_batches"], "safety_net_reruns": s["safety_net_reruns"],
-            "evicted_bytes": s["evicted_bytes"],
-            "offloaded_bytes": self.engine.offloaded_bytes_total - s["offloaded_bytes"],
-            "plan_us": (sum(s["plan_us"]) / len(s["plan_us"])) if s["plan_us"] else 0.0,
-            "seconds": time.perf_counter() - s["start"],
-        })
-        self._step = None
+            self.history.append(self._step.finish(
+                step=len(self.history), policy=self.policy,
+                layers=[b.layer_idx for b in self.moe_blocks], peak_bytes=self.ledger.peak_bytes,
+                budget_bytes=self.budget_bytes, static_bytes=self.ledger.static_bytes,
+                offloaded_bytes_now=self.engine.offloaded_bytes_total))
+            self._step = None
 
     # ---- forward: one call is one micro-batch -----------------------------------------
     def _guarded_forward(self, orig_forward, *args, **kwargs):
         if not torch.is_grad_enabled():
             return orig_forward(*args, **kwargs)
-        mb = self._step["micro_batches"] if self._step else 0
+        mb = self._step.micro_batches if self._step else 0
         try:
             return self._forward_micro_batch(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
@@ -215,7 +200,7 @@ class Guard:
         # Safety net: free this micro-batch and run it again with everything recomputed.
         self._abandon(mb)
         if self._step:
-            self._step["safety_net_reruns"] += 1
+            self._step.safety_net_reruns += 1
         log.warning("micro-batch %d ran out of memory (%s); re-running it with full recompute",
                     mb, message)
         self._full_recompute = True
@@ -251,7 +236,8 @@ class Guard:
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
         self._max_routed = 0
-        self._mb_decisions = Counter()  # merged into the step only if this attempt completes
+        if self._step is not None:
+            self._step.begin_attempt()
         self.planner.refresh()
         self._in_forward = True
         try:
@@ -266,8 +252,7 @@ class Guard:
         self.forecast.observe(self.ledger.bytes_by(mb, len(self.moe_blocks), "head"), post,
                               num_tokens)
         if self._step is not None:
-            self._step["micro_batches"] += 1
-            self._step["decisions"].update(self._mb_decisions)
+            self._step.end_attempt()
         return out
 
     def _abandon(self, mb: int) -> None:
@@ -364,9 +349,9 @@ class Guard:
             if decision.evict_bytes:
                 freed = self.tracker.evict(mb, layer, decision.evict_bytes)
                 if self._step:
-                    self._step["evicted_bytes"] += freed
+                    self._step.evicted_bytes += freed
         if self._step is not None:
-            self._step["plan_us"].append((time.perf_counter() - start) * 1e6)
+            self._step.plan_us.append((time.perf_counter() - start) * 1e6)
         return decision
 
     def _tokens_hint(self, num_routed: int) -> int:
@@ -374,13 +359,8 @@ class Guard:
         return max(1, num_routed // top_k)
 
     def _record(self, layer: int, counts: list[int], plan: LayerPlan) -> None:
-        if self._step is None:
-            return
-        for action in plan.actions:
-            self._mb_decisions[action.value] += 1
-        mean = sum(counts) / max(len(counts), 1)
-        imb = max(counts) / mean if mean > 0 else 1.0
-        self._step["imbalance"][layer] = max(self._step["imbalance"].get(layer, 0.0), imb)
+        if self._step is not None:
+            self._step.record_plan(layer, counts, plan.actions)
 
 
 def _prefetch(engine: OffloadEngine, micro_batch: int, layer: int, grad):

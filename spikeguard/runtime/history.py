@@ -1,0 +1,58 @@
+"""Step records: what `guard.history` holds, one dict per `guard.step()`.
+
+Decisions are counted per micro-batch attempt and merged into the step only when the
+attempt completes, so a micro-batch the safety net re-ran counts what really ran.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+ACTIONS = ("save", "recompute", "offload")
+
+
+class StepRecorder:
+    """Counters of the step in progress; `finish` turns them into the history record."""
+
+    def __init__(self, offloaded_bytes_before: int):
+        self.start = time.perf_counter()
+        self.micro_batches = 0
+        self.decisions: Counter = Counter()
+        self.attempt: Counter = Counter()
+        self.imbalance: dict[int, float] = {}
+        self.safety_net_reruns = 0
+        self.evicted_bytes = 0
+        self.plan_us: list[float] = []
+        self.offloaded_bytes_before = offloaded_bytes_before
+
+    def begin_attempt(self) -> None:
+        self.attempt = Counter()
+
+    def end_attempt(self) -> None:
+        self.micro_batches += 1
+        self.decisions.update(self.attempt)
+
+    def record_plan(self, layer: int, tokens_per_expert: list[int], actions) -> None:
+        """One layer's plan, and the layer's expert load imbalance (max/mean)."""
+        for action in actions:
+            self.attempt[action.value] += 1
+        mean = sum(tokens_per_expert) / max(len(tokens_per_expert), 1)
+        imb = max(tokens_per_expert) / mean if mean > 0 else 1.0
+        self.imbalance[layer] = max(self.imbalance.get(layer, 0.0), imb)
+
+    def finish(self, *, step: int, policy: str, layers: list[int], peak_bytes: int,
+               budget_bytes: int, static_bytes: int, offloaded_bytes_now: int) -> dict:
+        imbalance = [self.imbalance.get(layer, 1.0) for layer in layers]
+        return {
+            "step": step, "policy": policy,
+            "peak_bytes": int(peak_bytes), "budget_bytes": budget_bytes,
+            "static_bytes": static_bytes,
+            "decisions": {a: self.decisions.get(a, 0) for a in ACTIONS},
+            "layer_imbalance": imbalance, "max_imbalance": max(imbalance),
+            "micro_batches": self.micro_batches, "safety_net_reruns": self.safety_net_reruns,
+            "evicted_bytes": self.evicted_bytes,
+            "offloaded_bytes": offloaded_bytes_now - self.offloaded_bytes_before,
+            "plan_us": sum(self.plan_us) / len(self.plan_us) if self.plan_us else 0.0,
+            "seconds": time.perf_counter() - self.start,
+        }
