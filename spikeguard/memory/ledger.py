@@ -62,9 +62,9 @@ class Ledger:
     _entries: dict[StorageKey, _Entry] = field(default_factory=dict)
     _by_where: dict[tuple[int, int, str], int] = field(default_factory=lambda: defaultdict(int))
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
+    def __post_init__(self) -> None:
+        # Read on every saved tensor: a plain attribute, not a property.
+        self.is_cuda = self.device.type == "cuda"
 
     def in_use(self) -> int:
         """Bytes in use on the device now: the allocator's figure on CUDA, ours on CPU."""
@@ -84,7 +84,7 @@ class Ledger:
             entry.refs += 1
             return
         if check and self.enforce and not self.is_cuda:
-            after = self.in_use() + num_bytes
+            after = self.static_bytes + self.activation_bytes + num_bytes
             if after > self.budget_bytes:
                 raise DeviceOutOfMemory(
                     f"saving {format_bytes(num_bytes)} for {_where_str(where)} would put "
@@ -93,7 +93,10 @@ class Ledger:
         self._entries[key] = _Entry(num_bytes, 1, where)
         self.activation_bytes += num_bytes
         self._by_where[where] += num_bytes
-        self._note_peak()
+        if self.is_cuda:
+            self._note_peak()
+        elif self.static_bytes + self.activation_bytes > self.peak_bytes:
+            self.peak_bytes = self.static_bytes + self.activation_bytes
 
     def release(self, key: StorageKey) -> None:
         entry = self._entries.get(key)

@@ -111,17 +111,18 @@ class SavedTensorTracker:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
     def pack(self, t: torch.Tensor):
-        key = storage_key(t)
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
         if key in self.static_keys:
             return t
         op, action, serial = self.ctx.lookup(key)
-        where = self.ctx.where(op)
+        where = (self.ctx.micro_batch, self.ctx.layer, op)
         if action is Action.OFFLOAD:
             packed = Packed(t, key, None)
             packed.to_host(self.engine.offload(t, where, serial))
             packed.stored.refs -= 1  # offload() already counted this holder
             return packed
-        num_bytes = storage_bytes(t)
+        num_bytes = storage.nbytes()
         self.ledger.acquire(key, num_bytes, where)
         packed = Packed(t, key, self.ledger)
         if num_bytes >= EVICTABLE_MIN_BYTES:
