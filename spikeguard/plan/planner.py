@@ -1,15 +1,21 @@
 """The planner: one decision per MoE layer per micro-batch, in the window after routing.
 
-Given the exact routed token count of this layer and the headroom left for it (budget,
-minus bytes in use, minus what is still to come), pick the plan of least added time whose
-device bytes fit. If even the smallest plan does not fit, ask for the shortfall to be
-evicted from earlier layers of the same micro-batch; if that cannot cover it either, say
-what budget would work. The runtime, the benchmark and the simulator all call this.
+Given the exact routed token count of this layer, pick the plan of least added time that
+fits twice:
+  * forward: the bytes it keeps on the device fit the headroom (budget, minus bytes in
+    use, minus what is still to come in this micro-batch);
+  * backward: when this layer's offloaded tensors come back (and the layer below is
+    prefetched while this layer's attention part is still alive), the device holds what
+    it holds now plus the plan's kept and reloaded bytes: that must fit `backward_room`.
+If even the smallest plan does not fit, ask for the shortfall to be evicted from earlier
+layers of the same micro-batch; if that cannot cover it either, raise with the figure.
+The runtime, the benchmark and the simulator all call this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from spikeguard.errors import BudgetInfeasible
 from spikeguard.memory.budget import format_bytes
@@ -26,9 +32,13 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class _MenuItem:
-    plan: LayerPlan
+class Ranked:
+    """One plan with its per-token figures (all linear in the routed token count)."""
+
+    s_per_token: float
     device_bytes_per_token: int
+    offload_bytes_per_token: int
+    plan: LayerPlan
 
 
 class Planner:
@@ -43,43 +53,60 @@ class Planner:
     def __init__(self, shape: ExpertShape, cost: CostModel):
         self.shape = shape
         self.cost = cost
-        per_token = shape.bytes_per_token()
-        self.menu = sorted(
-            (_MenuItem(p, per_token["combine"] + sum(
-                per_token[op] for op, a in zip(OPS, p.actions) if a is Action.SAVE))
-             for p in valid_plans()),
-            key=lambda m: -m.device_bytes_per_token)
-        self.min_bytes_per_token = min(m.device_bytes_per_token for m in self.menu)
-        self._ranked: list[tuple[float, int, LayerPlan]] = []
-        self._smallest: tuple[float, int, LayerPlan] = (0.0, 0, self.menu[-1].plan)
+        self.menu = valid_plans()
+        self._per_token = shape.bytes_per_token()
+        self.min_bytes_per_token = min(self.device_bytes_per_token(p) for p in self.menu)
+        self._ranked: list[Ranked] = []
         self.refresh()
+
+    def device_bytes_per_token(self, plan: LayerPlan) -> int:
+        return self._per_token["combine"] + sum(
+            self._per_token[op] for op, a in zip(OPS, plan.actions) if a is Action.SAVE)
+
+    def offload_bytes_per_token(self, plan: LayerPlan) -> int:
+        return sum(self._per_token[op] for op, a in zip(OPS, plan.actions) if a is Action.OFFLOAD)
 
     def refresh(self) -> None:
         """Rank the plans by added seconds per token with the cost model as it is now;
         among equally cheap plans, the one keeping the most first (fewest round trips)."""
         self._ranked = sorted(
-            ((self.added_s(m.plan, 1), m.device_bytes_per_token, m.plan) for m in self.menu),
-            key=lambda r: (r[0], -r[1]))
-        self._smallest = min(self._ranked, key=lambda r: (r[1], r[0]))
+            (Ranked(self.added_s(p, 1), self.device_bytes_per_token(p),
+                    self.offload_bytes_per_token(p), p) for p in self.menu),
+            key=lambda r: (r.s_per_token, -r.device_bytes_per_token))
 
-    def ranked(self) -> list[tuple[float, int, LayerPlan]]:
+    def ranked(self) -> list[Ranked]:
         return self._ranked
 
     def added_s(self, plan: LayerPlan, num_routed: int) -> float:
         return num_routed * (self.cost.recompute_s_per_token(plan)
                              + self.cost.offload_s_per_token(plan, self.shape))
 
-    def decide(self, num_routed: int, headroom_bytes: int, evictable_bytes: int = 0) -> Decision:
-        """Least added time within `headroom_bytes`; evicts or raises when nothing fits."""
-        for s_per_token, bytes_per_token, plan in self.ranked():
-            need = bytes_per_token * num_routed
-            if need <= headroom_bytes:
-                return Decision(plan, need, s_per_token * num_routed)
-        s_per_token, bytes_per_token, plan = self._smallest
-        need = bytes_per_token * num_routed
-        shortfall = need - headroom_bytes
+    def decide(self, num_routed: int, headroom_bytes: int, evictable_bytes: int = 0,
+               backward_room: Optional[int] = None) -> Decision:
+        """Least added time within `headroom_bytes` (and `backward_room`, when given);
+        evicts or raises when nothing fits."""
+        for r in self._ranked:
+            need = r.device_bytes_per_token * num_routed
+            if need > headroom_bytes:
+                continue
+            if backward_room is not None and \
+                    need + r.offload_bytes_per_token * num_routed > backward_room:
+                continue
+            return Decision(r.plan, need, r.s_per_token * num_routed)
+        # Nothing fits: take the plan with the smallest shortfall over both passes, and
+        # evict that much from earlier layers (evicted bytes leave the device in both).
+        def shortfall_of(r: Ranked) -> int:
+            need = r.device_bytes_per_token * num_routed
+            short = need - headroom_bytes
+            if backward_room is not None:
+                short = max(short, need + r.offload_bytes_per_token * num_routed - backward_room)
+            return short
+
+        smallest = min(self._ranked, key=lambda r: (shortfall_of(r), r.s_per_token))
+        need = smallest.device_bytes_per_token * num_routed
+        shortfall = shortfall_of(smallest)
         if shortfall <= evictable_bytes:
-            return Decision(plan, need, s_per_token * num_routed, shortfall)
+            return Decision(smallest.plan, need, smallest.s_per_token * num_routed, shortfall)
         raise BudgetInfeasible(
             f"no plan fits: this layer needs at least {format_bytes(need)} with its expert path "
             f"recomputed or offloaded, {format_bytes(shortfall - evictable_bytes)} more than the "
@@ -88,7 +115,5 @@ class Planner:
 
     def fixed(self, plan: LayerPlan, num_routed: int) -> Decision:
         """A static policy's decision, with the same bookkeeping."""
-        per_token = self.shape.bytes_per_token()
-        need = num_routed * (per_token["combine"] + sum(
-            per_token[op] for op, a in zip(OPS, plan.actions) if a is Action.SAVE))
-        return Decision(plan, need, self.added_s(plan, num_routed))
+        return Decision(plan, self.device_bytes_per_token(plan) * num_routed,
+                        self.added_s(plan, num_routed))

@@ -336,9 +336,14 @@ class Guard:
                 # The allocator also holds the stage temporaries (per-expert GEMM outputs
                 # before their concatenation): leave room for the largest of them.
                 headroom -= num_routed * self.shape.bytes_per_token()["gate_up"]
+            # In backward this layer's offloaded tensors come back while what is in use now
+            # is still alive; a prefetch by the layer above also finds that layer's
+            # attention part alive (about this layer's).
+            prefetch_margin = layer_part if layer < len(self.moe_blocks) - 1 else 0
+            backward_room = self.budget_bytes - self.ledger.in_use() - prefetch_margin
             evictable = self.tracker.evictable(mb, layer)
             try:
-                decision = self.planner.decide(num_routed, headroom, evictable)
+                decision = self.planner.decide(num_routed, headroom, evictable, backward_room)
             except BudgetInfeasible as err:
                 raise BudgetInfeasible(
                     f"micro-batch {mb}, layer {layer}: {err}; a budget of at least "

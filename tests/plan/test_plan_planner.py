@@ -141,3 +141,17 @@ def test_decision_time_for_8_layers_of_64_experts():
               f"{statistics.median(samples):.0f} us per micro-batch "
               f"({statistics.median(samples) / 8:.1f} us per layer decision), "
               f"plan {decision.plan.describe()}")
+
+
+def test_backward_room_rules_out_plans_whose_reload_would_not_fit(planner):
+    """An offloaded tensor comes back in backward while what is in use now still is:
+    a plan fits only if its kept plus reloaded bytes fit the backward room."""
+    all_save = _all_save_bytes(NUM_ROUTED)
+    unconstrained = planner.decide(NUM_ROUTED, headroom_bytes=all_save // 2)
+    off = planner.offload_bytes_per_token(unconstrained.plan) * NUM_ROUTED
+    assert off > 0, "at half the bytes the cheapest plan offloads (CPU copies are cheap)"
+    room = unconstrained.device_bytes + off - 1
+    constrained = planner.decide(NUM_ROUTED, all_save // 2, backward_room=room)
+    assert constrained.plan != unconstrained.plan
+    assert constrained.device_bytes + planner.offload_bytes_per_token(constrained.plan) \
+        * NUM_ROUTED <= room
