@@ -339,7 +339,8 @@ class Guard:
             # In backward this layer's offloaded tensors come back while what is in use now
             # is still alive; a prefetch by the layer above also finds that layer's
             # attention part alive (about this layer's).
-            prefetch_margin = layer_part if layer < len(self.moe_blocks) - 1 else 0
+            prefetch_margin = layer_part if (self.engine.prefetch_enabled
+                                             and layer < len(self.moe_blocks) - 1) else 0
             backward_room = self.budget_bytes - self.ledger.in_use() - prefetch_margin
             evictable = self.tracker.evictable(mb, layer)
             try:

@@ -98,6 +98,10 @@ class OffloadEngine:
         self.on_copy = on_copy  # (direction, bytes, seconds) for the cost model, CPU only
         self.device = device
         self.is_cuda = device.type == "cuda"
+        # On CUDA a prefetch overlaps the reload with the backward of the layer above. On
+        # CPU the copy blocks, so prefetching gains nothing and only raises the backward
+        # peak: off by default there (tests turn it on to check the path).
+        self.prefetch_enabled = self.is_cuda
         self.pool = HostPool(pin=self.is_cuda)
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None
         self._live: dict[StorageKey, OffloadedStorage] = {}
@@ -128,6 +132,8 @@ class OffloadEngine:
         return stored
 
     def prefetch_layer(self, micro_batch: int, layer: int) -> None:
+        if not self.prefetch_enabled:
+            return
         for stored in self._by_layer.get((micro_batch, layer), ()):
             stored.prefetch()
 
