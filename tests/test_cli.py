@@ -18,21 +18,6 @@ from spikeguard.errors import DeviceOutOfMemory, UsageError
 TINY = ["train", "--preset", "tiny", "--steps", "1", "--batch-size", "2"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """One intra-op thread while these tests run.
-
-    The 2-core test machine is shared with other jobs; with torch's default 2 threads
-    under that contention OpenMP barriers made 40 tiny steps take 9-20 s instead of
-    0.2-0.4 s (measured). The results do not depend on it: each test compares runs made
-    with the same setting.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # "{tmp}" stands for the test's tmp_path, where _make_data_files puts the data files.
 BAD_ARGS = {
     "unknown preset": ["train", "--preset", "huge"],

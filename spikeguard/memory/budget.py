@@ -30,11 +30,25 @@ def parse_bytes(value: int | float | str) -> int:
     return num_bytes
 
 
-def format_bytes(num_bytes: float, round_up: bool = False) -> str:
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def byte_unit(num_bytes: float) -> str:
+    """The largest binary unit in which `num_bytes` is at least 1."""
+    index = 0
+    while index + 1 < len(_BINARY_UNITS) and abs(num_bytes) >= 1024 ** (index + 1):
+        index += 1
+    return _BINARY_UNITS[index]
+
+
+def format_bytes(num_bytes: float, round_up: bool = False, unit: str | None = None) -> str:
     """Binary units with three significant figures: 1.82 GiB, 512 KiB.
 
     `round_up` for figures that are lower bounds ("a budget of at least ..."): the printed
-    value, read back, is then never below `num_bytes`."""
+    value, read back, is then never below `num_bytes`. `unit` prints in that unit with two
+    decimals, so that two figures side by side (peak / budget) share one."""
+    if unit is not None:
+        return f"{num_bytes / 1024 ** _BINARY_UNITS.index(unit):.2f} {unit}"
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(num_bytes) >= size:
             value = num_bytes / size

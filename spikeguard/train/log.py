@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from spikeguard.errors import UsageError
-
-_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+from spikeguard.memory.budget import byte_unit, format_bytes
 
 
 def format_rate(per_s: float) -> str:
@@ -28,20 +27,6 @@ def format_rate(per_s: float) -> str:
             decimals = 2 if value < 10 else 1 if value < 100 else 0
             return f"{value:.{decimals}f}{suffix}"
     return f"{per_s:.0f}"
-
-
-def format_bytes(num_bytes: float, unit: Optional[str] = None) -> str:
-    """Binary units; pass `unit` to print two figures in the same unit (peak / budget)."""
-    unit = unit or byte_unit(num_bytes)
-    return f"{num_bytes / 1024 ** _BINARY_UNITS.index(unit):.2f} {unit}"
-
-
-def byte_unit(num_bytes: float) -> str:
-    """The largest binary unit in which `num_bytes` is at least 1."""
-    index = 0
-    while index + 1 < len(_BINARY_UNITS) and abs(num_bytes) >= 1024 ** (index + 1):
-        index += 1
-    return _BINARY_UNITS[index]
 
 
 def step_line(record: dict[str, Any], num_steps: int) -> str:
@@ -56,8 +41,8 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
     if "peak_bytes" in record and "budget_bytes" in record:
         budget = record["budget_bytes"]
         unit = byte_unit(max(budget or 0, record["peak_bytes"] or 0))
-        budget_text = format_bytes(budget, unit) if budget else "none"
-        parts.append(f"peak {format_bytes(record['peak_bytes'], unit)} / {budget_text}")
+        budget_text = format_bytes(budget, unit=unit) if budget else "none"
+        parts.append(f"peak {format_bytes(record['peak_bytes'], unit=unit)} / {budget_text}")
     decisions = record.get("decisions")
     if isinstance(decisions, dict):
         parts.append(f"save {decisions.get('save', 0)} rec {decisions.get('recompute', 0)} "

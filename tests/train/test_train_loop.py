@@ -23,21 +23,6 @@ from spikeguard.train import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """One intra-op thread while these tests run.
-
-    The 2-core test machine is shared with other jobs; with torch's default 2 threads
-    under that contention OpenMP barriers made 40 tiny steps take 9-20 s instead of
-    0.2-0.4 s (measured). The results do not depend on it: each test compares runs made
-    with the same setting.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def corpus() -> Corpus:
     return load_corpus(max_bytes=2 * 2**20)
@@ -250,7 +235,7 @@ def test_step_line_formats():
     assert format_rate(41_234) == "41.2k"
     assert format_rate(1_500_000) == "1.50M"
     assert format_bytes(1_908_408) == "1.82 MiB"
-    assert format_bytes(2 * 2**30, "MiB") == "2048.00 MiB"
+    assert format_bytes(2 * 2**30, unit="MiB") == "2048.00 MiB"
     record = {"step": 12, "loss": 2.3141, "tokens_per_s": 41_234.0, "imbalance": 1.93}
     assert step_line(record, 100) == "step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x"
     record |= {"peak_bytes": 1.82 * 2**30, "budget_bytes": 2 * 2**30,
