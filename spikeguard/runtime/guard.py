@@ -60,6 +60,11 @@ class Guard:
 
     def __init__(self, model: nn.Module, *, budget=None, policy: str = "adaptive",
                  optimizer: Optional[torch.optim.Optimizer] = None):
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError(f"optimizer must be a torch.optim.Optimizer or None, "
+                             f"got {type(optimizer).__name__}")
         if policy not in POLICIES:
             raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if getattr(model, "_spikeguard", None) is not None:

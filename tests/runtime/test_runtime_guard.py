@@ -110,6 +110,7 @@ def test_a_stale_guard_cannot_detach_a_newer_one():
     ({"budget": "lots"}, "byte size"),
     ({"budget": 0}, "positive"),
     ({"budget": -5}, "positive"),
+    ({"budget": "1GiB", "optimizer": "adamw"}, "optimizer"),
 ])
 def test_bad_arguments_are_usage_errors_and_leave_the_model_unattached(kwargs, match):
     model = build_model(CFG, seed=0)
@@ -125,6 +126,11 @@ def test_a_model_without_moe_blocks_is_a_usage_error(module):
     with pytest.raises(spikeguard.UsageError, match="MoE"):
         spikeguard.attach(module, budget="1GiB")
     assert "forward" not in vars(module)
+
+
+def test_attaching_to_something_that_is_not_a_module_is_a_usage_error():
+    with pytest.raises(spikeguard.UsageError, match="nn.Module"):
+        spikeguard.attach("model", budget="1GiB")
 
 
 def test_usage_errors_are_value_errors_and_oom_errors_are_runtime_errors():
