@@ -13,6 +13,9 @@ micro-batches the schedule keeps resident.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
 
 
 @dataclass
@@ -38,3 +41,22 @@ class Forecast:
             self.head_bytes_per_token = head_bytes / num_tokens
         if num_tokens > 0 and post_bytes > 0:
             self.post_bytes_per_token = post_bytes / num_tokens
+
+
+def head_bytes_estimate(model: nn.Module) -> float:
+    """Bytes per token the output head keeps, before the first micro-batch measures it:
+    a conservative guess from the last Linear (its input, logits and log-softmax)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return 0.0
+    head = linears[-1]
+    return float(head.weight.element_size() * (4 * head.in_features + 2 * head.out_features) + 16)
+
+
+def shared_bytes_estimate(shared: Optional[nn.Module]) -> float:
+    """Bytes per token a shared expert keeps (SwiGLU: gate/up output, silu, product),
+    before the first micro-batch measures it."""
+    if shared is None:
+        return 0.0
+    linears = [m for m in shared.modules() if isinstance(m, nn.Linear)]
+    return float(linears[0].weight.element_size() * 2 * sum(m.out_features for m in linears[:-1]))

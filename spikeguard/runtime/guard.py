@@ -28,11 +28,12 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
 from spikeguard.memory.budget import format_bytes, parse_bytes
 from spikeguard.memory.ledger import Ledger, storage_key
+from spikeguard.memory.static import static_bytes
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import (ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS, Action,
                                        ExpertShape, LayerPlan)
 from spikeguard.plan.cost import CostModel
-from spikeguard.plan.forecast import Forecast
+from spikeguard.plan.forecast import Forecast, head_bytes_estimate, shared_bytes_estimate
 from spikeguard.plan.planner import Decision, Planner
 from spikeguard.runtime.executor import ExpertPathExecutor, base_policy
 from spikeguard.runtime.history import StepRecorder
@@ -46,7 +47,6 @@ STATIC_PLANS = {"none": ALL_SAVE, "full": ALL_SAVE, "experts": EXPERTS_RECOMPUTE
 CUDA_MARGIN_FRACTION = 0.05  # of capacity left to the allocator's fragmentation and NCCL
 # Under "full" the whole layer is recomputed; recorded as every operator recomputed.
 FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
-OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 1}
 
 
 def attach(model: nn.Module, budget=None, policy: str = "adaptive",
@@ -88,8 +88,9 @@ class Guard:
         self.cost.calibrate(self.shape, experts.num_experts, self.device, dtype)
         self.planner = Planner(self.shape, self.cost)
         self.forecast = Forecast(num_layers=len(self.moe_blocks),
-                                 head_bytes_per_token=self._head_estimate(),
-                                 post_bytes_per_token=self._shared_estimate())
+                                 head_bytes_per_token=head_bytes_estimate(model),
+                                 post_bytes_per_token=shared_bytes_estimate(
+                                     getattr(self.moe_blocks[0], "shared", None)))
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
         self.optimizer = optimizer
         self.history: list[dict] = []
@@ -97,6 +98,10 @@ class Guard:
         self._full_recompute = policy == "full"   # new layers start fully recomputed
         self._in_full_region = False                # inside a whole-layer checkpoint
         self._in_forward = False                    # False during backward's recompute
+        self._max_routed = 0                        # largest routed count this micro-batch
+        self._mb_tokens = 0
+        self._layer_bytes_per_token = 0.0           # attention part, measured (max seen)
+        self._routed_per_token = 0.0                # routed copies per token (max seen)
         self._handles: list = []
         self._install()
         self.ledger.set_static(self._static_bytes())
@@ -111,38 +116,9 @@ class Guard:
         raise UsageError("on CPU there is no device memory to measure: give a budget "
                          "(e.g. budget='512MiB'); the ledger emulates a device of that size")
 
-    def _head_estimate(self) -> float:
-        """Bytes per token the output head keeps, before the first micro-batch measures it:
-        a conservative guess from the last Linear (its input, logits and log-softmax)."""
-        linears = [m for m in self.model.modules() if isinstance(m, nn.Linear)]
-        if not linears:
-            return 0.0
-        head = linears[-1]
-        elem = head.weight.element_size()
-        return float(elem * (4 * head.in_features + 2 * head.out_features) + 16)
-
-    def _shared_estimate(self) -> float:
-        """Bytes per token a shared expert keeps (SwiGLU: gate/up output, silu, product),
-        before the first micro-batch measures it."""
-        shared = getattr(self.moe_blocks[0], "shared", None)
-        if shared is None:
-            return 0.0
-        linears = [m for m in shared.modules() if isinstance(m, nn.Linear)]
-        elem = linears[0].weight.element_size()
-        return float(elem * 2 * sum(m.out_features for m in linears[:-1]))
-
     def _static_bytes(self) -> int:
-        params = [p for p in self.model.parameters()]
-        self.tracker.static_keys = {storage_key(p) for p in params}
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        state_bytes = 0
-        if self.optimizer is not None:
-            measured = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                           for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-            per_param = OPTIMIZER_STATES.get(type(self.optimizer).__name__, 2)
-            state_bytes = max(measured, per_param * grad_bytes)
-        return param_bytes + grad_bytes + state_bytes
+        self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
+        return static_bytes(self.model, self.optimizer)
 
     def _install(self) -> None:
         self.model._spikeguard = self
@@ -241,6 +217,7 @@ class Guard:
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
         self._max_routed = 0
+        self._mb_tokens = _num_tokens(args, kwargs)
         if self._step is not None:
             self._step.begin_attempt()
         self.planner.refresh()
@@ -270,7 +247,7 @@ class Guard:
     def _layer_forward(self, layer, orig_forward, layer_idx, *args, **kwargs):
         if self._in_forward:
             self.ctx.layer, self.ctx.op = layer_idx, "attn"
-        if self._full_recompute and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (self._full_recompute or self._layer_cannot_fit(layer_idx)):
             # The flag is set inside the checkpointed function, so backward's recompute
             # takes the same path as the forward did.
             return checkpoint(functools.partial(self._full_region, orig_forward), *args,
@@ -278,6 +255,25 @@ class Guard:
                               context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                            base_policy))
         return orig_forward(*args, **kwargs)
+
+    def _layer_cannot_fit(self, layer: int) -> bool:
+        """Before a layer runs: would it overflow even with its expert path at the least
+        the planner can keep? Then recompute the whole layer (attention included) rather
+        than discover it mid-layer and pay the safety net's re-run. Needs the attention
+        part's bytes per token, measured on earlier layers; never on the first ones."""
+        if self.policy != "adaptive" or not self._in_forward or self._layer_bytes_per_token <= 0:
+            return False
+        tokens = self._mb_tokens
+        layer_part = int(self._layer_bytes_per_token * tokens)
+        routed = max(self._max_routed, self._routed_per_token * tokens)
+        least = layer_part + self.planner.min_bytes_per_token * routed
+        to_come = self.forecast.still_to_come(layer, layer_part, routed,
+                                              self.planner.min_bytes_per_token, tokens)
+        if self.ledger.in_use() + least + to_come <= self.budget_bytes:
+            return False
+        if self._step is not None:
+            self._step.full_layers += 1
+        return True
 
     def _full_region(self, orig_forward, *args, **kwargs):
         outer, self._in_full_region = self._in_full_region, True
@@ -333,6 +329,10 @@ class Guard:
             mb = self.ctx.micro_batch
             self._max_routed = max(self._max_routed, num_routed)
             layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
+            if self._mb_tokens:
+                self._layer_bytes_per_token = max(self._layer_bytes_per_token,
+                                                  layer_part / self._mb_tokens)
+                self._routed_per_token = max(self._routed_per_token, num_routed / self._mb_tokens)
             to_come = self.forecast.still_to_come(
                 layer, layer_part, self._max_routed, self.planner.min_bytes_per_token,
                 self._tokens_hint(num_routed))

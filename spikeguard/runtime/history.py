@@ -22,6 +22,7 @@ class StepRecorder:
         self.attempt: Counter = Counter()
         self.imbalance: dict[int, float] = {}
         self.safety_net_reruns = 0
+        self.full_layers = 0   # layers the adaptive guard recomputed whole, decided at entry
         self.evicted_bytes = 0
         self.plan_us: list[float] = []
         self.offloaded_bytes_before = offloaded_bytes_before
@@ -51,6 +52,7 @@ class StepRecorder:
             "decisions": {a: self.decisions.get(a, 0) for a in ACTIONS},
             "layer_imbalance": imbalance, "max_imbalance": max(imbalance),
             "micro_batches": self.micro_batches, "safety_net_reruns": self.safety_net_reruns,
+            "full_layers": self.full_layers,
             "evicted_bytes": self.evicted_bytes,
             "offloaded_bytes": offloaded_bytes_now - self.offloaded_bytes_before,
             "plan_us": sum(self.plan_us) / len(self.plan_us) if self.plan_us else 0.0,
