@@ -335,7 +335,7 @@ class Guard:
                 self._routed_per_token = max(self._routed_per_token, num_routed / self._mb_tokens)
             to_come = self.forecast.still_to_come(
                 layer, layer_part, self._max_routed, self.planner.min_bytes_per_token,
-                self._tokens_hint(num_routed))
+                self._mb_tokens or num_routed)
             headroom = self.budget_bytes - self.ledger.in_use() - to_come
             if self.device.type == "cuda":
                 # The allocator also holds the stage temporaries (per-expert GEMM outputs
@@ -364,10 +364,6 @@ class Guard:
         if self._step is not None:
             self._step.plan_us.append((time.perf_counter() - start) * 1e6)
         return decision
-
-    def _tokens_hint(self, num_routed: int) -> int:
-        top_k = self.moe_blocks[0].router.top_k
-        return max(1, num_routed // top_k)
 
     def _record(self, layer: int, counts: list[int], plan: LayerPlan) -> None:
         if self._step is not None:
