@@ -59,6 +59,7 @@ class OffloadedStorage:
         self.num_bytes = src.untyped_storage().nbytes()
         self.numel = self.num_bytes // src.element_size()
         self.refs = 0
+        self.live_key = None  # set when the engine may hand this copy out again
         self.reloaded: Optional[torch.Tensor] = None
         self.reload_event = None
         flat = torch.empty(0, dtype=src.dtype, device=src.device).set_(
@@ -114,17 +115,12 @@ class OffloadEngine:
         Storages are matched by address *and* the serial of the executor's tag: a freed
         storage's address can be reused by a new tensor within the same forward."""
         key = (*storage_key(t), tag_serial)
-        if tag_serial < 0:
-            stored = OffloadedStorage(self, t, where)
-            self._by_layer[where[:2]].append(stored)
-            self.ledger.add_host(stored.num_bytes)
-            self.offloaded_bytes_total += stored.num_bytes
-            stored.refs += 1
-            return stored
-        stored = self._live.get(key)
+        stored = self._live.get(key) if tag_serial >= 0 else None
         if stored is None:
             stored = OffloadedStorage(self, t, where)
-            self._live[key] = stored
+            if tag_serial >= 0:
+                self._live[key] = stored
+                stored.live_key = key
             self._by_layer[where[:2]].append(stored)
             self.ledger.add_host(stored.num_bytes)
             self.offloaded_bytes_total += stored.num_bytes
@@ -138,9 +134,8 @@ class OffloadEngine:
             stored.prefetch()
 
     def forget(self, stored: OffloadedStorage) -> None:
-        for key, value in list(self._live.items()):
-            if value is stored:
-                del self._live[key]
+        if self._live.get(stored.live_key) is stored:
+            del self._live[stored.live_key]
         layer_list = self._by_layer.get(stored.where[:2], [])
         if stored in layer_list:
             layer_list.remove(stored)
