@@ -54,6 +54,17 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=int, default=None)
     run.add_argument("--eval-batches", type=int, default=None)
     _add_io_args(train)
+    par = train.add_argument_group("expert parallelism (torchrun, gloo on CPU)")
+    par.add_argument("--nproc", type=int, default=1,
+                     help="processes to start with torchrun on this machine (default 1)")
+    par.add_argument("--ep", type=int, default=None,
+                     help="expert-parallel size (default: --nproc)")
+    par.add_argument("--skew", default=None,
+                     choices=("production", "one-hot-rank", "rotating", "burst"),
+                     help="inject routing skew (spikeguard.bench.skew); default none")
+    par.add_argument("--skew-seed", type=int, default=0)
+    par.add_argument("--spike-max", type=float, default=None,
+                     help="largest spike, max/mean tokens per rank (default 2.6, at most --ep)")
     memory = train.add_argument_group("memory guard")
     memory.add_argument("--budget", default=None,
                         help="device memory budget: 24GiB, 500MB or a byte count")
@@ -99,8 +110,33 @@ def _run_train(args: argparse.Namespace) -> int:
     # Read here, not in the guard factory, so a bad --budget fails before any work.
     args.budget_bytes = parse_bytes(args.budget) if args.budget is not None else None
     use_guard = args.budget is not None or args.policy is not None
+    if args.nproc != 1 or args.ep not in (None, 1) or args.skew is not None:
+        from spikeguard.parallel.launch import check_layout, relaunch_under_torchrun, under_torchrun
+
+        ep = args.ep if args.ep is not None else args.nproc
+        check_layout(args.nproc, ep, model_cfg.num_experts)
+        if ep < 2 and args.skew is not None:
+            raise UsageError("--skew needs expert parallelism: use --nproc 2 or more")
+        args.skew_config = _skew_config(args, ep)
+        if not under_torchrun():
+            code = relaunch_under_torchrun(args.nproc, args.argv)
+            if code:
+                print(f"spikeguard: a rank failed (torchrun exit {code}); its message is above",
+                      file=sys.stderr)
+                return 3
+            return 0
     return _run(args.preset, model_cfg, train_cfg, data=args.data, log=args.log,
-                threads=args.threads, guard_args=args if use_guard else None)
+                threads=args.threads, guard_args=args if use_guard else None,
+                parallel_args=args if hasattr(args, "skew_config") else None)
+
+
+def _skew_config(args: argparse.Namespace, ep: int):
+    if args.skew is None:
+        return None
+    from spikeguard.bench.skew import SkewConfig
+
+    spike_max = args.spike_max if args.spike_max is not None else min(2.6, float(ep))
+    return SkewConfig(seed=args.skew_seed, pattern=args.skew, spike_max_ratio=spike_max)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -131,7 +167,8 @@ def _make_guard(model, args: argparse.Namespace, optimizer):
 
 
 def _run(preset: str, model_cfg, train_cfg, *, data: Optional[str], log: Optional[str],
-         threads: Optional[int], guard_args: Optional[argparse.Namespace]) -> int:
+         threads: Optional[int], guard_args: Optional[argparse.Namespace],
+         parallel_args: Optional[argparse.Namespace] = None) -> int:
     import torch
 
     if threads is not None and threads <= 0:
@@ -141,14 +178,33 @@ def _run(preset: str, model_cfg, train_cfg, *, data: Optional[str], log: Optiona
         torch.set_num_threads(threads)
     try:
         return _train_and_report(preset, model_cfg, train_cfg, data=data, log=log,
-                                 guard_args=guard_args)
+                                 guard_args=guard_args, parallel_args=parallel_args)
     finally:
         # main() may run inside a longer-lived process (tests): leave its setting as found.
         torch.set_num_threads(threads_before)
 
 
+def _expert_parallel(model, model_cfg, args: argparse.Namespace):
+    """Join torchrun's group, shard the experts, attach the skew injector: the loop's hooks."""
+    from spikeguard.parallel.expert_parallel import parallelize_experts
+    from spikeguard.parallel.launch import init_worker
+    from spikeguard.parallel.training import ExpertParallelHooks
+
+    worker = init_worker()
+    parallelize_experts(model, worker.group)
+    injector = None
+    if args.skew_config is not None:
+        from spikeguard.bench.skew import SkewInjector, SkewSchedule
+
+        schedule = SkewSchedule(args.skew_config, worker.world_size)
+        injector = SkewInjector(schedule, worker.world_size).attach(model)
+        injector.set_step(0)  # the evaluation before the first step
+    return ExpertParallelHooks(worker, injector)
+
+
 def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
-                      log: Optional[str], guard_args: Optional[argparse.Namespace]) -> int:
+                      log: Optional[str], guard_args: Optional[argparse.Namespace],
+                      parallel_args: Optional[argparse.Namespace] = None) -> int:
     import torch
     from rich.console import Console
 
@@ -164,6 +220,13 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
     model = build_model(model_cfg, seed=train_cfg.seed)
     console = Console()
     num_params = sum(p.numel() for p in model.parameters())
+    parallel = _expert_parallel(model, model_cfg, parallel_args) if parallel_args else None
+    if parallel is not None:
+        if log is not None and parallel.worker.rank:
+            stem, dot, ext = log.rpartition(".")
+            log = f"{stem}.rank{parallel.worker.rank}.{ext}" if dot else f"{log}.rank{parallel.worker.rank}"
+        if not parallel.is_main:
+            console = Console(quiet=True)
     tokens_per_step = train_cfg.micro_batches * train_cfg.batch_size * model_cfg.seq_len
     _say(console, f"model {preset}: {model_cfg.num_layers} layers, {model_cfg.num_experts} "
                   f"experts top-{model_cfg.top_k}, {num_params / 1e6:.2f}M params | "
@@ -178,8 +241,17 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
 
         def factory(guarded_model, optimizer):
             return _make_guard(guarded_model, guard_args, optimizer)
-    records = train(model, model_cfg, train_cfg, corpus, guard_factory=factory, log_path=log,
-                    console=console)
+    if parallel is not None:
+        _say(console, f"expert parallel: {parallel.worker.world_size} ranks (gloo), "
+                      f"{model_cfg.num_experts // parallel.worker.world_size} experts each; "
+                      f"skew {parallel_args.skew or 'none'}; step lines are rank 0's, "
+                      f"rank-imb and peak are the cluster's")
+    try:
+        records = train(model, model_cfg, train_cfg, corpus, guard_factory=factory,
+                        log_path=log, console=console, parallel=parallel)
+    finally:
+        if parallel is not None:
+            parallel.close()
     s = summarize(records)
     seconds = s["train_time_s"]
     _say(console, f"done: {s['steps']} steps in {seconds:.{1 if seconds >= 10 else 2}f} s "
@@ -200,17 +272,22 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
+    if argv is None:
+        from spikeguard.parallel.launch import worker_argv
+        argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
     try:
         try:
             args = _build_parser().parse_args(argv)
         except SystemExit as exc:       # --help / --version
             return exc.code if isinstance(exc.code, int) else 0
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         return args.run(args)
     except UsageError as exc:
         print(f"spikeguard: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except DeviceOutOfMemory as exc:
-        print(f"spikeguard: out of memory: {_one_line(exc)}", file=sys.stderr)
+        rank = f" on rank {os.environ['RANK']}" if "RANK" in os.environ else ""
+        print(f"spikeguard: out of memory{rank}: {_one_line(exc)}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("spikeguard: interrupted", file=sys.stderr)

@@ -38,11 +38,16 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
         f"{format_rate(record['tokens_per_s']):>6} tok/s",
         f"imb {record['imbalance']:.1f}x",
     ]
+    if "max_rank_imbalance" in record:
+        parts.append(f"rank-imb {record['max_rank_imbalance']:.2f}x "
+                     f"(r{record['hot_rank']} L{record['hot_layer']})")
     if "peak_bytes" in record and "budget_bytes" in record:
         budget = record["budget_bytes"]
-        unit = byte_unit(max(budget or 0, record["peak_bytes"] or 0))
+        peak = record.get("max_peak_bytes", record["peak_bytes"])  # the cluster's worst rank
+        unit = byte_unit(max(budget or 0, peak or 0))
         budget_text = format_bytes(budget, unit=unit) if budget else "none"
-        parts.append(f"peak {format_bytes(record['peak_bytes'], unit=unit)} / {budget_text}")
+        where = f" r{record['peak_rank']}" if "peak_rank" in record else ""
+        parts.append(f"peak {format_bytes(peak, unit=unit)}{where} / {budget_text}")
     decisions = record.get("decisions")
     if isinstance(decisions, dict):
         parts.append(f"save {decisions.get('save', 0)} rec {decisions.get('recompute', 0)} "

@@ -136,13 +136,17 @@ def _reporter(console: Console, num_steps: int) -> Iterator[_Reporter]:
 def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corpus: Corpus, *,
           guard: Any = None, guard_factory: Optional[GuardFactory] = None,
           log_path: Optional[str | Path] = None,
-          console: Optional[Console] = None) -> list[dict[str, Any]]:
+          console: Optional[Console] = None, parallel: Any = None) -> list[dict[str, Any]]:
     """Train `model` in place for `train_cfg.steps` steps; returns one record per step.
 
     Records hold step, loss (the objective: cross-entropy + aux), ce_loss, aux_loss,
     grad_norm, tokens, step_time_s, tokens_per_s, imbalance (worst layer),
     imbalance_per_layer, val_loss on evaluation steps, val_loss_init (the initial weights'
     validation loss) on the first record, plus whatever the guard recorded for the step.
+
+    `parallel` (spikeguard.parallel.training.ExpertParallelHooks) makes this one rank of an
+    expert-parallel group: its own data shard, scaled loss, gradient all-reduce, skew
+    steering, and a cluster summary in every record; only the main rank prints.
     """
     if guard is not None and guard_factory is not None:
         raise UsageError("pass either guard or guard_factory to train(), not both")
@@ -152,8 +156,9 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
     with contextlib.ExitStack() as stack:
         log_file = stack.enter_context(open_log(log_path)) if log_path is not None else None
         torch.manual_seed(train_cfg.seed)
-        train_gen = torch.Generator().manual_seed(train_cfg.seed)
-        val_gen = torch.Generator().manual_seed(train_cfg.seed + _VAL_SEED_OFFSET)
+        shard = parallel.seed_offset if parallel is not None else 0
+        train_gen = torch.Generator().manual_seed(train_cfg.seed + shard)
+        val_gen = torch.Generator().manual_seed(train_cfg.seed + _VAL_SEED_OFFSET + shard)
         val_batches = [corpus.get_batch("val", train_cfg.batch_size, seq_len, val_gen)
                        for _ in range(train_cfg.eval_batches)]
         # Before the guard exists: the initial weights' loss needs no memory management.
@@ -163,9 +168,13 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
             guard = guard_factory(model, optimizer)
         model.train()
         records = []
-        reporter = stack.enter_context(_reporter(console, train_cfg.steps))
+        quiet = parallel is not None and not parallel.is_main
+        reporter = stack.enter_context(_reporter(console, train_cfg.steps)) if not quiet else None
         for step in range(1, train_cfg.steps + 1):
-            record = _train_step(model, optimizer, train_cfg, corpus, train_gen, seq_len, guard)
+            if parallel is not None:
+                parallel.before_step(step)
+            record = _train_step(model, optimizer, train_cfg, corpus, train_gen, seq_len, guard,
+                                 parallel)
             record = {"step": step, **record}
             if step == 1:
                 record["val_loss_init"] = val_loss_init
@@ -175,20 +184,27 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
                 # The loop's own keys win a name clash: "step" must stay the loop's count.
                 for key, value in dict(guard.history[-1]).items():
                     record.setdefault(key, value)
+            if parallel is not None:
+                record.update(parallel.summarize(record, record.pop("_received_per_layer")))
+            else:
+                record.pop("_received_per_layer")
             records.append(record)
             if log_file is not None:
                 write_record(log_file, record)
-            reporter.line(step_line(record, train_cfg.steps))
-            reporter.advance()
+            if reporter is not None:
+                reporter.line(step_line(record, train_cfg.steps))
+                reporter.advance()
     return records
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
                 corpus: Corpus, generator: torch.Generator, seq_len: int,
-                guard: Any) -> dict[str, Any]:
+                guard: Any, parallel: Any = None) -> dict[str, Any]:
     """One optimizer step over cfg.micro_batches micro-batches (gradient accumulation)."""
     moe_blocks = model.moe_blocks()
     imbalance_per_layer = [1.0] * len(moe_blocks)
+    received_per_layer = [0] * len(moe_blocks)  # routed copies this process's experts got
+    scale = parallel.loss_scale if parallel is not None else 1.0
     loss_sum = torch.zeros(())
     ce_sum = torch.zeros(())
     aux_sum = torch.zeros(())
@@ -200,7 +216,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainCo
             out = model(idx_BT, targets_BT)
             # Divide before backward so accumulated gradients equal the mean over
             # micro-batches, i.e. the gradient of one big batch.
-            (out.loss / cfg.micro_batches).backward()
+            (out.loss / cfg.micro_batches * scale).backward()
             loss_sum += out.loss.detach()
             ce_sum += out.ce_loss.detach()
             aux_sum += out.aux_loss.detach()
@@ -209,6 +225,10 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainCo
             for i, block in enumerate(moe_blocks):
                 imbalance_per_layer[i] = max(imbalance_per_layer[i],
                                              expert_imbalance(block.last_tokens_per_expert))
+                received_per_layer[i] = max(received_per_layer[i],
+                                            sum(block.last_tokens_per_expert))
+    if parallel is not None:
+        parallel.after_backward(model)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     step_time_s = time.perf_counter() - start_s
@@ -223,6 +243,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainCo
         "tokens_per_s": num_tokens / step_time_s,
         "imbalance": max(imbalance_per_layer, default=1.0),
         "imbalance_per_layer": imbalance_per_layer,
+        "_received_per_layer": received_per_layer,
     }
 
 

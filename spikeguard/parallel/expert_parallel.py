@@ -1,0 +1,190 @@
+"""Expert parallelism: experts sharded over a process group, tokens exchanged by all-to-all.
+
+T = tokens in this rank's micro-batch, D = model width, E = experts in the whole model,
+L = experts local to this rank (E / ep), K = top-k, N = routed copies this rank sends
+(T*K), M = routed copies this rank receives (its local experts' load), R = ep ranks.
+
+    model = build_model(cfg)
+    parallelize_experts(model, group)          # before the optimizer: new expert parameters
+    guard = spikeguard.attach(model, budget=..., policy="adaptive")
+    (model(x, y).loss / group_size).backward()
+    allreduce_replicated_grads(model, group)
+
+Rank r owns global experts [r*L, (r+1)*L). Dispatch, in the order of Megatron-Core's
+dropless dispatcher: sort the local copies by global expert, exchange the per-expert counts,
+bring them to the host (the decision window: from here the exact rows each local expert
+will get are host integers), exchange the tokens, then regroup the received rows (ordered
+source rank, then local expert) expert by expert.
+
+Every collective here is a `torch.ops._c10d_functional` op (`all_to_all_single`, then
+`wait_tensor`), which in torch 2.13 has its own autograd (backward: the reverse exchange).
+The guard's checkpoint policies mark exactly those ops MUST_SAVE (runtime/executor.py,
+ALWAYS_SAVED_OPS), so a recomputed region that contains a dispatch or combine replays the
+cached exchange instead of communicating again, and ranks that take different memory
+decisions in the same step still issue the same collectives. The older
+`torch.distributed.nn.functional.all_to_all_single` also works on gloo with uneven splits,
+but it is deprecated in 2.13 and its op (c10d.alltoall_base_) would be re-run by a
+recompute, which hangs a group whose ranks decided differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+# Imported for its side effect: it registers the autograd of the _c10d_functional ops
+# (torch 2.13); without it their backward silently passes no gradient to the input.
+import torch.distributed._functional_collectives  # noqa: F401
+from torch import nn
+
+from spikeguard.errors import UsageError
+from spikeguard.model.dispatch import Dispatched
+from spikeguard.model.moe import MoEBlock
+from spikeguard.model.router import Routing
+
+
+@dataclass
+class ExpertParallelDispatched(Dispatched):
+    """A Dispatched whose rows were exchanged; keeps what combine needs to send them back."""
+
+    send_splits: list[int] = field(default_factory=list)  # rows sent to each rank (sum N)
+    recv_splits: list[int] = field(default_factory=list)  # rows from each rank (sum M)
+    unsort_M: Optional[torch.Tensor] = None  # expert-grouped row -> its received position
+
+
+class ExpertParallelDispatcher:
+    """Dispatch/combine over an expert-parallel group; same interface as LocalDispatcher."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts_total: int):
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        check_divisible(num_experts_total, self.ep_size)
+        self.num_experts_total = num_experts_total
+        self.num_local_experts = num_experts_total // self.ep_size
+        self.expert_lo = self.ep_rank * self.num_local_experts
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> ExpertParallelDispatched:
+        R, L = self.ep_size, self.num_local_experts
+        top_k = routing.topk_idx_TK.shape[-1]
+        expert_idx_N = routing.topk_idx_TK.reshape(-1)
+        order_N = torch.argsort(expert_idx_N, stable=True)
+        token_idx_N = order_N // top_k
+        send_counts_E = torch.bincount(expert_idx_N, minlength=self.num_experts_total)
+        # Row s of recv_counts_RL: copies rank s sends to each of this rank's experts.
+        recv_counts_RL = self._all_to_all(send_counts_E, [L] * R, [L] * R).view(R, L)
+        # One host sync for both directions: the decision window opens here.
+        send_RL, recv_RL = torch.stack([send_counts_E.view(R, L), recv_counts_RL]).tolist()
+        send_splits = [sum(row) for row in send_RL]
+        recv_splits = [sum(row) for row in recv_RL]
+        sent_ND = x_TD.index_select(0, token_idx_N)
+        recv_MD = self._all_to_all(sent_ND, recv_splits, send_splits)
+        # Received rows come source-major; a stable sort on the local expert id makes each
+        # expert's rows contiguous and keeps source order inside an expert, which is the
+        # row order a single process holding all experts would use for the same batch.
+        local_expert_RL = torch.arange(L, device=x_TD.device).repeat(R, 1)
+        local_expert_M = local_expert_RL.reshape(-1).repeat_interleave(recv_counts_RL.reshape(-1))
+        sort_M = torch.argsort(local_expert_M, stable=True)
+        return ExpertParallelDispatched(
+            x_ND=recv_MD.index_select(0, sort_M),
+            tokens_per_expert=[sum(col) for col in zip(*recv_RL)],
+            token_idx_N=token_idx_N,
+            weight_N=routing.topk_weight_TK.reshape(-1).index_select(0, order_N),
+            num_tokens=x_TD.shape[0],
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            unsort_M=torch.argsort(sort_M),
+        )
+
+    def combine(self, y_MD: torch.Tensor, dispatched: ExpertParallelDispatched) -> torch.Tensor:
+        recv_order_MD = y_MD.index_select(0, dispatched.unsort_M)
+        y_ND = self._all_to_all(recv_order_MD, dispatched.send_splits, dispatched.recv_splits)
+        weighted_ND = y_ND * dispatched.weight_N.unsqueeze(-1)
+        out_TD = y_ND.new_zeros(dispatched.num_tokens, y_ND.shape[-1])
+        return out_TD.index_add(0, dispatched.token_idx_N, weighted_ND)
+
+    def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        """The raw functional ops, not `_functional_collectives.all_to_all_single`: that
+        wraps its output in an AsyncCollectiveTensor subclass in eager mode; these return
+        plain tensors, and are the very ops the checkpoint policies name."""
+        out = torch.ops._c10d_functional.all_to_all_single(
+            x, out_splits, in_splits, self.group.group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def check_divisible(num_experts: int, ep_size: int) -> None:
+    if num_experts % ep_size:
+        raise UsageError(f"expert-parallel size {ep_size} must divide the number of experts "
+                         f"({num_experts})")
+
+
+def parallelize_experts(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """Keep this rank's slice of every MoE block's experts and install the EP dispatcher.
+
+    Call on a finished model, identical on every rank (same seed), before building the
+    optimizer and before `spikeguard.attach`: the expert weights become new Parameters
+    holding only the local experts, so an optimizer made earlier would hold stale ones.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        raise UsageError("no MoE block found in the model (looked for spikeguard MoEBlock)")
+    ep_size = dist.get_world_size(group)
+    for block in blocks:  # all checks before any change: a refused model stays usable
+        if isinstance(block.dispatcher, ExpertParallelDispatcher):
+            raise UsageError("parallelize_experts() was already applied to this model")
+        check_divisible(block.experts.num_experts, ep_size)
+    for block in blocks:
+        experts = block.experts
+        dispatcher = ExpertParallelDispatcher(group, experts.num_experts)
+        lo, hi = dispatcher.expert_lo, dispatcher.expert_lo + dispatcher.num_local_experts
+        experts.w13_ED2F = nn.Parameter(experts.w13_ED2F.detach()[lo:hi].clone())
+        experts.w2_EFD = nn.Parameter(experts.w2_EFD.detach()[lo:hi].clone())
+        experts.num_experts = hi - lo
+        block.dispatcher = dispatcher
+    return model
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters: the experts of every MoE block with an EP dispatcher."""
+    return [p for m in model.modules()
+            if isinstance(m, MoEBlock) and isinstance(m.dispatcher, ExpertParallelDispatcher)
+            for p in m.experts.parameters()]
+
+
+def allreduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum over the group the gradients of every parameter that is not a sharded expert.
+
+    Each rank ran a different shard of the batch through its full copy of the replicated
+    parameters (embeddings, attention, norms, routers, shared experts), so the whole
+    batch's gradient is the sum of the ranks' gradients. Loss scaling: the loss is a mean
+    over the rank's tokens, so with equal shards the whole batch's loss is the mean of the
+    ranks' losses; backward `loss / group_size` on each rank and this sum gives exactly the
+    single-process gradient over the whole batch. The expert gradients need no reduction:
+    the reverse all-to-all already brought every rank's (scaled) contribution to the one
+    rank that owns each expert. (The load-balancing loss is a product of batch means, so
+    per-shard aux losses are not the whole batch's; only the cross-entropy part matches.)
+
+    One flat buffer, one all_reduce. A parameter whose gradient is None on some ranks but
+    not all is reduced with zeros there (a mask is summed first), so every rank issues a
+    collective of the same size; one with no gradient anywhere stays None.
+    """
+    sharded = {id(p) for p in expert_parameters(model)}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in sharded]
+    if not params:
+        return
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(has_grad, group=group)
+    params = [p for p, n in zip(params, has_grad.tolist()) if n > 0]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()

@@ -1,0 +1,87 @@
+"""Spawned rank functions for the expert-parallel tests (importable by the child processes).
+
+B = sequences, T = tokens per sequence. Each rank runs one micro-batch, its shard of the
+same global batch, through the EP layout, once per scenario, and saves its gradients (the
+expert slice plus the all-reduced replicated ones) and the guard's step record to
+`out_dir/{scenario}_rank{r}.pt`; the parent compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+import spikeguard
+from spikeguard.errors import UsageError
+from spikeguard.model import build_model, model_config
+from spikeguard.parallel import allreduce_replicated_grads, parallelize_experts
+from spikeguard.parallel.launch_utils import close_gloo, init_gloo
+
+HUGE = "1GiB"
+
+
+def global_batch(num_sequences: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, vocab_size, (num_sequences, seq_len + 1), generator=gen)
+
+
+def shard(tokens_BT: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return tokens_BT.chunk(world_size)[rank]
+
+
+def _resolve_budget(spec, peaks: dict):
+    """'tight': halfway between the least the expert path can keep (measured under the
+    experts / offload policies on this rank) and keeping everything; forces the adaptive
+    planner to recompute or offload, yet leaves the attention part room (no safety net)."""
+    if spec != "tight":
+        return spec
+    return (peaks["none"] + min(peaks["experts"], peaks["offload"])) // 2
+
+
+def _try_refused_layout(rank: int, world_size: int, group, out_dir: str) -> None:
+    """EP size not dividing the experts: every rank must refuse, before changing anything."""
+    model = build_model(model_config("tiny", num_experts=world_size + 1), seed=0)
+    result = {"usage_error": False, "message": "", "unchanged": False}
+    try:
+        parallelize_experts(model, group)
+    except UsageError as err:
+        result["usage_error"], result["message"] = True, str(err)
+    block = model.blocks[0].moe
+    result["unchanged"] = (block.experts.w13_ED2F.shape[0] == world_size + 1
+                           and type(block.dispatcher).__name__ == "LocalDispatcher")
+    torch.save(result, Path(out_dir) / f"refused_rank{rank}.pt")
+
+
+def step_worker(rank: int, world_size: int, store_path: str, out_dir: str, cfg_overrides: dict,
+                num_sequences: int, scenarios: list) -> None:
+    """scenarios: (name, policy_by_rank, budget_by_rank); policy "plain" = no guard."""
+    group = init_gloo(rank, world_size, store_path)
+    try:
+        cfg = model_config("tiny", **cfg_overrides)
+        _try_refused_layout(rank, world_size, group, out_dir)
+        tokens_BT = shard(global_batch(num_sequences, cfg.seq_len, cfg.vocab_size), rank,
+                          world_size)
+        peaks: dict = {}
+        for name, policy_by_rank, budget_by_rank in scenarios:
+            policy, budget = policy_by_rank[rank], budget_by_rank[rank]
+            model = parallelize_experts(build_model(cfg, seed=0), group)
+            guard = None
+            if policy != "plain":
+                guard = spikeguard.attach(model, budget=_resolve_budget(budget, peaks),
+                                          policy=policy)
+            with guard.step() if guard else contextlib.nullcontext():
+                loss = model(tokens_BT[:, :-1], tokens_BT[:, 1:]).loss / world_size
+                loss.backward()
+            allreduce_replicated_grads(model, group)
+            record = guard.history[-1] if guard else None
+            if record is not None and budget == HUGE:
+                peaks[policy] = record["peak_bytes"]
+            torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
+                        "record": record, "loss": loss.detach()},
+                       Path(out_dir) / f"{name}_rank{rank}.pt")
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo(group)
