@@ -63,6 +63,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      choices=("production", "one-hot-rank", "rotating", "burst"),
                      help="inject routing skew (spikeguard.bench.skew); default none")
     par.add_argument("--skew-seed", type=int, default=0)
+    par.add_argument("--spike-prob", type=float, default=None,
+                     help="probability of a spike step (default 0.029, the production rate)")
     par.add_argument("--spike-max", type=float, default=None,
                      help="largest spike, max/mean tokens per rank (default 2.6, at most --ep)")
     memory = train.add_argument_group("memory guard")
@@ -118,6 +120,9 @@ def _run_train(args: argparse.Namespace) -> int:
         if ep < 2 and args.skew is not None:
             raise UsageError("--skew needs expert parallelism: use --nproc 2 or more")
         args.skew_config = _skew_config(args, ep)
+        if args.skew_config is not None:
+            from spikeguard.bench.skew import SkewSchedule
+            SkewSchedule(args.skew_config, ep)  # its checks (e.g. a spike above ep) fail here
         if not under_torchrun():
             code = relaunch_under_torchrun(args.nproc, args.argv)
             if code:
@@ -136,7 +141,9 @@ def _skew_config(args: argparse.Namespace, ep: int):
     from spikeguard.bench.skew import SkewConfig
 
     spike_max = args.spike_max if args.spike_max is not None else min(2.6, float(ep))
-    return SkewConfig(seed=args.skew_seed, pattern=args.skew, spike_max_ratio=spike_max)
+    extra = {"spike_probability": args.spike_prob} if args.spike_prob is not None else {}
+    return SkewConfig(seed=args.skew_seed, pattern=args.skew, spike_max_ratio=spike_max,
+                      spike_min_ratio=min(1.2, spike_max), **extra)
 
 
 def _run_demo(args: argparse.Namespace) -> int:

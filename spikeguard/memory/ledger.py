@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -65,6 +66,11 @@ class Ledger:
     def __post_init__(self) -> None:
         # Read on every saved tensor: a plain attribute, not a property.
         self.is_cuda = self.device.type == "cuda"
+        # Under expert parallelism a rank must not stop mid-forward (the others would wait
+        # in the next all-to-all): it records the first overflow and carries on, and the
+        # group decides together once the forward is done.
+        self.defer_overflow = False
+        self.overflow: Optional[DeviceOutOfMemory] = None
 
     def in_use(self) -> int:
         """Bytes in use on the device now: the allocator's figure on CUDA, ours on CPU."""
@@ -86,10 +92,13 @@ class Ledger:
         if check and self.enforce and not self.is_cuda:
             after = self.static_bytes + self.activation_bytes + num_bytes
             if after > self.budget_bytes:
-                raise DeviceOutOfMemory(
+                err = DeviceOutOfMemory(
                     f"saving {format_bytes(num_bytes)} for {_where_str(where)} would put "
                     f"{format_bytes(after)} on a device of {format_bytes(self.budget_bytes)}",
                     needed_bytes=after, budget_bytes=self.budget_bytes)
+                if not self.defer_overflow:
+                    raise err
+                self.overflow = self.overflow or err
         self._entries[key] = _Entry(num_bytes, 1, where)
         self.activation_bytes += num_bytes
         self._by_where[where] += num_bytes

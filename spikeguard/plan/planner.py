@@ -113,6 +113,12 @@ class Planner:
             f"headroom left after evicting earlier layers",
             needed_bytes=shortfall - evictable_bytes)
 
+    def least(self, num_routed: int) -> Decision:
+        """The plan keeping the least on the device (when nothing fits and the forward must
+        still finish, as on an expert-parallel rank)."""
+        r = min(self._ranked, key=lambda r: (r.device_bytes_per_token, r.s_per_token))
+        return Decision(r.plan, r.device_bytes_per_token * num_routed, r.s_per_token * num_routed)
+
     def fixed(self, plan: LayerPlan, num_routed: int) -> Decision:
         """A static policy's decision, with the same bookkeeping."""
         return Decision(plan, self.device_bytes_per_token(plan) * num_routed,

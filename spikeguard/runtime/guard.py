@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -75,6 +76,9 @@ class Guard:
         self.model = model
         self.policy = policy
         self.device = next(model.parameters()).device
+        # The expert-parallel group, if parallelize_experts() was applied before attach.
+        self.group = next((b.dispatcher.group for b in self.moe_blocks
+                           if getattr(b.dispatcher, "group", None) is not None), None)
         self.budget_bytes = self._resolve_budget(budget)
         self.ledger = Ledger(self.budget_bytes, self.device)
         self.ctx = Context()
@@ -173,7 +177,7 @@ class Guard:
             return orig_forward(*args, **kwargs)
         mb = self._step.micro_batches if self._step else 0
         try:
-            return self._forward_micro_batch(orig_forward, mb, args, kwargs)
+            return self._attempt(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             if self.policy != "adaptive" or self._full_recompute:
                 raise _as_device_oom(err) from None
@@ -186,7 +190,7 @@ class Guard:
                     mb, message)
         self._full_recompute = True
         try:
-            return self._forward_micro_batch(orig_forward, mb, args, kwargs)
+            return self._attempt(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             failure = str(err)
         finally:
@@ -196,6 +200,29 @@ class Guard:
         raise BudgetInfeasible(
             f"even full recompute does not fit: {failure}; try a budget of at least "
             f"{format_bytes(needed, round_up=True)}", needed_bytes=needed, budget_bytes=self.budget_bytes)
+
+    def _attempt(self, orig_forward, mb, args, kwargs):
+        """One forward of a micro-batch. Under expert parallelism an "adaptive" rank that
+        overflows finishes the forward anyway (its all-to-alls must match the others'),
+        then the group agrees, one small all-reduce per micro-batch that every rank's
+        guard issues whatever its policy: if any rank overflowed, every rank raises, so
+        the adaptive ones take the safety net's re-run together. (A static policy that
+        overflows raises at once: that is the crash a real job would have.)"""
+        if self.group is None:
+            return self._forward_micro_batch(orig_forward, mb, args, kwargs)
+        self.ledger.overflow, self.ledger.defer_overflow = None, self.policy == "adaptive"
+        try:
+            out = self._forward_micro_batch(orig_forward, mb, args, kwargs)
+        finally:
+            self.ledger.defer_overflow = False
+        mine = self.ledger.overflow
+        flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            del out
+            raise mine or DeviceOutOfMemory(
+                "another rank of the expert-parallel group ran out of memory")
+        return out
 
     def _full_recompute_need(self, orig_forward, mb, args, kwargs) -> int:
         """The peak this micro-batch reaches under full recompute, measured with the emulated
@@ -351,6 +378,9 @@ class Guard:
             try:
                 decision = self.planner.decide(num_routed, headroom, evictable, backward_room)
             except BudgetInfeasible as err:
+                if self.ledger.defer_overflow:  # finish the forward; the group decides after
+                    self.ledger.overflow = self.ledger.overflow or err
+                    return self.planner.least(num_routed)
                 raise BudgetInfeasible(
                     f"micro-batch {mb}, layer {layer}: {err}; a budget of at least "
                     f"{format_bytes(self.budget_bytes + err.needed_bytes)} would let the "

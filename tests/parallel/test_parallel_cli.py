@@ -1,0 +1,51 @@
+"""`spikeguard train --nproc N --ep E`: layout errors before any process starts, and real
+2-rank runs under torchrun (gloo): a forced spike kills `none` on a rank with a message
+naming it, while `adaptive` finishes every step."""
+
+import subprocess
+import sys
+
+import pytest
+
+from spikeguard import cli
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY8 = ["train", "--preset", "tiny", "--num-experts", "8", "--steps", "3", "--batch-size", "8",
+         "--threads", "1"]
+SPIKE = ["--nproc", "2", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",
+         "--budget", "2.3MiB"]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--nproc", "3"], "divide the number of experts"),
+    (["--nproc", "4", "--ep", "3"], "divide the number of processes"),
+    (["--nproc", "4", "--ep", "2"], "data parallelism"),
+    (["--nproc", "0"], "positive"),
+    (["--skew", "production"], "expert parallelism"),
+    (["--nproc", "2", "--skew", "production", "--spike-max", "3"], "spike"),
+])
+def test_bad_layouts_exit_2_before_any_process_starts(extra, match, capsys):
+    assert cli.main(TINY8 + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], err
+
+
+def _run(args):
+    return subprocess.run([sys.executable, "-m", "spikeguard", *args], capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_none_dies_on_the_spiked_rank_with_a_clear_message():
+    proc = _run(TINY8 + SPIKE + ["--policy", "none"])
+    assert proc.returncode == 3
+    assert "spikeguard: out of memory on rank" in proc.stderr
+    assert "layer" in proc.stderr and "MiB" in proc.stderr
+
+
+def test_adaptive_finishes_every_step_under_the_same_spikes():
+    proc = _run(TINY8 + SPIKE + ["--policy", "adaptive"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 3
+    assert all("rank-imb" in line and "peak" in line for line in steps)
