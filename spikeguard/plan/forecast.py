@@ -24,13 +24,17 @@ class Forecast:
     load_margin: float = 0.25
     head_bytes_per_token: float = 0.0
     post_bytes_per_token: float = 0.0
+    # Kept after the experts whatever the plan, per token of the micro-batch: under expert
+    # parallelism the combine keeps the rows that came back from the reverse all-to-all
+    # (T*K of them, not this rank's received count), which the catalogue does not model.
+    combine_bytes_per_token: float = 0.0
     resident_bytes: int = 0  # other micro-batches the schedule keeps (pipeline issue)
 
     def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: int,
                       min_expert_bytes_per_token: int, num_tokens: int) -> int:
         remaining = self.num_layers - layer - 1
         future_routed = max_routed_seen * (1 + self.load_margin)
-        post = self.post_bytes_per_token * num_tokens
+        post = (self.post_bytes_per_token + self.combine_bytes_per_token) * num_tokens
         per_layer = layer_part_bytes + post + min_expert_bytes_per_token * future_routed
         return int(post + remaining * per_layer + self.head_bytes_per_token * num_tokens
                    + self.resident_bytes)

@@ -95,6 +95,11 @@ class Guard:
                                  head_bytes_per_token=head_bytes_estimate(model),
                                  post_bytes_per_token=shared_bytes_estimate(
                                      getattr(self.moe_blocks[0], "shared", None)))
+        if self.group is not None:
+            # Rows back from the reverse all-to-all and their weighted copy, plus weights.
+            top_k = self.moe_blocks[0].router.top_k
+            b = self.shape.elem_bytes
+            self.forecast.combine_bytes_per_token = top_k * (2 * self.shape.d_model * b + b)
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
         self.optimizer = optimizer
         self.history: list[dict] = []
