@@ -256,9 +256,12 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
     try:
         records = train(model, model_cfg, train_cfg, corpus, guard_factory=factory,
                         log_path=log, console=console, parallel=parallel)
-    finally:
+    except BaseException:
         if parallel is not None:
-            parallel.close()
+            parallel.close(clean=False)
+        raise
+    if parallel is not None:
+        parallel.close(clean=True)
     s = summarize(records)
     seconds = s["train_time_s"]
     _say(console, f"done: {s['steps']} steps in {seconds:.{1 if seconds >= 10 else 2}f} s "

@@ -26,11 +26,14 @@ class ExpertParallelHooks:
         self.loss_scale = 1.0 / worker.world_size
         self.is_main = worker.is_main
 
-    def close(self) -> None:
-        """Leave the group cleanly (a process exiting with a live gloo group aborts)."""
+    def close(self, clean: bool) -> None:
+        """Leave the group. After a clean run: wait for every rank, then tear down (a
+        process exiting with a live gloo group can abort). After a failure: nothing that
+        talks to the peers, which may be blocked in a collective; torchrun stops them."""
         if self.injector is not None:
             self.injector.detach()
-        if dist.is_initialized():
+        if clean and dist.is_initialized():
+            dist.barrier(group=self.worker.group)
             dist.destroy_process_group()
 
     def before_step(self, step: int) -> None:

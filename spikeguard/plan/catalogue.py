@@ -67,13 +67,21 @@ class ExpertShape:
     d_expert: int
     elem_bytes: int = 4
     weight_bytes: int = 4
+    # Expert parallelism: `down`'s output goes back through an all-to-all before combine,
+    # so what combine keeps is sized by the tokens this rank sent (T*K), not by the routed
+    # copies its experts received; the forecast reserves it per token instead, and `down`
+    # keeps nothing itself (its output is consumed by the gather before the exchange).
+    combine_after_exchange: bool = False
 
     def bytes_per_token(self) -> dict[str, int]:
         """Bytes kept per routed token copy, per operator (the slope of the linear model)."""
         D, F, b = self.d_model, self.d_expert, self.elem_bytes
+        if self.combine_after_exchange:
+            down, combine = 0, 0
+        else:
+            down, combine = D * b, D * b + self.weight_bytes
         return {"dispatch": D * b, "gate_up": 2 * F * b, "silu": F * b, "act": F * b,
-                "down": D * b,
-                "combine": D * b + self.weight_bytes}
+                "down": down, "combine": combine}
 
     def predict(self, num_routed: int) -> dict[str, int]:
         """Exact bytes each operator keeps for `num_routed` token copies, all saved."""

@@ -88,7 +88,8 @@ class Guard:
         experts = self.moe_blocks[0].experts
         dtype = experts.w13_ED2F.dtype
         self.shape = ExpertShape(d_model=experts.w13_ED2F.shape[1], d_expert=experts.d_expert,
-                                 elem_bytes=torch.empty((), dtype=dtype).element_size())
+                                 elem_bytes=torch.empty((), dtype=dtype).element_size(),
+                                 combine_after_exchange=self.group is not None)
         self.cost.calibrate(self.shape, experts.num_experts, self.device, dtype)
         self.planner = Planner(self.shape, self.cost)
         self.forecast = Forecast(num_layers=len(self.moe_blocks),

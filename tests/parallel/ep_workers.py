@@ -57,31 +57,35 @@ def _try_refused_layout(rank: int, world_size: int, group, out_dir: str) -> None
 def step_worker(rank: int, world_size: int, store_path: str, out_dir: str, cfg_overrides: dict,
                 num_sequences: int, scenarios: list) -> None:
     """scenarios: (name, policy_by_rank, budget_by_rank); policy "plain" = no guard."""
-    group = init_gloo(rank, world_size, store_path)
+    init_gloo(rank, world_size, store_path)
     try:
-        cfg = model_config("tiny", **cfg_overrides)
-        _try_refused_layout(rank, world_size, group, out_dir)
-        tokens_BT = shard(global_batch(num_sequences, cfg.seq_len, cfg.vocab_size), rank,
-                          world_size)
-        peaks: dict = {}
-        for name, policy_by_rank, budget_by_rank in scenarios:
-            policy, budget = policy_by_rank[rank], budget_by_rank[rank]
-            model = parallelize_experts(build_model(cfg, seed=0), group)
-            guard = None
-            if policy != "plain":
-                guard = spikeguard.attach(model, budget=_resolve_budget(budget, peaks),
-                                          policy=policy)
-            with guard.step() if guard else contextlib.nullcontext():
-                loss = model(tokens_BT[:, :-1], tokens_BT[:, 1:]).loss / world_size
-                loss.backward()
-            allreduce_replicated_grads(model, group)
-            record = guard.history[-1] if guard else None
-            if record is not None and budget == HUGE:
-                peaks[policy] = record["peak_bytes"]
-            torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
-                        "record": record, "loss": loss.detach()},
-                       Path(out_dir) / f"{name}_rank{rank}.pt")
+        _run_scenarios(rank, world_size, torch.distributed.group.WORLD, out_dir, cfg_overrides,
+                       num_sequences, scenarios)
     except BaseException:
         torch.distributed.destroy_process_group()
         raise
-    close_gloo(group)
+    close_gloo()  # the models, and with them every reference to the group, are gone here
+
+
+def _run_scenarios(rank: int, world_size: int, group, out_dir: str, cfg_overrides: dict,
+                   num_sequences: int, scenarios: list) -> None:
+    cfg = model_config("tiny", **cfg_overrides)
+    _try_refused_layout(rank, world_size, group, out_dir)
+    tokens_BT = shard(global_batch(num_sequences, cfg.seq_len, cfg.vocab_size), rank, world_size)
+    peaks: dict = {}
+    for name, policy_by_rank, budget_by_rank in scenarios:
+        policy, budget = policy_by_rank[rank], budget_by_rank[rank]
+        model = parallelize_experts(build_model(cfg, seed=0), group)
+        guard = None
+        if policy != "plain":
+            guard = spikeguard.attach(model, budget=_resolve_budget(budget, peaks), policy=policy)
+        with guard.step() if guard else contextlib.nullcontext():
+            loss = model(tokens_BT[:, :-1], tokens_BT[:, 1:]).loss / world_size
+            loss.backward()
+        allreduce_replicated_grads(model, group)
+        record = guard.history[-1] if guard else None
+        if record is not None and budget == HUGE:
+            peaks[policy] = record["peak_bytes"]
+        torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
+                    "record": record, "loss": loss.detach()},
+                   Path(out_dir) / f"{name}_rank{rank}.pt")
