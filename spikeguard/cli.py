@@ -261,6 +261,7 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
             parallel.close(clean=False)
         raise
     if parallel is not None:
+        del model, factory  # the group must be unreferenced when it is torn down
         parallel.close(clean=True)
     s = summarize(records)
     seconds = s["train_time_s"]

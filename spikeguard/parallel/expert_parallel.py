@@ -23,8 +23,9 @@ ALWAYS_SAVED_OPS), so a recomputed region that contains a dispatch or combine re
 cached exchange instead of communicating again, and ranks that take different memory
 decisions in the same step still issue the same collectives. The older
 `torch.distributed.nn.functional.all_to_all_single` also works on gloo with uneven splits,
-but it is deprecated in 2.13 and its op (c10d.alltoall_base_) would be re-run by a
-recompute, which hangs a group whose ranks decided differently.
+but it is deprecated in 2.13 and its op (c10d.alltoall_base_) is re-run by a recompute:
+with one rank recomputing a layer and its peers not, gloo aborts on mismatched sizes
+(measured) or, with equal sizes, would hang or exchange the wrong rows.
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ def parallelize_experts(model: nn.Module, group: dist.ProcessGroup) -> nn.Module
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     if not blocks:
         raise UsageError("no MoE block found in the model (looked for spikeguard MoEBlock)")
+    if getattr(model, "_spikeguard", None) is not None:
+        raise UsageError("parallelize_experts() must come before spikeguard.attach(): the "
+                         "guard has already counted the full expert weights")
     ep_size = dist.get_world_size(group)
     for block in blocks:  # all checks before any change: a refused model stays usable
         if isinstance(block.dispatcher, ExpertParallelDispatcher):
@@ -160,8 +164,9 @@ def allreduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> No
     parameters (embeddings, attention, norms, routers, shared experts), so the whole
     batch's gradient is the sum of the ranks' gradients. Loss scaling: the loss is a mean
     over the rank's tokens, so with equal shards the whole batch's loss is the mean of the
-    ranks' losses; backward `loss / group_size` on each rank and this sum gives exactly the
-    single-process gradient over the whole batch. The expert gradients need no reduction:
+    ranks' losses; backward `loss / group_size` on each rank and this sum give the
+    single-process gradient over the whole batch (up to float rounding: the sum is taken
+    in a different order). The expert gradients need no reduction:
     the reverse all-to-all already brought every rank's (scaled) contribution to the one
     rank that owns each expert. (The load-balancing loss is a product of batch means, so
     per-shard aux losses are not the whole batch's; only the cross-entropy part matches.)
@@ -174,7 +179,8 @@ def allreduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> No
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in sharded]
     if not params:
         return
-    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                            device=params[0].device)
     dist.all_reduce(has_grad, group=group)
     params = [p for p, n in zip(params, has_grad.tolist()) if n > 0]
     for p in params:

@@ -91,6 +91,10 @@ def init_worker(timeout_s: float = GROUP_TIMEOUT_S) -> Optional[Worker]:
     import torch
     import torch.distributed as dist
 
+    # The first checkpoint imports torch._dynamo, which then holds on to an existing group
+    # and keeps it from shutting down cleanly: import it first (see launch_utils.init_gloo).
+    import torch._dynamo  # noqa: F401
+
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

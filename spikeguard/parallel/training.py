@@ -9,6 +9,7 @@ received the most tokens (max/mean over ranks of the routed copies each rank rec
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -32,9 +33,15 @@ class ExpertParallelHooks:
         talks to the peers, which may be blocked in a collective; torchrun stops them."""
         if self.injector is not None:
             self.injector.detach()
+            self.injector = None
         if clean and dist.is_initialized():
+            # As launch_utils.close_gloo: the group's threads end only once nothing refers
+            # to it (models do through their dispatchers), so destroy, drop, and collect
+            # while the interpreter is whole; else a rank can abort at exit (torch 2.13).
             dist.barrier(group=self.worker.group)
             dist.destroy_process_group()
+            self.worker.group = None
+            gc.collect()
 
     def before_step(self, step: int) -> None:
         if self.injector is not None:
