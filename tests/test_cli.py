@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from spikeguard import cli
 from spikeguard.errors import DeviceOutOfMemory, UsageError

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any
 
 from spikeguard.errors import UsageError
 from spikeguard.memory.budget import byte_unit, format_bytes

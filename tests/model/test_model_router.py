@@ -41,7 +41,7 @@ def test_load_balancing_loss_hand_case_k2_divides_by_copies():
 
 
 def test_load_balancing_loss_is_one_when_uniform_and_balanced():
-    num_tokens, num_experts, top_k = 8, 4, 2
+    num_tokens, num_experts = 8, 4   # top-2: two copies per token
     scores_TE = torch.full((num_tokens, num_experts), 1.0 / num_experts)
     topk_idx_TK = torch.tensor([[t % 4, (t + 1) % 4] for t in range(num_tokens)])
     assert torch.bincount(topk_idx_TK.flatten()).tolist() == [4, 4, 4, 4]
