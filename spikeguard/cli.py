@@ -191,7 +191,7 @@ def _run(preset: str, model_cfg, train_cfg, *, data: Optional[str], log: Optiona
         torch.set_num_threads(threads_before)
 
 
-def _expert_parallel(model, model_cfg, args: argparse.Namespace):
+def _expert_parallel(model, args: argparse.Namespace):
     """Join torchrun's group, shard the experts, attach the skew injector: the loop's hooks."""
     from spikeguard.parallel.expert_parallel import parallelize_experts
     from spikeguard.parallel.launch import init_worker
@@ -227,7 +227,7 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
     model = build_model(model_cfg, seed=train_cfg.seed)
     console = Console()
     num_params = sum(p.numel() for p in model.parameters())
-    parallel = _expert_parallel(model, model_cfg, parallel_args) if parallel_args else None
+    parallel = _expert_parallel(model, parallel_args) if parallel_args else None
     if parallel is not None:
         if log is not None and parallel.worker.rank:
             stem, dot, ext = log.rpartition(".")

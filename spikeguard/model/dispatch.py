@@ -26,6 +26,14 @@ class Dispatched:
     num_tokens: int                   # T, rows of the combined output
 
 
+def expert_imbalance(tokens_per_expert_E: list[int]) -> float:
+    """max / mean tokens per expert: 1.0 is perfectly even, E means one expert got all."""
+    total = sum(tokens_per_expert_E)
+    if total == 0:
+        return 1.0
+    return max(tokens_per_expert_E) * len(tokens_per_expert_E) / total
+
+
 class LocalDispatcher:
     """All experts on this process: a stable argsort of the expert ids."""
 

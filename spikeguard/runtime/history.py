@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from spikeguard.model.dispatch import expert_imbalance
+
 ACTIONS = ("save", "recompute", "offload")
 
 
@@ -38,8 +40,7 @@ class StepRecorder:
         """One layer's plan, and the layer's expert load imbalance (max/mean)."""
         for action in actions:
             self.attempt[action.value] += 1
-        mean = sum(tokens_per_expert) / max(len(tokens_per_expert), 1)
-        imb = max(tokens_per_expert) / mean if mean > 0 else 1.0
+        imb = expert_imbalance(tokens_per_expert)
         self.imbalance[layer] = max(self.imbalance.get(layer, 0.0), imb)
 
     def finish(self, *, step: int, policy: str, layers: list[int], peak_bytes: int,

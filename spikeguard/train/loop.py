@@ -28,6 +28,7 @@ from torch import nn
 from spikeguard.data.corpus import Corpus
 from spikeguard.errors import UsageError
 from spikeguard.model.config import ModelConfig
+from spikeguard.model.dispatch import expert_imbalance
 from spikeguard.train.log import open_log, step_line, write_record
 
 # (model, optimizer) -> guard; the guard offers `step()` (a context manager) and `history`.
@@ -85,14 +86,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr)
-
-
-def expert_imbalance(tokens_per_expert_E: list[int]) -> float:
-    """max / mean tokens per expert: 1.0 is perfectly even, E means one expert got all."""
-    total = sum(tokens_per_expert_E)
-    if total == 0:
-        return 1.0
-    return max(tokens_per_expert_E) * len(tokens_per_expert_E) / total
 
 
 @torch.no_grad()
