@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -129,7 +129,8 @@ def _reporter(console: Console, num_steps: int) -> Iterator[_Reporter]:
 def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corpus: Corpus, *,
           guard: Any = None, guard_factory: Optional[GuardFactory] = None,
           log_path: Optional[str | Path] = None,
-          console: Optional[Console] = None, parallel: Any = None) -> list[dict[str, Any]]:
+          console: Optional[Console] = None, parallel: Any = None,
+          observers: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """Train `model` in place for `train_cfg.steps` steps; returns one record per step.
 
     Records hold step, loss (the objective: cross-entropy + aux), ce_loss, aux_loss,
@@ -140,6 +141,10 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
     `parallel` (spikeguard.parallel.training.ExpertParallelHooks) makes this one rank of an
     expert-parallel group: its own data shard, scaled loss, gradient all-reduce, skew
     steering, and a cluster summary in every record; only the main rank prints.
+
+    `observers` (e.g. spikeguard.bench.trace's recorder and replayer) get
+    `before_step(step)` before a step's first forward and `after_step(step, record)` after
+    its optimizer update, on every rank in the same order.
     """
     if guard is not None and guard_factory is not None:
         raise UsageError("pass either guard or guard_factory to train(), not both")
@@ -166,6 +171,8 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
         for step in range(1, train_cfg.steps + 1):
             if parallel is not None:
                 parallel.before_step(step)
+            for observer in observers:
+                observer.before_step(step)
             record = _train_step(model, optimizer, train_cfg, corpus, train_gen, seq_len, guard,
                                  parallel)
             record = {"step": step, **record}
@@ -177,6 +184,8 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
                 # The loop's own keys win a name clash: "step" must stay the loop's count.
                 for key, value in dict(guard.history[-1]).items():
                     record.setdefault(key, value)
+            for observer in observers:
+                observer.after_step(step, record)
             if parallel is not None:
                 record.update(parallel.summarize(record, record.pop("_received_per_layer")))
             else:
