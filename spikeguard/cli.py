@@ -21,6 +21,9 @@ DEMO_PRESET = "small"
 # 30 steps of 8 x 128 tokens: a step stays well under a second on 2 CPU cores and the
 # validation loss falls from ~5.6 (uniform over 256 bytes) to under 3.
 DEMO_STEPS, DEMO_BATCH, DEMO_EVAL_EVERY = 30, 8, 10
+# The demo's skew: a spike in every window of 10 steps (3 in 30), of 1.6x to 2x the hot
+# rank's share (2x is everything on one of 2 ranks), so a newcomer sees several absorbed.
+DEMO_SKEW = ("--skew", "rotating", "--spike-prob", "0.1", "--spike-max", "2.0")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -69,7 +72,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="largest spike, max/mean tokens per rank (default 2.6, at most --ep)")
     memory = train.add_argument_group("memory guard")
     memory.add_argument("--budget", default=None,
-                        help="device memory budget: 24GiB, 500MB or a byte count")
+                        help="device memory budget: 24GiB, 500MB, a byte count, or 'auto' "
+                             "(what a calm step needs with everything saved, plus 10%%)")
     memory.add_argument("--policy", default=None, choices=POLICIES,
                         help="activation policy (default adaptive when --budget is given)")
     train.set_defaults(run=_run_train)
@@ -77,6 +81,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help=f"a short run of the {DEMO_PRESET} preset")
     demo.add_argument("--steps", type=int, default=DEMO_STEPS)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--nproc", type=int, default=2,
+                      help="expert-parallel processes (default 2, with routing spikes and the "
+                           "adaptive guard); 1 trains one plain process")
     _add_io_args(demo, with_data=False)
     demo.set_defaults(run=_run_demo)
     return parser
@@ -110,7 +117,7 @@ def _run_train(args: argparse.Namespace) -> int:
         lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
         eval_every=args.eval_every, eval_batches=args.eval_batches))
     # Read here, not in the guard factory, so a bad --budget fails before any work.
-    args.budget_bytes = parse_bytes(args.budget) if args.budget is not None else None
+    args.budget_bytes = parse_bytes(args.budget) if args.budget not in (None, "auto") else None
     use_guard = args.budget is not None or args.policy is not None
     if args.nproc != 1 or args.ep not in (None, 1) or args.skew is not None:
         from spikeguard.parallel.launch import check_layout, relaunch_under_torchrun, under_torchrun
@@ -147,9 +154,23 @@ def _skew_config(args: argparse.Namespace, ep: int):
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    """Two expert-parallel processes, routing spikes, an automatic budget: `train` with the
+    demo's arguments. --nproc 1 is the plain single-process run."""
     from spikeguard.model.config import model_config
     from spikeguard.train.loop import TrainConfig
 
+    if args.nproc != 1:
+        if args.nproc < 2:
+            raise UsageError(f"--nproc must be a positive integer, got {args.nproc}")
+        argv = ["train", "--preset", DEMO_PRESET, "--nproc", str(args.nproc),
+                "--steps", str(args.steps), "--seed", str(args.seed),
+                "--batch-size", str(DEMO_BATCH),
+                "--eval-every", str(max(1, min(DEMO_EVAL_EVERY, args.steps))),
+                *DEMO_SKEW, "--budget", "auto", "--policy", "adaptive"]
+        for flag, value in (("--log", args.log), ("--threads", args.threads)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return main(argv)
     train_cfg = TrainConfig(steps=args.steps, batch_size=DEMO_BATCH, seed=args.seed,
                             eval_every=max(1, min(DEMO_EVAL_EVERY, args.steps)))
     return _run(DEMO_PRESET, model_config(DEMO_PRESET), train_cfg, data=None, log=args.log,
@@ -217,7 +238,7 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
 
     from spikeguard.data.corpus import load_corpus
     from spikeguard.model.transformer import build_model
-    from spikeguard.train.log import check_log_path, format_rate
+    from spikeguard.train.log import check_log_path, format_rate, memory_summary
     from spikeguard.train.loop import summarize, train
 
     if log is not None:
@@ -247,6 +268,9 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
         _say(console, "memory: CPU run, peak / budget are the guard's emulated device")
 
         def factory(guarded_model, optimizer):
+            if guard_args.budget == "auto":
+                guard_args.budget_bytes = _auto_budget(guarded_model, optimizer, corpus,
+                                                       model_cfg, train_cfg, parallel, console)
             return _make_guard(guarded_model, guard_args, optimizer)
     if parallel is not None:
         _say(console, f"expert parallel: {parallel.worker.world_size} ranks (gloo), "
@@ -265,12 +289,46 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
         parallel.close(clean=True)
     s = summarize(records)
     seconds = s["train_time_s"]
+    if guard_args is not None:
+        _say(console, memory_summary(records))
     _say(console, f"done: {s['steps']} steps in {seconds:.{1 if seconds >= 10 else 2}f} s "
                   f"(training only) | train loss "
                   f"{s['loss_first']:.3f} -> {s['loss_last']:.3f} | val loss "
                   f"{s['val_loss_init']:.3f} -> {s['val_loss_final']:.3f} | "
                   f"{format_rate(s['tokens_per_s'])} tok/s")
     return 0
+
+
+def _auto_budget(model, optimizer, corpus, model_cfg, train_cfg, parallel, console) -> int:
+    """--budget auto: measure a calm step with everything saved (routing held at the calm
+    maximum when skew is injected; the worst rank under expert parallelism), add the margin.
+    The probe draws its own micro-batches, so the training data is unchanged."""
+    import torch
+
+    from spikeguard.memory.budget import format_bytes
+    from spikeguard.runtime.auto_budget import AUTO_MARGIN, auto_budget, calm_peak_bytes
+
+    offset = parallel.seed_offset if parallel is not None else 0
+    gen = torch.Generator().manual_seed(train_cfg.seed + AUTO_PROBE_SEED + offset)
+    batches = [corpus.get_batch("train", train_cfg.batch_size, model_cfg.seq_len, gen)
+               for _ in range(train_cfg.micro_batches)]
+    injector = parallel.injector if parallel is not None else None
+    held = ""
+    if injector is not None:
+        calm = injector.schedule.config.calm_max_ratio
+        injector.hold(calm)
+        held = f", routing held at the calm maximum {calm:g}x on rank 0"
+    group = parallel.worker.group if parallel is not None else None
+    peak, static = calm_peak_bytes(model, optimizer, batches, group=group)
+    budget = auto_budget(peak, static)
+    _say(console, f"memory: budget auto = {format_bytes(budget)}: a calm step with everything "
+                  f"saved peaks at {format_bytes(peak)} (worst rank{held}; "
+                  f"{format_bytes(static)} of it parameters, gradients and optimizer state), "
+                  f"plus {AUTO_MARGIN:.0%} of its activations (emulated device)")
+    return budget
+
+
+AUTO_PROBE_SEED = 7919  # the probe's micro-batches are drawn apart from the training data
 
 
 def _say(console, text: str) -> None:

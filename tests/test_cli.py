@@ -40,6 +40,7 @@ BAD_ARGS = {
     "unknown command": ["fly"],
     "log folder missing": TINY + ["--log", "{tmp}/nowhere/run.jsonl"],
     "demo zero steps": ["demo", "--steps", "0"],
+    "demo zero processes": ["demo", "--nproc", "0"],
     "zero threads": TINY + ["--threads", "0"],
 }
 
@@ -100,10 +101,23 @@ def test_train_with_data_folder(tmp_path, capsys):
     assert "2 files" in capsys.readouterr().out
 
 
-def test_demo_runs(capsys):
-    assert cli.main(["demo", "--steps", "2"]) == 0
+def test_single_process_demo_runs(capsys):
+    assert cli.main(["demo", "--nproc", "1", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "model small" in out and "done: 2 steps" in out
+
+
+def test_default_demo_is_two_expert_parallel_ranks_with_an_auto_budget():
+    """The README's `make demo`, shortened: torchrun, 2 ranks, skew, budget picked and said."""
+    proc = subprocess.run([sys.executable, "-m", "spikeguard", "demo", "--steps", "2",
+                           "--threads", "1"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "expert parallel: 2 ranks" in out and "skew rotating" in out
+    assert "memory: budget auto = " in out and "calm step with everything saved" in out
+    steps = [line for line in out.splitlines() if line.startswith("step")]
+    assert len(steps) == 2 and all("save " in line and "+" in line for line in steps)
+    assert "0 steps over" in out and "done: 2 steps" in out
 
 
 @pytest.mark.parametrize("error,code,prefix", [

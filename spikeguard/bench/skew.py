@@ -245,6 +245,14 @@ class SkewInjector:
     def set_step(self, step: int) -> None:
         self._target = self.schedule._draw(step)
 
+    def hold(self, ratio: float, hot_rank: int = 0) -> None:
+        """Steer `hot_rank` to exactly `ratio` until the next set_step (e.g. the calm
+        maximum, to measure what the worst calm step needs)."""
+        if not 1.0 <= ratio <= self.ep_size or not 0 <= hot_rank < self.ep_size:
+            raise UsageError(f"hold needs 1 <= ratio <= {self.ep_size} and a rank below "
+                             f"{self.ep_size}, got {ratio!r} on rank {hot_rank!r}")
+        self._target = (True, hot_rank, float(ratio))
+
     def attach(self, model: nn.Module) -> "SkewInjector":
         if self._routers:
             raise UsageError("this SkewInjector is already attached; detach() first")

@@ -272,7 +272,8 @@ class TraceReplayer:
     The forced choice goes through `torch.topk` of a 0/1 matrix: topk is one of the ops
     every checkpoint policy keeps (spikeguard.runtime.executor.ALWAYS_SAVED_OPS), so a
     recompute in backward reuses the forward's choice, and the combine weights are the
-    router's own scores at the forced experts, renormalised, as with a selection bias."""
+    router's own scores at the forced experts, renormalised, as with a selection bias.
+    Until the first `set_step` (or `before_step`) the routers route naturally."""
 
     def __init__(self, model: nn.Module, trace: Trace, rank: int = 0):
         self.routers = _routers(model)
@@ -297,11 +298,13 @@ class TraceReplayer:
         self.counter.reset()
 
     def _choice(self, layer: int, num_tokens: int, top_k: int) -> Optional[torch.Tensor]:
+        if self._step is None:
+            return None  # not armed yet (e.g. a budget probe before the first step)
         if self.counter.in_forward:
             mb = self.counter.index
-            if self._step is None or mb >= self.trace.counts.shape[1]:
-                raise UsageError(f"trace replay: step {self._step}, micro-batch {mb} is not "
-                                 f"in the trace (call set_step; check --micro-batches)")
+            if mb >= self.trace.counts.shape[1]:
+                raise UsageError(f"trace replay: step {self._step} has no micro-batch {mb} "
+                                 f"(the trace has {self.trace.counts.shape[1]} per step)")
             idx_TK = forced_topk(self.trace.counts[self._step - 1, mb, layer], self.rank,
                                  self.ep, num_tokens, top_k)
             self._last[layer] = idx_TK

@@ -26,6 +26,7 @@ class ExpertParallelHooks:
         self.seed_offset = 1000 * worker.rank
         self.loss_scale = 1.0 / worker.world_size
         self.is_main = worker.is_main
+        self._target: Optional[tuple[bool, int, float]] = None  # the skew of this step
 
     def close(self, clean: bool) -> None:
         """Leave the group. After a clean run: wait for every rank, then tear down (a
@@ -46,13 +47,15 @@ class ExpertParallelHooks:
     def before_step(self, step: int) -> None:
         if self.injector is not None:
             self.injector.set_step(step)
+            self._target = self.injector.schedule._draw(step)
 
     def after_backward(self, model: nn.Module) -> None:
         allreduce_replicated_grads(model, self.worker.group)
 
     def summarize(self, record: dict, received_per_layer: list[int]) -> dict:
         """Cluster fields of one step, the same on every rank."""
-        mine = {"peak_bytes": record.get("peak_bytes", 0), "received": received_per_layer}
+        mine = {"peak_bytes": record.get("peak_bytes", 0), "received": received_per_layer,
+                "decisions": record.get("decisions")}
         everyone: list = [None] * self.worker.world_size
         dist.all_gather_object(everyone, mine, group=self.worker.group)
         num_layers = len(received_per_layer)
@@ -70,4 +73,8 @@ class ExpertParallelHooks:
             "max_rank_imbalance": worst[0], "hot_rank": worst[1], "hot_layer": worst[2],
             "rank_peak_bytes": peaks, "max_peak_bytes": max(peaks),
             "peak_rank": max(range(len(peaks)), key=peaks.__getitem__),
+            **({"rank_decisions": [r["decisions"] for r in everyone]}
+               if mine["decisions"] is not None else {}),
+            **({"skew_spike": self._target[0], "skew_hot_rank": self._target[1],
+                "skew_target": self._target[2]} if self._target is not None else {}),
         }

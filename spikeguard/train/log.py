@@ -5,7 +5,8 @@ One fixed-width line per step, so columns line up in a terminal and in a log fil
     step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | val 2.401
     step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | peak 1.82 MiB / 2.00 MiB | save 28 rec 3 off 1
 
-The memory fields appear only when a memory guard added them to the step record.
+The memory fields appear only when a memory guard added them to the step record; under
+expert parallelism the decisions are given per rank, joined by '+' (rank 0 first).
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
         budget_text = format_bytes(budget, unit=unit) if budget else "none"
         where = f" r{record['peak_rank']}" if "peak_rank" in record else ""
         parts.append(f"peak {format_bytes(peak, unit=unit)}{where} / {budget_text}")
+    per_rank = record.get("rank_decisions")
     decisions = record.get("decisions")
-    if isinstance(decisions, dict):
+    if isinstance(per_rank, list) and all(isinstance(d, dict) for d in per_rank):
+        # One figure per rank, joined by '+': "save 12+4 rec 0+6 off 0+2".
+        parts.append(" ".join(
+            f"{label} " + "+".join(str(d.get(action, 0)) for d in per_rank)
+            for label, action in (("save", "save"), ("rec", "recompute"), ("off", "offload"))))
+    elif isinstance(decisions, dict):
         parts.append(f"save {decisions.get('save', 0)} rec {decisions.get('recompute', 0)} "
                      f"off {decisions.get('offload', 0)}")
     if record.get("val_loss") is not None:
@@ -92,3 +99,30 @@ def write_record(log_file: IO[str], record: dict[str, Any]) -> None:
     """One JSON object per line, flushed so an interrupted run keeps its steps."""
     log_file.write(json.dumps(_json_safe(record), default=str) + "\n")
     log_file.flush()
+
+
+def memory_summary(records: list[dict[str, Any]]) -> str:
+    """What the guard did over a run, in one line: worst peak against the budget, steps over
+    it, safety-net re-runs, and the decisions on spike steps against calm ones (spike steps
+    are the skew injector's, when one ran)."""
+    guarded = [r for r in records if "budget_bytes" in r]
+    if not guarded:
+        return ""
+    budget = guarded[0]["budget_bytes"]
+    peaks = [r.get("max_peak_bytes", r.get("peak_bytes", 0)) or 0 for r in guarded]
+    unit = byte_unit(max(max(peaks), budget or 0))
+    over = sum(1 for p in peaks if budget and p > budget)
+    text = (f"memory: peak {format_bytes(max(peaks), unit=unit)} / "
+            f"{format_bytes(budget, unit=unit) if budget else 'none'} | {over} steps over | "
+            f"{sum(r.get('safety_net_reruns', 0) for r in guarded)} safety-net re-runs")
+    if any("skew_spike" in r for r in guarded):
+        for name, spike in (("spike", True), ("calm", False)):
+            chosen = [r for r in guarded if r.get("skew_spike") is spike]
+            totals = {a: 0 for a in ("save", "recompute", "offload")}
+            for r in chosen:
+                for d in r.get("rank_decisions") or [r.get("decisions") or {}]:
+                    for a in totals:
+                        totals[a] += (d or {}).get(a, 0)
+            text += (f" | {len(chosen)} {name} steps: save {totals['save']} rec "
+                     f"{totals['recompute']} off {totals['offload']}")
+    return text

@@ -49,3 +49,21 @@ def test_adaptive_finishes_every_step_under_the_same_spikes():
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 3
     assert all("rank-imb" in line and "peak" in line for line in steps)
+
+
+AUTO = ["--nproc", "2", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",
+        "--budget", "auto"]
+
+
+def test_auto_budget_fits_calm_steps_and_not_a_2x_spike():
+    """--budget auto measures a calm step (routing held at 1.2x) with everything saved and
+    adds 10% of its activations: `none` dies on the 2x spike, `adaptive` stays under."""
+    died = _run(TINY8 + AUTO + ["--policy", "none"])
+    assert died.returncode == 3, died.stdout[-2000:] + died.stderr[-2000:]
+    assert "memory: budget auto = " in died.stdout
+    assert "spikeguard: out of memory on rank 0" in died.stderr
+    lived = _run(TINY8 + AUTO + ["--policy", "adaptive"])
+    assert lived.returncode == 0, lived.stderr[-2000:]
+    summary = [line for line in lived.stdout.splitlines() if line.startswith("memory: peak")]
+    assert summary and "| 0 steps over |" in summary[0], lived.stdout[-2000:]
+    assert "3 spike steps" in summary[0]

@@ -1,0 +1,62 @@
+"""The automatic budget of an emulated device: what calm steps need, plus a margin.
+
+On a CPU there is no device memory to read. For a demo or a benchmark the interesting
+budget is the one an engineer would have tuned by hand on calm steps: everything saved
+fits, a large routing spike does not. `calm_peak_bytes` measures that peak with one probe step
+(policy "none", no limit) on micro-batches the caller draws apart from the training data,
+while the skew injector, if any, holds routing at the calm maximum; under expert
+parallelism the worst rank's peak is taken (one all-reduce), so every rank gets the same
+budget. The probe leaves no gradient behind.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from spikeguard.errors import UsageError
+
+# The margin is a fraction of the activation bytes (the peak less parameters, gradients
+# and optimizer state), not of the whole peak: static bytes do not move with routing, and a
+# margin on them would let most spikes fit with everything saved.
+AUTO_MARGIN = 0.10
+_NO_LIMIT = 1 << 50
+
+
+def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    group=None) -> tuple[int, int]:
+    """(peak, static) device bytes of one step over `micro_batches` with everything saved."""
+    from spikeguard.runtime.guard import attach
+
+    if not micro_batches:
+        raise UsageError("calm_peak_bytes needs at least one micro-batch")
+    guard = attach(model, budget=_NO_LIMIT, policy="none", optimizer=optimizer)
+    try:
+        with guard.step():
+            for idx_BT, targets_BT in micro_batches:
+                model(idx_BT, targets_BT).loss.backward()
+    finally:
+        guard.detach()
+        model.zero_grad(set_to_none=True)
+    record = guard.history[-1]
+    both = torch.tensor([record["peak_bytes"], record["static_bytes"]], dtype=torch.int64)
+    if group is not None:
+        import torch.distributed as dist
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    peak, static = both.tolist()
+    return peak, static
+
+
+def auto_budget(calm_peak: int, static: int, margin: float = AUTO_MARGIN) -> int:
+    """calm_peak plus `margin` of its activation part, rounded up to a whole KiB."""
+    if not isinstance(calm_peak, int) or calm_peak <= 0:
+        raise UsageError(f"calm peak must be a positive byte count, got {calm_peak!r}")
+    if not isinstance(static, int) or not 0 <= static <= calm_peak:
+        raise UsageError(f"static bytes must be between 0 and the peak, got {static!r}")
+    if not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
+        raise UsageError(f"margin must be a non-negative number, got {margin!r}")
+    return int(math.ceil((calm_peak + margin * (calm_peak - static)) / 1024)) * 1024
