@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import logging
 from typing import Optional
 
@@ -26,15 +27,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
+from spikeguard.integrations import find_adapter
 from spikeguard.memory.budget import format_bytes, parse_bytes
 from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.static import static_bytes
 from spikeguard.model.moe import MoEBlock
-from spikeguard.plan.catalogue import OPS, Action, ExpertShape, LayerPlan
+from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast, head_bytes_estimate, shared_bytes_estimate
-from spikeguard.plan.planner import Planner
-from spikeguard.runtime.executor import ExpertPathExecutor, base_policy
+from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.offload import OffloadEngine
@@ -67,35 +68,31 @@ class Guard(DecisionWindow):
             raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if getattr(model, "_spikeguard", None) is not None:
             raise UsageError("this model already has a spikeguard attached; detach() it first")
-        self.moe_blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
-        if not self.moe_blocks:
-            raise UsageError("no MoE block found in the model (looked for spikeguard MoEBlock)")
+        # The blocks, found by the adapter of their family (spikeguard.integrations).
+        self.adapter = find_adapter(model)
+        self.moe_blocks = self.adapter.blocks
         self.model = model
         self.policy = policy
         self.device = next(model.parameters()).device
         # The expert-parallel group, if parallelize_experts() was applied before attach.
-        self.group = next((b.dispatcher.group for b in self.moe_blocks
-                           if getattr(b.dispatcher, "group", None) is not None), None)
+        self.group = self.adapter.group()
         self.budget_bytes = self._resolve_budget(budget)
         self.ledger = Ledger(self.budget_bytes, self.device)
         self.ctx = Context()
         self.cost = CostModel()
         self.engine = OffloadEngine(self.ledger, self.device, self.cost.observe_copy)
         self.tracker = SavedTensorTracker(self.ledger, self.engine, self.ctx)
-        experts = self.moe_blocks[0].experts
-        dtype = experts.w13_ED2F.dtype
-        self.shape = ExpertShape(d_model=experts.w13_ED2F.shape[1], d_expert=experts.d_expert,
-                                 elem_bytes=torch.empty((), dtype=dtype).element_size(),
-                                 combine_after_exchange=self.group is not None)
-        self.cost.calibrate(self.shape, experts.num_experts, self.device, dtype)
-        self.planner = Planner(self.shape, self.cost)
+        self.shape = self.adapter.byte_model(self.device)
+        self.adapter.calibrate(self.cost, self.shape, self.device)
+        self.planner = self.adapter.planner(self.shape, self.cost)
+        shared = self.adapter.shared_modules(self.moe_blocks[0])
         self.forecast = Forecast(num_layers=len(self.moe_blocks),
                                  head_bytes_per_token=head_bytes_estimate(model),
                                  post_bytes_per_token=shared_bytes_estimate(
-                                     getattr(self.moe_blocks[0], "shared", None)))
+                                     shared[0] if shared else None))
         if self.group is not None:
             # Rows back from the reverse all-to-all and their weighted copy, plus weights.
-            top_k = self.moe_blocks[0].router.top_k
+            top_k = self.adapter.top_k()
             b = self.shape.elem_bytes
             self.forecast.combine_bytes_per_token = top_k * (2 * self.shape.d_model * b + b)
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
@@ -132,15 +129,17 @@ class Guard(DecisionWindow):
         self._orig_forward = self.model.forward
         self.model.forward = functools.partial(self._guarded_forward, self._orig_forward)
         self._wrapped_layers = []
+        # Keep the signature visible (transformers' Trainer reads forward's parameters).
+        self.model.forward.__signature__ = inspect.signature(self._orig_forward)
         for block in self.moe_blocks:
-            block.expert_runner = self._run_experts
-            layer = _parent_layer(self.model, block)
+            self.adapter.install(block, self)
+            layer = self.adapter.parent_layer(block)
             self._wrapped_layers.append(layer)
             layer.forward = functools.partial(self._layer_forward, layer, layer.forward,
-                                              block.layer_idx)
+                                              self.adapter.layer_index(block))
             self._handles.append(block.register_forward_pre_hook(self._enter_moe))
-            if getattr(block, "shared", None) is not None:
-                self._handles.append(block.shared.register_forward_pre_hook(self._enter_shared))
+            for shared in self.adapter.shared_modules(block):
+                self._handles.append(shared.register_forward_pre_hook(self._enter_shared))
             self._handles.append(block.register_forward_hook(self._leave_moe))
         last = self._wrapped_layers[-1]
         self._handles.append(last.register_forward_hook(self._enter_head))
@@ -152,7 +151,7 @@ class Guard(DecisionWindow):
         for handle in self._handles:
             handle.remove()
         for block in self.moe_blocks:
-            block.expert_runner = None
+            self.adapter.uninstall(block)
         for layer in self._wrapped_layers:
             del layer.forward
         del self.model.forward
@@ -169,7 +168,7 @@ class Guard(DecisionWindow):
         finally:
             self.history.append(self._step.finish(
                 step=len(self.history), policy=self.policy,
-                layers=[b.layer_idx for b in self.moe_blocks], peak_bytes=self.ledger.peak_bytes,
+                layers=[self.adapter.layer_index(b) for b in self.moe_blocks], peak_bytes=self.ledger.peak_bytes,
                 budget_bytes=self.budget_bytes, static_bytes=self.ledger.static_bytes,
                 offloaded_bytes_now=self.engine.offloaded_bytes_total))
             self._step = None
@@ -260,7 +259,8 @@ class Guard(DecisionWindow):
         self.engine.end_forward()
         self.ctx.tags.clear()
         num_tokens = _num_tokens(args, kwargs)
-        post = max(self.ledger.bytes_by(mb, b.layer_idx, "shared") for b in self.moe_blocks)
+        post = max(self.ledger.bytes_by(mb, self.adapter.layer_index(b), "shared")
+                   for b in self.moe_blocks)
         self.forecast.observe(self.ledger.bytes_by(mb, len(self.moe_blocks), "head"), post,
                               num_tokens)
         if self._step is not None:
@@ -283,7 +283,7 @@ class Guard(DecisionWindow):
             return checkpoint(functools.partial(self._full_region, orig_forward), *args,
                               use_reentrant=False, **kwargs,
                               context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                                           base_policy))
+                                                           self.adapter.layer_policy))
         return orig_forward(*args, **kwargs)
 
     def _full_region(self, orig_forward, *args, **kwargs):
@@ -340,14 +340,6 @@ class Guard(DecisionWindow):
 def _prefetch(engine: OffloadEngine, micro_batch: int, layer: int, grad):
     engine.prefetch_layer(micro_batch, layer)
     return None
-
-
-def _parent_layer(model: nn.Module, block: nn.Module) -> nn.Module:
-    """The module that directly contains `block` (its transformer layer)."""
-    for module in model.modules():
-        if any(child is block for child in module.children()):
-            return module
-    return block
 
 
 def _num_tokens(args, kwargs) -> int:

@@ -1,0 +1,83 @@
+"""The block adapter: what the guard needs to know about one family of MoE blocks.
+
+The guard (spikeguard.runtime.guard) is written against this small protocol, not against
+a block class, so the same decision window, planner, ledger and executor serve the
+built-in `MoEBlock` (spikeguard.integrations.builtin) and the MoE blocks of Hugging Face
+transformers v5 (spikeguard.integrations.hf_blocks), found by their structure.
+
+An adapter answers, for the blocks it found in one model:
+  * which blocks, in forward order, and each block's layer index among them;
+  * the module that directly contains a block (its transformer layer: the guard wraps
+    that layer's forward for whole-layer recompute) and the block's shared modules
+    (shared experts: their bytes are attributed to op "shared", policy "keep");
+  * how to install / remove the decision window around the experts call;
+  * the byte model per routed token copy (an `ExpertShape`-like object with
+    `bytes_per_token()`), the planner over the plans it can run, and the cost calibration.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from spikeguard.runtime.executor import base_policy
+
+
+class BlockAdapter:
+    """Base of the adapters; subclasses fill in the family-specific parts."""
+
+    #: what the "no block found" error says was looked for
+    looked_for = ""
+    #: the selective-checkpoint policy of a whole recomputed layer ("full", or adaptive's
+    #: layer fallback): recompute all but the ops that must not run twice
+    layer_policy = staticmethod(base_policy)
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module]):
+        self.model = model
+        self.blocks = blocks
+        self._parents: dict[int, nn.Module] = {}
+
+    # ---- structure ----------------------------------------------------------------------
+    def layer_index(self, block: nn.Module) -> int:
+        return self.blocks.index(block)
+
+    def parent_layer(self, block: nn.Module) -> nn.Module:
+        """The module that directly contains `block` (its transformer layer)."""
+        if id(block) not in self._parents:
+            self._parents[id(block)] = _parent_of(self.model, block)
+        return self._parents[id(block)]
+
+    def shared_modules(self, block: nn.Module) -> list[nn.Module]:
+        return []
+
+    def group(self) -> Optional[Any]:
+        """The expert-parallel process group, if the experts are sharded; else None."""
+        return None
+
+    def top_k(self) -> int:
+        raise NotImplementedError
+
+    # ---- the window ---------------------------------------------------------------------
+    def install(self, block: nn.Module, guard) -> None:
+        raise NotImplementedError
+
+    def uninstall(self, block: nn.Module) -> None:
+        raise NotImplementedError
+
+    # ---- what the planner needs ---------------------------------------------------------
+    def byte_model(self, device):
+        raise NotImplementedError
+
+    def calibrate(self, cost, shape, device) -> None:
+        raise NotImplementedError
+
+    def planner(self, shape, cost):
+        raise NotImplementedError
+
+
+def _parent_of(model: nn.Module, block: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if any(child is block for child in module.children()):
+            return module
+    return block

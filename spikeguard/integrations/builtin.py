@@ -1,0 +1,59 @@
+"""The adapter for spikeguard's own `MoEBlock` (spikeguard.model.moe).
+
+Its expert path is known op by op (`SwiGLUExperts`: gate_up, silu, act, down), so the
+guard plans per operator over the full menu of the catalogue and the executor runs the
+stages under selective checkpointing and saved-tensor hooks. The window is the block's
+`expert_runner` seam, called with the dispatched tokens and host-int per-expert counts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from spikeguard.integrations.adapter import BlockAdapter
+from spikeguard.model.moe import MoEBlock
+from spikeguard.plan.catalogue import ExpertShape
+from spikeguard.plan.planner import Planner
+
+
+class BuiltinAdapter(BlockAdapter):
+    looked_for = "spikeguard MoEBlock"
+
+    @staticmethod
+    def find(model: nn.Module) -> Optional["BuiltinAdapter"]:
+        blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        return BuiltinAdapter(model, blocks) if blocks else None
+
+    def layer_index(self, block: MoEBlock) -> int:
+        return block.layer_idx
+
+    def shared_modules(self, block: MoEBlock) -> list[nn.Module]:
+        return [block.shared] if getattr(block, "shared", None) is not None else []
+
+    def group(self):
+        return next((b.dispatcher.group for b in self.blocks
+                     if getattr(b.dispatcher, "group", None) is not None), None)
+
+    def top_k(self) -> int:
+        return self.blocks[0].router.top_k
+
+    def install(self, block: MoEBlock, guard) -> None:
+        block.expert_runner = guard._run_experts
+
+    def uninstall(self, block: MoEBlock) -> None:
+        block.expert_runner = None
+
+    def byte_model(self, device) -> ExpertShape:
+        experts = self.blocks[0].experts
+        return ExpertShape(d_model=experts.w13_ED2F.shape[1], d_expert=experts.d_expert,
+                           elem_bytes=experts.w13_ED2F.element_size(),
+                           combine_after_exchange=self.group() is not None)
+
+    def calibrate(self, cost, shape: ExpertShape, device) -> None:
+        experts = self.blocks[0].experts
+        cost.calibrate(shape, experts.num_experts, device, experts.w13_ED2F.dtype)
+
+    def planner(self, shape: ExpertShape, cost) -> Planner:
+        return Planner(shape, cost)

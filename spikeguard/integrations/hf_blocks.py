@@ -1,0 +1,208 @@
+"""Hugging Face transformers v5 MoE blocks, found by structure, never by class name.
+
+T = tokens in the micro-batch, D = model width, E = experts, K = top-k, N = T*K routed
+copies.
+
+In transformers v5 the sparse MoE blocks share one convention (Mixtral, Qwen2/3-MoE,
+OLMoE, DeepSeek-V3, ...): a router child (usually `gate`) computes top-k indices and
+weights, then the block calls
+
+    experts(hidden_states_TD, top_k_index_TK, top_k_weights_TK) -> out_TD
+
+That call is the decision window: the counts per expert are a bincount of
+`top_k_index_TK`, and no expert has run. A block is recognised when it has
+
+  * an experts child whose `forward(hidden_states, top_k_index, top_k_weights)` takes
+    the routed indices and weights (parameter names containing "index"/"idx" and
+    "weight") and holds 3-D parameters (E, ., .);
+  * a router child beside it: a `top_k` attribute, or a 2-D weight of E rows.
+
+Other children of the block (a shared expert and its gate, as in Qwen2-MoE or
+DeepSeek) are its shared modules: kept whole, attributed to op "shared". This module
+never imports transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from spikeguard.errors import UsageError
+from spikeguard.integrations.adapter import BlockAdapter
+from spikeguard.integrations.hf_bytes import RegionBytes, RegionPlanner, derive_bytes, probe_bytes
+from spikeguard.integrations.hf_window import run_window
+from spikeguard.runtime.executor import base_policy
+
+log = logging.getLogger("spikeguard")
+
+LOOKED_FOR = ("a module with an `experts` child called as experts(hidden_states, "
+              "top_k_index, top_k_weights) holding 3-D expert weights, beside a top-k router "
+              "(the Hugging Face transformers v5 MoE layout)")
+
+
+def _experts_signature_ok(module: nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    names = [p.name.lower() for p in params
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (len(names) >= 3 and any(s in names[1] for s in ("index", "idx"))
+            and "weight" in names[2])
+
+
+def num_experts_of(experts: nn.Module) -> Optional[int]:
+    """E: the `num_experts` attribute, else the leading size shared by the 3-D weights."""
+    if isinstance(getattr(experts, "num_experts", None), int):
+        return experts.num_experts
+    leading = {p.shape[0] for p in experts.parameters(recurse=False) if p.dim() == 3}
+    return leading.pop() if len(leading) == 1 else None
+
+
+def _router_of(block: nn.Module, experts: nn.Module, num_experts: int) -> Optional[nn.Module]:
+    for name, child in block.named_children():
+        if child is experts:
+            continue
+        if isinstance(getattr(child, "top_k", None), int):
+            return child
+        weight = getattr(child, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == num_experts:
+            return child
+    return None
+
+
+def as_hf_block(module: nn.Module) -> Optional["HFBlock"]:
+    """The parts of `module` if it has the v5 MoE block's structure, else None."""
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, nn.Module) or not _experts_signature_ok(experts):
+        return None
+    if not any(p.dim() == 3 for p in experts.parameters(recurse=False)):
+        return None
+    num_experts = num_experts_of(experts)
+    if num_experts is None:
+        return None
+    router = _router_of(module, experts, num_experts)
+    if router is None:
+        return None
+    shared = [c for c in module.children() if c is not experts and c is not router]
+    return HFBlock(module, experts, router, shared, num_experts)
+
+
+def hf_layer_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Whole-layer recompute of a v5 decoder layer. Unlike the built-in model, v5 routers
+    normalise the top-k weights in place (Mixtral: `router_top_value /= ...sum()`), and
+    selective checkpointing refuses a cached tensor that was mutated (torch 2.13: "Tensor
+    cached during selective activation checkpoint has been mutated"). So `topk` is
+    recomputed here, from bitwise the same inputs; sort, nonzero and host syncs stay saved."""
+    if op is torch.ops.aten.topk.default:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return base_policy(ctx, op, *args, **kwargs)
+
+
+class HFBlock:
+    """One recognised block and its parts."""
+
+    def __init__(self, block, experts, router, shared, num_experts):
+        self.block, self.experts, self.router = block, experts, router
+        self.shared, self.num_experts = shared, num_experts
+        self.top_k = router.top_k if isinstance(getattr(router, "top_k", None), int) else None
+        self.d_model = _d_model(router, experts)
+
+
+def _d_model(router: nn.Module, experts: nn.Module) -> Optional[int]:
+    """D: the router's input width (its 2-D weight's columns), else the experts' own."""
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.shape[1]
+    for name in ("hidden_dim", "hidden_size"):
+        if isinstance(getattr(experts, name, None), int):
+            return getattr(experts, name)
+    return getattr(getattr(experts, "config", None), "hidden_size", None)
+
+
+class HFAdapter(BlockAdapter):
+    """Runs each experts call of a transformers v5 MoE block as one region under the plan."""
+
+    looked_for = LOOKED_FOR
+    layer_policy = staticmethod(hf_layer_policy)
+
+    @staticmethod
+    def find(model: nn.Module) -> Optional["HFAdapter"]:
+        found = [b for b in map(as_hf_block, model.modules()) if b is not None]
+        return HFAdapter(model, found) if found else None
+
+    def __init__(self, model: nn.Module, found: list[HFBlock]):
+        super().__init__(model, [f.block for f in found])
+        self.parts = {id(f.block): f for f in found}
+        self._orig = {}
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                raise UsageError(
+                    "the model has transformers' gradient checkpointing enabled; call "
+                    "model.gradient_checkpointing_disable() before attach: the guard decides "
+                    "recompute itself, and the two must not be stacked")
+        for f in found:
+            if getattr(f.experts, "_is_expert_parallel", False):
+                raise UsageError("transformers' own expert parallelism is not supported by "
+                                 "the guard yet (its experts hold sentinel routes)")
+
+    def part(self, block: nn.Module) -> HFBlock:
+        return self.parts[id(block)]
+
+    def shared_modules(self, block: nn.Module) -> list[nn.Module]:
+        return self.part(block).shared
+
+    def top_k(self) -> int:
+        return self.part(self.blocks[0]).top_k or 1
+
+    # ---- the window ---------------------------------------------------------------------
+    def install(self, block: nn.Module, guard) -> None:
+        experts = self.part(block).experts
+        if "forward" in vars(experts):
+            raise UsageError(f"the experts of {type(block).__name__} already have a patched "
+                             f"forward; another tool is wrapping them")
+        orig = experts.forward
+        self._orig[id(block)] = orig
+        window = functools.partial(run_window, guard, self.part(block), self.layer_index(block),
+                                   orig)
+        window.__signature__ = inspect.signature(orig)
+        experts.forward = window
+
+    def uninstall(self, block: nn.Module) -> None:
+        experts = self.part(block).experts
+        if "forward" in vars(experts):
+            del experts.forward
+        self._orig.pop(id(block), None)
+
+    # ---- what the planner needs ---------------------------------------------------------
+    def byte_model(self, device) -> RegionBytes:
+        """Derived from the weights' layout when transformers' own grouped_mm kernel runs
+        the experts; otherwise learned by measurement (two token counts, linear fit).
+        One model for all blocks: v5 models use one experts class throughout."""
+        first = self.part(self.blocks[0])
+        shape = derive_bytes(first.experts, self.top_k())
+        if shape is not None:
+            return shape
+        if first.d_model is None:
+            raise UsageError(f"cannot size a probe for {type(first.experts).__name__}: no "
+                             f"model width found (router weight, hidden_dim or config.hidden_size)")
+        shape = probe_bytes(first.experts, first.num_experts, self.top_k(), device, first.d_model)
+        log.info("%s: bytes per routed token not derivable from its attributes; "
+                 "learned by measurement (probe on %s routed copies, linear fit): keep %d B, "
+                 "recompute keeps %d B per routed copy", type(first.experts).__name__,
+                 " and ".join(map(str, shape.probe_counts)), shape.save_per_token,
+                 shape.recompute_per_token)
+        return shape
+
+    def calibrate(self, cost, shape: RegionBytes, device) -> None:
+        first = self.part(self.blocks[0])
+        shape.calibrate(cost, first.experts, first.num_experts, self.top_k(), device)
+
+    def planner(self, shape: RegionBytes, cost) -> RegionPlanner:
+        return RegionPlanner(shape, cost)

@@ -1,0 +1,146 @@
+"""The decision window of a Hugging Face MoE block, and its experts call run as a region.
+
+T = tokens in the micro-batch, K = top-k, E = experts, N = T*K routed copies.
+
+The guard puts `run_window` in place of the experts module's forward. It is called as
+the block calls its experts, `(hidden_states_TD, top_k_index_TK, top_k_weights_TK)`:
+the per-expert counts are a bincount of the indices (host ints, one sync, as Megatron's
+dropless dispatcher does), the guard's planner decides, and the call runs as one region:
+
+  SAVE       plainly; what it saves is attributed to op "experts" and counted;
+  RECOMPUTE  under `torch.utils.checkpoint` (non-reentrant) with a selective policy:
+             every op recomputed in backward but the ALWAYS_SAVED_OPS (sort, nonzero,
+             host syncs), whose cached outputs the ledger counts until the region's
+             backward starts;
+  OFFLOAD    under an inner pair of saved-tensor hooks that tags each saved tensor
+             OFFLOAD and hands it to the guard's tracker (the same pack hook and
+             offload engine as the built-in expert path).
+
+Every action runs the same operations in the same order, so gradients are bitwise equal
+to the plain model's.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from spikeguard.memory.ledger import storage_bytes, storage_key
+from spikeguard.plan.catalogue import Action, LayerPlan
+from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
+from spikeguard.runtime.hooks import _unpack
+
+OP = "experts"
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """What one experts call ran under: one action for the whole region (history counts
+    one decision per layer)."""
+
+    actions: tuple[Action, ...]
+
+
+def region_action(plan: LayerPlan) -> Action:
+    """The region's action for a plan of the region menu (see hf_bytes.REGION_MENU)."""
+    if plan.recomputed():
+        return Action.RECOMPUTE
+    if Action.OFFLOAD in plan.actions:
+        return Action.OFFLOAD
+    return Action.SAVE
+
+
+def run_window(guard, part, layer: int, orig_forward, hidden_states, top_k_index,
+               top_k_weights, *args, **kwargs):
+    """The experts call of one block, under the guard's decision."""
+    call = functools.partial(orig_forward, *args, **kwargs) if (args or kwargs) else orig_forward
+    if not guard._in_forward or not torch.is_grad_enabled():
+        return call(hidden_states, top_k_index, top_k_weights)
+    counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
+    counts = counts_E[: part.num_experts].tolist()
+    if guard._in_full_region:
+        guard._record(layer, counts, RegionPlan((Action.RECOMPUTE,)))
+        return call(hidden_states, top_k_index, top_k_weights)
+    decision = guard.decide(layer, sum(counts))
+    action = region_action(decision.plan)
+    guard._record(layer, counts, RegionPlan((action,)))
+    guard.ctx.op = OP
+    inputs = (hidden_states, top_k_index, top_k_weights)
+    if action is Action.RECOMPUTE:
+        out = _recompute(guard, call, inputs)
+    elif action is Action.OFFLOAD:
+        out = _offload(guard, call, inputs)
+    else:
+        out = call(*inputs)
+    guard.ctx.op = "combine"
+    if hidden_states.requires_grad and layer > 0:
+        # When backward has passed this layer's experts, bring the layer below back.
+        hidden_states.register_hook(functools.partial(_prefetch, guard.engine,
+                                                      guard.ctx.micro_batch, layer - 1))
+    return out
+
+
+def _recompute(guard, call, inputs):
+    ledger, where, cached = guard.ledger, guard.ctx.where(OP), []
+
+    def policy(sac_ctx, op, *args, **kwargs):
+        if op in ALWAYS_SAVED_OPS:
+            if not sac_ctx.is_recompute:
+                for t in _tensors(sac_ctx.op_output):
+                    ledger.acquire(storage_key(t), storage_bytes(t), where)
+                    cached.append(storage_key(t))
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    out = checkpoint(call, *inputs, use_reentrant=False,
+                     context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    if cached:
+        if out.requires_grad:
+            # SAC's cache is freed by the region's backward, which starts when this grad arrives.
+            out.register_hook(functools.partial(_release_all, ledger, tuple(cached)))
+        else:
+            _release_all(ledger, cached, None)
+    return out
+
+
+def _offload(guard, call, inputs):
+    ctx, tracker, tagged = guard.ctx, guard.tracker, {}
+
+    def pack(t):
+        key = storage_key(t)
+        if key not in tracker.static_keys and key not in tagged:
+            # One tag per storage: two views of it (gate and up halves) share a host copy.
+            ctx.tag(t, OP, Action.OFFLOAD)
+            tagged[key] = t
+        return tracker.pack(t)
+
+    try:
+        # Innermost hooks win (torch 2.13): the tracker's own pair is shadowed here.
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            return call(*inputs)
+    finally:
+        for t in tagged.values():  # the intermediates die with the call; their addresses get reused
+            ctx.untag(t)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _release_all(ledger, keys, grad):
+    for key in keys:
+        ledger.release(key)
+    return None
+
+
+def _prefetch(engine, micro_batch: int, layer: int, grad):
+    engine.prefetch_layer(micro_batch, layer)
+    return None
