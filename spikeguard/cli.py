@@ -76,6 +76,20 @@ def _build_parser() -> argparse.ArgumentParser:
                              "(what a calm step needs with everything saved, plus 10%%)")
     memory.add_argument("--policy", default=None, choices=POLICIES,
                         help="activation policy (default adaptive when --budget is given)")
+    runs = train.add_argument_group("traces and checkpoints (what spikeguard bench drives)")
+    runs.add_argument("--record-trace", metavar="FILE", default=None,
+                      help="write every step's per-layer, per-expert token counts "
+                           "(spikeguard/bench/trace.py documents the format)")
+    runs.add_argument("--trace", metavar="FILE", default=None,
+                      help="replay a recorded trace: the routers reproduce its counts exactly")
+    runs.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                      help="save a checkpoint per rank here (atomically: write, then rename)")
+    runs.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
+                      help="steps between checkpoints (default 50; also after the last step)")
+    runs.add_argument("--resume", action="store_true",
+                      help="continue from the checkpoint in --checkpoint-dir")
+    runs.add_argument("--skip-steps", default=None, metavar="LIST",
+                      help="comma-separated steps to drop, e.g. the one a crash happened on")
     train.set_defaults(run=_run_train)
 
     demo = commands.add_parser("demo", help=f"a short run of the {DEMO_PRESET} preset")
@@ -119,6 +133,7 @@ def _run_train(args: argparse.Namespace) -> int:
     # Read here, not in the guard factory, so a bad --budget fails before any work.
     args.budget_bytes = parse_bytes(args.budget) if args.budget not in (None, "auto") else None
     use_guard = args.budget is not None or args.policy is not None
+    _check_run_files(args, model_cfg, train_cfg)
     if args.nproc != 1 or args.ep not in (None, 1) or args.skew is not None:
         from spikeguard.parallel.launch import check_layout, relaunch_under_torchrun, under_torchrun
 
@@ -139,7 +154,81 @@ def _run_train(args: argparse.Namespace) -> int:
             return 0
     return _run(args.preset, model_cfg, train_cfg, data=args.data, log=args.log,
                 threads=args.threads, guard_args=args if use_guard else None,
-                parallel_args=args if hasattr(args, "skew_config") else None)
+                parallel_args=args if hasattr(args, "skew_config") else None, run_args=args)
+
+
+def _check_run_files(args: argparse.Namespace, model_cfg, train_cfg) -> None:
+    """Traces, checkpoints and skipped steps: every mistake before any process starts."""
+    from pathlib import Path
+
+    args.skip_step_set = frozenset()
+    if args.skip_steps is not None:
+        try:
+            args.skip_step_set = frozenset(int(v) for v in args.skip_steps.split(",") if v.strip())
+        except ValueError:
+            raise UsageError(f"--skip-steps must be comma-separated step numbers, "
+                             f"got {args.skip_steps!r}") from None
+        if any(v < 1 for v in args.skip_step_set):
+            raise UsageError("--skip-steps are step numbers, from 1")
+    if args.checkpoint_every <= 0:
+        raise UsageError(f"--checkpoint-every must be a positive integer, got {args.checkpoint_every}")
+    if args.resume and args.checkpoint_dir is None:
+        raise UsageError("--resume needs --checkpoint-dir")
+    if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} is a file")
+    if args.resume and not Path(args.checkpoint_dir).is_dir():
+        raise UsageError(f"cannot resume: --checkpoint-dir {args.checkpoint_dir} does not exist")
+    if args.record_trace is not None:
+        folder = Path(args.record_trace).parent
+        if Path(args.record_trace).is_dir() or not folder.is_dir():
+            raise UsageError(f"--record-trace needs a file in an existing folder, "
+                             f"got {args.record_trace}")
+        if args.trace is not None and Path(args.trace).resolve() == Path(args.record_trace).resolve():
+            raise UsageError("--record-trace would overwrite the --trace being replayed")
+    args.trace_data = None
+    if args.trace is not None:
+        from spikeguard.bench.trace import load_trace
+
+        if args.skew is not None:
+            raise UsageError("--trace replays recorded routing; it cannot be combined with --skew")
+        trace = load_trace(args.trace)
+        trace.check_matches(
+            steps=train_cfg.steps, num_layers=model_cfg.num_layers,
+            num_experts=model_cfg.num_experts, top_k=model_cfg.top_k,
+            ep=args.ep if args.ep is not None else args.nproc,
+            micro_batches=train_cfg.micro_batches,
+            tokens_per_micro_batch=train_cfg.batch_size * model_cfg.seq_len)
+        args.trace_data = trace
+
+
+def _run_files(args: argparse.Namespace, model, model_cfg, train_cfg, parallel):
+    """The loop's observers (trace recorder / replayer) and checkpointer for this rank."""
+    if args is None:
+        return [], None
+    from spikeguard.bench.trace import TraceRecorder, TraceReplayer, TraceWriter, make_header
+    from spikeguard.train.checkpoint import Checkpointer
+
+    rank = parallel.worker.rank if parallel is not None else 0
+    group = parallel.worker.group if parallel is not None else None
+    observers = []
+    if args.trace_data is not None:
+        observers.append(TraceReplayer(model, args.trace_data, rank=rank))
+    if args.record_trace is not None:
+        writer = None
+        if rank == 0:
+            skew = args.skew_config.to_dict() if getattr(args, "skew_config", None) else None
+            writer = TraceWriter(args.record_trace, make_header(
+                num_layers=model_cfg.num_layers, num_experts=model_cfg.num_experts,
+                top_k=model_cfg.top_k, ep=parallel.worker.world_size if parallel else 1,
+                micro_batches=train_cfg.micro_batches,
+                tokens_per_micro_batch=train_cfg.batch_size * model_cfg.seq_len,
+                preset=args.preset, seed=train_cfg.seed, skew=skew))
+        observers.append(TraceRecorder(model, train_cfg.micro_batches, writer, group))
+    checkpoint = None
+    if args.checkpoint_dir is not None:
+        checkpoint = Checkpointer(args.checkpoint_dir, args.checkpoint_every, rank=rank,
+                                  resume=args.resume)
+    return observers, checkpoint
 
 
 def _skew_config(args: argparse.Namespace, ep: int):
@@ -196,7 +285,8 @@ def _make_guard(model, args: argparse.Namespace, optimizer):
 
 def _run(preset: str, model_cfg, train_cfg, *, data: Optional[str], log: Optional[str],
          threads: Optional[int], guard_args: Optional[argparse.Namespace],
-         parallel_args: Optional[argparse.Namespace] = None) -> int:
+         parallel_args: Optional[argparse.Namespace] = None,
+         run_args: Optional[argparse.Namespace] = None) -> int:
     import torch
 
     if threads is not None and threads <= 0:
@@ -206,7 +296,8 @@ def _run(preset: str, model_cfg, train_cfg, *, data: Optional[str], log: Optiona
         torch.set_num_threads(threads)
     try:
         return _train_and_report(preset, model_cfg, train_cfg, data=data, log=log,
-                                 guard_args=guard_args, parallel_args=parallel_args)
+                                 guard_args=guard_args, parallel_args=parallel_args,
+                                 run_args=run_args)
     finally:
         # main() may run inside a longer-lived process (tests): leave its setting as found.
         torch.set_num_threads(threads_before)
@@ -232,7 +323,8 @@ def _expert_parallel(model, args: argparse.Namespace):
 
 def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
                       log: Optional[str], guard_args: Optional[argparse.Namespace],
-                      parallel_args: Optional[argparse.Namespace] = None) -> int:
+                      parallel_args: Optional[argparse.Namespace] = None,
+                      run_args: Optional[argparse.Namespace] = None) -> int:
     import torch
     from rich.console import Console
 
@@ -277,24 +369,36 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
                       f"{model_cfg.num_experts // parallel.worker.world_size} experts each; "
                       f"skew {parallel_args.skew or 'none'}; step lines are rank 0's, "
                       f"rank-imb and peak are the cluster's")
+    observers, checkpoint = _run_files(run_args, model, model_cfg, train_cfg, parallel)
     try:
         records = train(model, model_cfg, train_cfg, corpus, guard_factory=factory,
-                        log_path=log, console=console, parallel=parallel)
+                        log_path=log, console=console, parallel=parallel, observers=observers,
+                        checkpoint=checkpoint,
+                        skip_steps=run_args.skip_step_set if run_args is not None else ())
     except BaseException:
         if parallel is not None:
             parallel.close(clean=False)
         raise
+    finally:
+        for observer in observers:
+            observer.detach()
     if parallel is not None:
         del model, factory  # the group must be unreferenced when it is torn down
         parallel.close(clean=True)
     s = summarize(records)
-    seconds = s["train_time_s"]
     if guard_args is not None:
         _say(console, memory_summary(records))
+    if not s:
+        _say(console, f"done: no step trained ({len(records)} dropped or resumed past)")
+        return 0
+    seconds = s["train_time_s"]
+
+    def loss_pair(first, last) -> str:
+        return f"{'-' if first is None else f'{first:.3f}'} -> {'-' if last is None else f'{last:.3f}'}"
+
     _say(console, f"done: {s['steps']} steps in {seconds:.{1 if seconds >= 10 else 2}f} s "
-                  f"(training only) | train loss "
-                  f"{s['loss_first']:.3f} -> {s['loss_last']:.3f} | val loss "
-                  f"{s['val_loss_init']:.3f} -> {s['val_loss_final']:.3f} | "
+                  f"(training only) | train loss {loss_pair(s['loss_first'], s['loss_last'])} | "
+                  f"val loss {loss_pair(s['val_loss_init'], s['val_loss_final'])} | "
                   f"{format_rate(s['tokens_per_s'])} tok/s")
     return 0
 

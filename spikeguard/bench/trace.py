@@ -289,7 +289,15 @@ class TraceReplayer:
         self.set_step(step)
 
     def after_step(self, step: int, record: dict) -> None:
-        pass
+        """Mark the step's load in its record: the replayed max/mean tokens per rank, and
+        whether that is a spike (above the recorded skew's calm maximum, default 1.2x)."""
+        if self.ep < 2:
+            return
+        loads = self.trace.rank_loads()[step - 1]           # [micro_batch, layer, rank]
+        ratio = float((loads.max(axis=-1) / loads.mean(axis=-1)).max())
+        calm = (self.trace.header.get("skew") or {}).get("calm_max_ratio", 1.2)
+        record["trace_rank_ratio"] = ratio
+        record["skew_spike"] = ratio > calm
 
     def set_step(self, step: int) -> None:
         if not 1 <= step <= self.trace.num_steps:

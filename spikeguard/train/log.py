@@ -33,6 +33,8 @@ def format_rate(per_s: float) -> str:
 def step_line(record: dict[str, Any], num_steps: int) -> str:
     """The fixed-width console line of one step record."""
     width = max(4, len(str(num_steps)))
+    if record.get("skipped"):
+        return f"step {record['step']:>{width}} | skipped: the batch was dropped after a crash"
     parts = [
         f"step {record['step']:>{width}}",
         f"loss {record['loss']:.3f}",
@@ -105,7 +107,7 @@ def memory_summary(records: list[dict[str, Any]]) -> str:
     """What the guard did over a run, in one line: worst peak against the budget, steps over
     it, safety-net re-runs, and the decisions on spike steps against calm ones (spike steps
     are the skew injector's, when one ran)."""
-    guarded = [r for r in records if "budget_bytes" in r]
+    guarded = [r for r in records if "budget_bytes" in r and not r.get("skipped")]
     if not guarded:
         return ""
     budget = guarded[0]["budget_bytes"]

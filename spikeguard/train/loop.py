@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Iterator, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -130,7 +130,8 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
           guard: Any = None, guard_factory: Optional[GuardFactory] = None,
           log_path: Optional[str | Path] = None,
           console: Optional[Console] = None, parallel: Any = None,
-          observers: Sequence[Any] = ()) -> list[dict[str, Any]]:
+          observers: Sequence[Any] = (), checkpoint: Any = None,
+          skip_steps: Collection[int] = ()) -> list[dict[str, Any]]:
     """Train `model` in place for `train_cfg.steps` steps; returns one record per step.
 
     Records hold step, loss (the objective: cross-entropy + aux), ce_loss, aux_loss,
@@ -145,6 +146,10 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
     `observers` (e.g. spikeguard.bench.trace's recorder and replayer) get
     `before_step(step)` before a step's first forward and `after_step(step, record)` after
     its optimizer update, on every rank in the same order.
+
+    `checkpoint` (spikeguard.train.checkpoint.Checkpointer) resumes from its last save and
+    saves on its interval; `skip_steps` are dropped (their data drawn, nothing trained), as a
+    job restarted after a crash drops the batch that killed it.
     """
     if guard is not None and guard_factory is not None:
         raise UsageError("pass either guard or guard_factory to train(), not both")
@@ -159,16 +164,30 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
         val_gen = torch.Generator().manual_seed(train_cfg.seed + _VAL_SEED_OFFSET + shard)
         val_batches = [corpus.get_batch("val", train_cfg.batch_size, seq_len, val_gen)
                        for _ in range(train_cfg.eval_batches)]
-        # Before the guard exists: the initial weights' loss needs no memory management.
-        val_loss_init = evaluate(model, val_batches)
         optimizer = make_optimizer(model, train_cfg)
+        start = checkpoint.restore(model, optimizer, train_gen) if checkpoint is not None else 0
+        # Before the guard exists: the initial weights' loss needs no memory management.
+        val_loss_init = evaluate(model, val_batches) if start == 0 else None
         if guard_factory is not None:
             guard = guard_factory(model, optimizer)
         model.train()
         records = []
         quiet = parallel is not None and not parallel.is_main
         reporter = stack.enter_context(_reporter(console, train_cfg.steps)) if not quiet else None
-        for step in range(1, train_cfg.steps + 1):
+        for step in range(start + 1, train_cfg.steps + 1):
+            if step in skip_steps:
+                _skip_step(train_cfg, corpus, train_gen, seq_len)
+                record = {"step": step, "skipped": True, "tokens": 0, "step_time_s": 0.0}
+                records.append(record)
+                if log_file is not None:
+                    write_record(log_file, record)
+                if reporter is not None:
+                    reporter.line(step_line(record, train_cfg.steps))
+                    reporter.advance()
+                if checkpoint is not None:
+                    checkpoint.after_step(step, model, optimizer, train_gen,
+                                          last=step == train_cfg.steps)
+                continue
             if parallel is not None:
                 parallel.before_step(step)
             for observer in observers:
@@ -176,7 +195,7 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
             record = _train_step(model, optimizer, train_cfg, corpus, train_gen, seq_len, guard,
                                  parallel)
             record = {"step": step, **record}
-            if step == 1:
+            if step == 1 and val_loss_init is not None:
                 record["val_loss_init"] = val_loss_init
             if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
                 record["val_loss"] = evaluate(model, val_batches)
@@ -196,7 +215,16 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
             if reporter is not None:
                 reporter.line(step_line(record, train_cfg.steps))
                 reporter.advance()
+            if checkpoint is not None:
+                checkpoint.after_step(step, model, optimizer, train_gen,
+                                      last=step == train_cfg.steps)
     return records
+
+
+def _skip_step(cfg: TrainConfig, corpus: Corpus, generator: torch.Generator, seq_len: int) -> None:
+    """Draw the dropped step's micro-batches, so later steps see the data they would have."""
+    for _ in range(cfg.micro_batches):
+        corpus.get_batch("train", cfg.batch_size, seq_len, generator)
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
@@ -251,6 +279,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainCo
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """First/last training loss, initial/final validation loss, overall tokens per second."""
+    records = [r for r in records if not r.get("skipped")]
     if not records:
         return {}
     val_losses = [r["val_loss"] for r in records if r.get("val_loss") is not None]
