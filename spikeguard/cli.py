@@ -100,6 +100,8 @@ def _build_parser() -> argparse.ArgumentParser:
                            "adaptive guard); 1 trains one plain process")
     _add_io_args(demo, with_data=False)
     demo.set_defaults(run=_run_demo)
+    from spikeguard.bench.report_cli import add_parser as add_report_parser
+    add_report_parser(commands)
     return parser
 
 
