@@ -97,6 +97,7 @@ def test_memory_timeline_degrades_and_refuses_when_nothing_to_draw():
                                  "plain": _records(guard=False)})
     assert len(fig.axes) == 2
     assert _lines(fig.axes[0], "peak")          # single-process peak_bytes is drawn
+    assert sum(len(c.get_offsets()) for c in fig.axes[0].collections) == 1  # its decisions
     assert not _lines(fig.axes[1], "peak")
     assert _lines(fig.axes[1], "others-budget")
     assert "no memory records" in fig.axes[1].texts[0].get_text()
