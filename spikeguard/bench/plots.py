@@ -98,6 +98,23 @@ def _budget(records: Records) -> Optional[float]:
     return budgets.most_common(1)[0][0] if budgets else None
 
 
+def spike_steps(records: Records, runs: Optional[Runs] = None) -> list[int]:
+    """Steps this run marks skew_spike; a step its own log does not describe (the bench's
+    crash marker has no skew fields) takes what the other runs say, since the bench gives
+    every policy the same trace."""
+    own: dict[int, bool] = {}
+    for r in records:
+        if isinstance(r.get("step"), int) and isinstance(r.get("skew_spike"), bool):
+            own[r["step"]] = own.get(r["step"], False) or r["skew_spike"]
+    mine = {r.get("step") for r in records}
+    for other in (runs or {}).values():
+        for r in other:
+            step = r.get("step")
+            if step in mine and step not in own and r.get("skew_spike") is True:
+                own[step] = True
+    return sorted(step for step, spike in own.items() if spike)
+
+
 def _check_runs(runs: Runs) -> None:
     if not runs:
         raise UsageError("nothing to plot: no runs given")
@@ -129,7 +146,7 @@ def memory_timeline(runs: Runs) -> Figure:
     fig = _canvas(Figure(figsize=(10, 1.2 + 2.3 * len(runs)), layout="constrained"))
     axes = fig.subplots(len(runs), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     for ax, (name, records) in zip(axes, runs.items()):
-        _memory_panel(ax, name, records, scale, shared_budget)
+        _memory_panel(ax, name, records, scale, shared_budget, spike_steps(records, runs))
         ax.set_ylabel(f"peak ({unit})")
     axes[-1].set_xlabel("step")
     fig.suptitle("Memory of the hot rank per step (CPU, emulated device: the guard's ledger)")
@@ -138,13 +155,12 @@ def memory_timeline(runs: Runs) -> Figure:
 
 
 def _memory_panel(ax, name: str, records: Records, scale: float,
-                  shared_budget: Optional[float]) -> None:
+                  shared_budget: Optional[float], spikes: list[int]) -> None:
     done = [r for r in _completed(records) if _hot_peak(r) is not None]
     crashed = [r for r in records if r.get("crashed") and isinstance(r.get("step"), int)]
     num_skipped = sum(1 for r in records if r.get("skipped"))
-    for r in records:
-        if r.get("skew_spike") is True and isinstance(r.get("step"), int):
-            ax.axvspan(r["step"] - 0.5, r["step"] + 0.5, color=_SPIKE_COLOR, alpha=0.25, lw=0)
+    for step in spikes:
+        ax.axvspan(step - 0.5, step + 0.5, color=_SPIKE_COLOR, alpha=0.25, lw=0)
     budget = _budget(records)
     if budget is not None:
         ax.axhline(budget / scale, color="black", lw=1.2, ls="--", gid="budget")
@@ -321,7 +337,7 @@ def imbalance_heatmap(runs: Runs) -> Figure:
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False,
                         height_ratios=heights)[:, 0]
     for ax, (name, records) in zip(axes, runs.items()):
-        _heatmap_panel(fig, ax, name, records, *matrices[name])
+        _heatmap_panel(fig, ax, name, spike_steps(records, runs), *matrices[name])
     all_steps = [s for m in matrices.values() for s in m[2]]
     if all_steps:  # imshow sets each panel's limits; the shared axis needs every run's
         axes[-1].set_xlim(min(all_steps) - 0.5, max(all_steps) + 0.5)
@@ -330,7 +346,7 @@ def imbalance_heatmap(runs: Runs) -> Figure:
     return fig
 
 
-def _heatmap_panel(fig, ax, name, records, matrix, labels, steps, what) -> None:
+def _heatmap_panel(fig, ax, name, spikes, matrix, labels, steps, what) -> None:
     ax.set_title(f"{name}: {what}" if what else name, loc="left", fontsize=10)
     ax.set_facecolor("#d9d9d9")  # steps with no completed record (crashed, skipped)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -350,7 +366,6 @@ def _heatmap_panel(fig, ax, name, records, matrix, labels, steps, what) -> None:
                       cmap=cmap, norm=norm, extent=(first - 0.5, last + 0.5,
                                                     len(labels) - 0.5, -0.5))
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    spikes = [r["step"] for r in _completed(records) if r.get("skew_spike") is True]
     if spikes:
         ax.plot(spikes, [-0.5] * len(spikes), marker="v", color=_SPIKE_COLOR, ls="none",
                 clip_on=False, ms=6, label="spike step")

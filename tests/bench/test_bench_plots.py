@@ -92,6 +92,18 @@ def test_memory_timeline_one_panel_per_policy_with_budget_crash_and_decisions():
     assert len(ceiling_ax.patches) == 2
 
 
+def test_a_crash_marker_without_skew_fields_takes_the_spike_from_the_other_runs():
+    bench_marker = {"step": 4, "crashed": True, "skipped": True, "tokens": 0}  # runner.py's
+    none = [r for r in _records() if r["step"] != 4] + [bench_marker]
+    runs = {"ceiling": _records(), "none": none, "short": _records(steps=3)}
+    assert plots.spike_steps(none, runs) == [4, 8]
+    assert plots.spike_steps(none) == [8]
+    assert plots.spike_steps(runs["short"], runs) == []   # a step it never reached: not its
+    none_ax = plots.memory_timeline(runs).axes[1]
+    assert len(none_ax.patches) == 2
+    assert [ln.get_ydata()[0] for ln in _lines(none_ax, "crash")] == [pytest.approx(3.0)]
+
+
 def test_memory_timeline_degrades_and_refuses_when_nothing_to_draw():
     fig = plots.memory_timeline({"guarded": _records(ep=False, skew=False),
                                  "plain": _records(guard=False)})
