@@ -6,8 +6,12 @@ micro-batch's layers each keep their attention part (measured on the layer now r
 same shapes, same bytes), that post-expert part, plus the least their expert path can keep
 (the smallest plan), for a load forecast from the largest seen so far in this
 micro-batch with a safety margin; then the output head (measured on earlier micro-batches
-per token, or a conservative estimate before the first one). The pipeline issue adds the
-micro-batches the schedule keeps resident.
+per token, or a conservative estimate before the first one).
+
+Under pipeline parallelism (`residency`, spikeguard/parallel/pipeline_residency.py) it
+also reserves, for every forward the schedule will run on this stage before the next
+backward frees memory, one whole micro-batch at the least it can keep (same estimates).
+Micro-batches already resident need no forecast: their saved bytes are in the ledger.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ class Forecast:
     # parallelism the combine keeps the rows that came back from the reverse all-to-all
     # (T*K of them, not this rank's received count), which the catalogue does not model.
     combine_bytes_per_token: float = 0.0
-    resident_bytes: int = 0  # other micro-batches the schedule keeps (pipeline issue)
+    resident_bytes: int = 0  # reserved for other micro-batches, fixed
+    # Pipeline schedule: `reserve(layer, whole_micro_batch_bytes) -> bytes` for the
+    # micro-batches it will add before the next backward (None outside a pipeline).
+    residency: Optional[object] = None
+    # Set with the reservation: bytes other micro-batches will hold on this stage while
+    # this one's backward runs (its reloads must fit beside them); the window reads it.
+    backward_reserved_bytes: int = 0
 
     def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: int,
                       min_expert_bytes_per_token: int, num_tokens: int) -> int:
@@ -36,8 +46,12 @@ class Forecast:
         future_routed = max_routed_seen * (1 + self.load_margin)
         post = (self.post_bytes_per_token + self.combine_bytes_per_token) * num_tokens
         per_layer = layer_part_bytes + post + min_expert_bytes_per_token * future_routed
-        return int(post + remaining * per_layer + self.head_bytes_per_token * num_tokens
-                   + self.resident_bytes)
+        head = self.head_bytes_per_token * num_tokens
+        resident = self.resident_bytes
+        if self.residency is not None:
+            resident += self.residency.reserve(layer, int(self.num_layers * per_layer + head))
+            self.backward_reserved_bytes = self.residency.backward_reserve
+        return int(post + remaining * per_layer + head + resident)
 
     def observe(self, head_bytes: int, post_bytes: int, num_tokens: int) -> None:
         """Per-token bytes measured on a finished micro-batch replace the estimates."""

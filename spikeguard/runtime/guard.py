@@ -343,8 +343,12 @@ def _prefetch(engine: OffloadEngine, micro_batch: int, layer: int, grad):
 
 
 def _num_tokens(args, kwargs) -> int:
+    """Tokens of the micro-batch: token ids (B, T), or a hidden state (B, T, D) as a
+    pipeline stage after the first receives it."""
     for value in list(args) + list(kwargs.values()):
         if torch.is_tensor(value):
+            if value.is_floating_point() and value.dim() >= 3:
+                return value.numel() // value.shape[-1]
             return value.numel()
     return 0
 

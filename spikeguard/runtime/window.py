@@ -46,7 +46,8 @@ class DecisionWindow:
             # attention part alive (about this layer's).
             prefetch_margin = layer_part if (self.engine.prefetch_enabled
                                              and layer < len(self.moe_blocks) - 1) else 0
-            backward_room = self.budget_bytes - self.ledger.in_use() - prefetch_margin
+            backward_room = (self.budget_bytes - self.ledger.in_use() - prefetch_margin
+                             - self.forecast.backward_reserved_bytes)  # pipeline: others resident
             evictable = self.tracker.evictable(mb, layer)
             try:
                 decision = self.planner.decide(num_routed, headroom, evictable, backward_room)

@@ -1,0 +1,144 @@
+"""What a pipeline schedule keeps resident on a stage: the guard's view of the warm-up.
+
+With 1F1B, stage s of p runs p - s forwards before its first backward: during warm-up the
+saved activations of several micro-batches sit on the device together, and a routing spike
+in any of them lands on top of the others. The guard plans one micro-batch at a time; this
+object tells it, at each decision, where that micro-batch stands in the schedule:
+
+  * `resident`: micro-batches of this stage whose forward ran and whose backward has not
+    (their saved bytes are already in the ledger's in-use figure);
+  * `to_add`: forwards the schedule runs on this stage after this one and before the next
+    backward of this stage frees anything. The forecast reserves one whole micro-batch,
+    at the least it can keep, for each of them (plan/forecast.py, `reserve`);
+  * `at_backward`: forwards that run after this one and before this micro-batch's own
+    backward: they are resident when its offloaded tensors come back, so the planner's
+    backward room is cut by as many whole micro-batches (`backward_reserve`), and grows
+    by what the older resident ones hold (their backward runs first and frees it);
+  * the older resident micro-batches run their backward while this one is resident, and
+    their offloaded tensors come back then: the forward reserves the largest layer of
+    them that is on the host (reloads come back a layer at a time).
+
+It is read from the schedule's own action list (`schedule.pipeline_order[rank]`, the IR
+torch.distributed.pipelining builds, torch 2.13), by position, not by micro-batch number:
+the k-th forward the guard sees in a step is the k-th forward action of its stage. (The
+IR that torch 2.13 builds for Schedule1F1B numbers the last rank's micro-batches from 1;
+the order of F and B actions, which is all that is used here, is right.)
+
+    residency = attach_residency(guard, schedule, stage_index, pp_rank)
+    with guard.step():
+        residency.begin_step()
+        schedule.step(...)
+    residency.log   # one entry per (micro-batch, layer) decision of the step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+FORWARD_KINDS = ("F",)
+BACKWARD_KINDS = ("B", "I")  # a full backward, or the input half of a split one
+
+
+@dataclass(frozen=True)
+class SchedulePosition:
+    forward: int          # this stage's k-th forward of the step
+    phase: str            # "warmup" before this stage's first backward, then "steady"
+    resident: int         # micro-batches resident before this forward
+    to_add: int           # forwards after this one before the next backward
+    at_backward: int      # forwards after this one before its own backward
+    older: tuple          # the resident ones (forward ordinals), backward before this one
+
+
+def positions(actions: Sequence, stage_index: int) -> list[SchedulePosition]:
+    """One SchedulePosition per forward of `stage_index` in a rank's action list."""
+    ops = [str(a.computation_type.value) for a in actions
+           if a is not None and a.stage_index == stage_index]
+    out: list[SchedulePosition] = []
+    done_f = done_b = 0
+    for i, kind in enumerate(ops):
+        if kind in FORWARD_KINDS:
+            to_add = at_backward = 0
+            backwards_ahead = 0  # a stage's backwards run in forward order
+            for later in ops[i + 1:]:
+                if later in BACKWARD_KINDS:
+                    backwards_ahead += 1
+                    if done_b + backwards_ahead > done_f:
+                        break
+                elif later in FORWARD_KINDS:
+                    to_add += backwards_ahead == 0
+                    at_backward += 1
+            out.append(SchedulePosition(done_f, "warmup" if done_b == 0 else "steady",
+                                        done_f - done_b, to_add, at_backward,
+                                        tuple(range(done_b, done_f))))
+            done_f += 1
+        elif kind in BACKWARD_KINDS:
+            done_b += 1
+    return out
+
+
+@dataclass
+class Residency:
+    """The forecast's pipeline hook; `micro_batch()` says which forward the guard is in."""
+
+    schedule_positions: list[SchedulePosition]
+    micro_batch: Callable[[], int]
+    # bytes on the host of (micro-batch, layer), from the guard's offload engine
+    host_bytes: Callable[[], dict] = dict
+    # bytes a micro-batch holds on the device now, from the guard's ledger
+    device_bytes: Callable[[int], int] = lambda mb: 0
+    enabled: bool = True
+    log: list[dict] = field(default_factory=list)
+    backward_reserve: int = 0
+    _seen: set = field(default_factory=set)
+
+    def begin_step(self) -> None:
+        self.log, self._seen = [], set()
+
+    def position(self) -> Optional[SchedulePosition]:
+        k = self.micro_batch()
+        return self.schedule_positions[k] if 0 <= k < len(self.schedule_positions) else None
+
+    def reserve(self, layer: int, whole_micro_batch_bytes: int) -> int:
+        """Bytes to reserve at this decision for the forwards still to come before the next
+        backward; logs the first consultation of each (micro-batch, layer)."""
+        pos = self.position()
+        if pos is None or not self.enabled:
+            self.backward_reserve = 0
+            return 0
+        older = set(pos.older)
+        reload = max((n for (mb, _), n in self.host_bytes().items() if mb in older), default=0)
+        reserved = pos.to_add * whole_micro_batch_bytes + reload
+        self.backward_reserve = (pos.at_backward * whole_micro_batch_bytes
+                                 - sum(self.device_bytes(mb) for mb in older))
+        key = (pos.forward, layer)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.log.append({"micro_batch": pos.forward, "layer": layer, "phase": pos.phase,
+                             "resident": pos.resident, "to_add": pos.to_add,
+                             "at_backward": pos.at_backward, "reserved_bytes": reserved,
+                             "older_reload_bytes": reload,
+                             "backward_reserved_bytes": self.backward_reserve})
+        return reserved
+
+
+def attach_residency(guard, schedule, stage_index: int, pp_rank: int,
+                     enabled: bool = True) -> Residency:
+    """Give `guard`'s forecast the schedule's residency for `stage_index` (on `pp_rank`)."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order or pp_rank not in order:
+        raise ValueError(f"{type(schedule).__name__} exposes no pipeline_order for rank "
+                         f"{pp_rank}: its residency cannot be read")
+    residency = Residency(positions(order[pp_rank], stage_index),
+                          micro_batch=lambda: guard.ctx.micro_batch,
+                          host_bytes=lambda: _host_bytes_by_layer(guard.engine),
+                          device_bytes=lambda mb: guard.ledger.bytes_by(micro_batch=mb),
+                          enabled=enabled)
+    guard.forecast.residency = residency
+    return residency
+
+
+def _host_bytes_by_layer(engine) -> dict:
+    """(micro-batch, layer) -> bytes of it on the host now (offloaded or evicted)."""
+    return {key: sum(stored.num_bytes for stored in stored_list)
+            for key, stored_list in engine._by_layer.items() if stored_list}

@@ -1,0 +1,204 @@
+"""One rank of a pipeline x data x expert parallel job: stages, guards, DDP, schedule.
+
+    groups = MeshGroups.build(ParallelLayout(nproc=4, pp=2, ep=2))
+    rank = PipelineRank(build_model(cfg), groups, micro_batches=4, batch_size=2)
+    rank.attach_guards(lambda module: spikeguard.attach(module, budget=..., policy=...))
+    losses = rank.step(idx_BT, targets_BT)     # M*B sequences: this data shard's batch
+
+Order matters and is fixed here: cut the stages, shard their experts (new parameters),
+attach the guards (they count the parameters), wrap in DDP, then build the PipelineStages
+(static shapes: no inference forward) and the schedule, whose action list the guards'
+residency forecast reads. Under DDP the expert parameters are left out (their replicas
+are the dp peers only, not the whole dp x ep group) and reduced here after the step.
+
+Gradients, with S = dp x ep data shards of M micro-batches each: every micro-batch's loss
+is a mean over its tokens; the schedule divides the accumulated gradients by M; DDP
+averages the replicated ones over the S shards; an expert's gradient already holds its ep
+peers' contributions (the reverse all-to-all) and is summed over dp here, then divided by
+S. That is the single-process gradient of the mean loss over all S x M micro-batches, up
+to float rounding (tests/parallel/test_parallel_pp.py states the tolerance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spikeguard.errors import DeviceOutOfMemory, UsageError
+from spikeguard.parallel.expert_parallel import expert_parameters, parallelize_experts
+from spikeguard.parallel.mesh import MeshGroups
+from spikeguard.parallel.pipeline_residency import Residency, attach_residency
+from spikeguard.parallel.pipeline_stages import pipeline_stage, stage_loss, stage_module
+
+SCHEDULES = ("1f1b", "interleaved")
+
+
+class RankModules(nn.Module):
+    """The stage modules one rank holds (two under the interleaved schedule)."""
+
+    def __init__(self, modules: list[nn.Module]):
+        super().__init__()
+        self.stages = nn.ModuleList(modules)
+
+    def moe_blocks(self):
+        return [b for m in self.stages for b in m.moe_blocks()]
+
+
+class PipelineRank:
+    def __init__(self, model: nn.Module, groups: MeshGroups, *, micro_batches: int,
+                 batch_size: int, schedule: str = "1f1b", residency: bool = True):
+        if schedule not in SCHEDULES:
+            raise UsageError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        pp = groups.layout.pp
+        self.groups, self.schedule_name = groups, schedule
+        self.micro_batches, self.batch_size = micro_batches, batch_size
+        self.seq_len = model.cfg.seq_len
+        per_rank = 2 if schedule == "interleaved" else 1
+        self.num_stages = pp * per_rank
+        # Interleaved (loop) placement: rank r holds stages r and r + pp.
+        self.stage_ids = [groups.pp_rank + k * pp for k in range(per_rank)]
+        self.modules = RankModules([stage_module(model, s, self.num_stages)
+                                    for s in self.stage_ids])
+        if groups.ep_group is not None:
+            for module in self.modules.stages:
+                parallelize_experts(module, groups.ep_group)
+        self.guards: list = []
+        self.residencies: list[Residency] = []
+        self.use_residency = residency
+        self.schedule = None
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.num_stages - 1 in self.stage_ids
+
+    # ---- building ---------------------------------------------------------------------
+    def attach_guards(self, attach: Callable[[nn.Module], object]) -> list:
+        """One guard per stage module (under the interleaved schedule each chunk has its
+        own guard and budget: a shared per-rank ledger is not built)."""
+        if self.schedule is not None:
+            raise UsageError("attach the guards before the first step")
+        self.guards = [attach(m) for m in self.modules.stages]
+        for guard, module in zip(self.guards, self.modules.stages):
+            if not module.is_last:
+                guard.forecast.head_bytes_per_token = 0.0  # the head is on another stage
+        return self.guards
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        group = self.groups.replicate_group
+        if group is None:
+            return module
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if self.groups.ep_group is not None:
+            sharded = {id(p) for p in expert_parameters(module)}
+            names = [n for n, p in module.named_parameters() if id(p) in sharded]
+            DDP._set_params_and_buffers_to_ignore_for_model(module, names)
+        # No buffer sync in forward: the only buffer is the routers' selection bias, which
+        # the skew injector sets per rank on purpose (torch 2.13's name for the switch).
+        return DDP(module, process_group=group, forward_sync_buffers=False)
+
+    def _build(self) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+        shape = (self.batch_size, self.seq_len)
+        self.wrapped = [self._wrap(m) for m in self.modules.stages]
+        stages = [pipeline_stage(w, s, self.num_stages, shape, group=self.groups.pp_group)
+                  for w, s in zip(self.wrapped, self.stage_ids)]
+        if self.schedule_name == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=stage_loss)
+        else:
+            self.schedule = Schedule1F1B(stages[0], self.micro_batches, loss_fn=stage_loss)
+        self.residencies = [attach_residency(g, self.schedule, s, self.groups.pp_rank,
+                                             enabled=self.use_residency)
+                            for g, s in zip(self.guards, self.stage_ids)]
+
+    # ---- one optimizer step -----------------------------------------------------------
+    def step(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> list[torch.Tensor]:
+        """Forward and backward of this shard's M micro-batches; the last stage's losses."""
+        if self.schedule is None:
+            self._build()
+        losses: list = []
+        with contextlib.ExitStack() as stack:
+            for guard, residency in zip(self.guards, self.residencies):
+                stack.enter_context(guard.step())
+                residency.begin_step()
+            args = (idx_BT,) if self.has_first else ()
+            kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
+            with _unwrapped_errors():
+                self.schedule.step(*args, **kwargs)
+        self._reduce_expert_grads()
+        return losses
+
+    @torch.no_grad()
+    def evaluate(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> list[torch.Tensor]:
+        """Forward only, through the same schedule (the guards see no micro-batch)."""
+        if self.schedule is None:
+            self._build()
+        losses: list = []
+        args = (idx_BT,) if self.has_first else ()
+        kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
+        with _unwrapped_errors():
+            self.schedule.eval(*args, **kwargs)
+        return losses
+
+    def _reduce_expert_grads(self) -> None:
+        if self.groups.ep_group is None or self.groups.replicate_group is None:
+            return
+        grads = [p.grad for m in self.modules.stages for p in expert_parameters(m)
+                 if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.groups.dp_group is not None:
+            dist.all_reduce(flat, group=self.groups.dp_group)
+        flat /= self.groups.num_shards
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # ---- gradient norm over the whole mesh -------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """clip_grad_norm_ over the whole model: the replicated parameters of a stage are
+        equal on its dp x ep replicas (counted once), the experts are summed over the ep
+        peers, the stages over the pipeline."""
+        experts = {id(p) for m in self.modules.stages for p in expert_parameters(m)}
+        params = [p for p in self.modules.parameters() if p.grad is not None]
+        replicated = sum((p.grad.float() ** 2).sum() for p in params if id(p) not in experts)
+        sharded = sum((p.grad.float() ** 2).sum() for p in params if id(p) in experts)
+        sharded = torch.as_tensor(sharded, dtype=torch.float32).clone()
+        if self.groups.ep_group is not None:
+            dist.all_reduce(sharded, group=self.groups.ep_group)
+        total = torch.as_tensor(replicated, dtype=torch.float32) + sharded
+        dist.all_reduce(total, group=self.groups.pp_group)
+        norm = total.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef)
+        return norm
+
+    def close(self) -> None:
+        for guard in self.guards:
+            guard.detach()
+        self.guards, self.residencies, self.schedule, self.wrapped = [], [], None, []
+
+
+@contextlib.contextmanager
+def _unwrapped_errors():
+    """torch 2.13's PipelineStage re-raises any error of a stage's forward as a RuntimeError
+    ("[Stage 0] failed to run forward"): give back the guard's own out-of-memory or usage
+    error, so the command line reports it in one line with its exit code."""
+    try:
+        yield
+    except RuntimeError as err:
+        cause = err.__cause__
+        if isinstance(cause, (DeviceOutOfMemory, UsageError)):
+            raise cause from None
+        raise
+
+
+def first_warmup_decision(residency: Residency) -> Optional[dict]:
+    """The residency log's first decision of the step (micro-batch 0), or None."""
+    return residency.log[0] if residency.log else None

@@ -1,0 +1,136 @@
+"""Spawned rank functions for the pipeline tests (importable by the child processes).
+
+S = data shards (dp x ep), M = micro-batches per shard, B = sequences per micro-batch,
+T = tokens per sequence. Each rank builds the mesh once, then per scenario a fresh model,
+its PipelineRank (stage cut, experts sharded, guard, DDP, schedule), runs one step and
+saves `out_dir/{scenario}_rank{r}.pt`: gradients under the full model's parameter names
+(expert weights: this rank's slice, with its bounds), the guards' records, the residency
+log, the last stage's losses, and how many forwards the stage module saw.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import spikeguard
+from spikeguard.errors import DeviceOutOfMemory
+from spikeguard.model import build_model, model_config
+from spikeguard.parallel.launch_utils import close_gloo, init_gloo
+from spikeguard.parallel.mesh import MeshGroups, ParallelLayout
+from spikeguard.parallel.pipeline_training import PipelineRank
+
+HUGE = "1GiB"
+SPIKE_BIAS = 100.0  # selection-only: every token picks the hot rank's experts
+
+
+def global_batch(num_sequences: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, vocab_size, (num_sequences, seq_len + 1), generator=gen)
+
+
+def pp_worker(rank: int, world_size: int, store_path: str, out_dir: str, micro_batches: int,
+              batch_size: int, runs: list) -> None:
+    """runs: one per layout, dicts with prefix (of the saved files), pp, ep, cfg (model
+    overrides) and scenarios: dicts with name, policy ("plain" = no guard), budget (bytes
+    spec, or "calm*F": F times this rank's peak in the scenario named "calm"), and
+    optionally schedule, residency (bool), spike (micro-batch forced onto ep rank 0's
+    experts on stage 0), calm (every micro-batch's routing left unbiased)."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        for run in runs:
+            groups = MeshGroups.build(ParallelLayout(world_size, pp=run["pp"], ep=run["ep"]))
+            peaks: dict = {}
+            for scenario in run["scenarios"]:
+                # Every rank has saved the previous scenario before any can fail in this one.
+                torch.distributed.barrier()
+                _run_scenario(rank, groups, Path(out_dir), run["prefix"], run["cfg"],
+                              micro_batches, batch_size, scenario, peaks)
+            del groups
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
+
+
+def _budget(spec, peaks: dict):
+    if isinstance(spec, str) and spec.startswith("calm*"):
+        return int(peaks["calm"] * float(spec[5:]))
+    return spec
+
+
+def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, batch_size,
+                  scenario, peaks) -> None:
+    cfg = model_config("tiny", **cfg_overrides)
+    num_shards = groups.num_shards
+    tokens = global_batch(num_shards * micro_batches * batch_size, cfg.seq_len, cfg.vocab_size)
+    tokens = tokens.chunk(num_shards)[groups.data_shard]
+    prank = PipelineRank(build_model(cfg, seed=0), groups, micro_batches=micro_batches,
+                         batch_size=batch_size, schedule=scenario.get("schedule", "1f1b"),
+                         residency=scenario.get("residency", True))
+    policy = scenario["policy"]
+    if policy != "plain":
+        budget = _budget(scenario["budget"], peaks)
+        prank.attach_guards(lambda m: spikeguard.attach(m, budget=budget, policy=policy))
+    forwards = [0]
+    for module in prank.modules.stages:
+        module.register_forward_pre_hook(_count(forwards))
+        if scenario.get("spike") is not None or scenario.get("calm"):
+            module.register_forward_pre_hook(
+                _forced_routing(module, groups, scenario.get("spike"), forwards))
+    result = {"rank": rank, "stage_ids": prank.stage_ids, "oom": None}
+    try:
+        result["losses"] = [x.detach() for x in prank.step(tokens[:, :-1], tokens[:, 1:])]
+    except DeviceOutOfMemory as err:
+        result["oom"] = str(err)
+        torch.save(result, out_dir / f"{prefix}{scenario['name']}_rank{rank}.pt")
+        raise
+    result["grads"] = _global_grads(prank)
+    result["records"] = [g.history[-1] for g in prank.guards]
+    result["residency"] = [r.log for r in prank.residencies]
+    result["forwards"] = forwards[0]
+    if scenario["name"] == "calm":
+        peaks["calm"] = result["records"][0]["peak_bytes"]
+    torch.save(result, out_dir / f"{prefix}{scenario['name']}_rank{rank}.pt")
+    prank.close()
+
+
+def _count(forwards):
+    def hook(module, args):
+        if torch.is_grad_enabled():
+            forwards[0] += 1
+    return hook
+
+
+def _forced_routing(module, groups, spike_mb, forwards):
+    """Stage 0's `spike_mb`-th forward sends every token to ep rank 0's experts; all other
+    forwards (and all of a calm scenario) are steered to an even split by zero bias."""
+    routers = [b.router for b in module.moe_blocks()]
+
+    def hook(mod, args):
+        hot = module.is_first and spike_mb is not None and forwards[0] - 1 == spike_mb
+        for router in routers:
+            with torch.no_grad():
+                router.expert_bias_E.zero_()
+                if hot:
+                    per_rank = router.gate.out_features // groups.layout.ep
+                    router.expert_bias_E[:per_rank] = SPIKE_BIAS
+    return hook
+
+
+def _global_grads(prank: PipelineRank) -> dict:
+    """name in the full model -> (grad, expert slice or None)."""
+    out = {}
+    for module in prank.modules.stages:
+        for name, p in module.named_parameters():
+            if name.startswith("blocks."):
+                _, local, rest = name.split(".", 2)
+                name = f"blocks.{module.first_layer + int(local)}.{rest}"
+            expert_slice = None
+            if ".experts." in name and prank.groups.ep_group is not None:
+                num_local = p.shape[0]
+                lo = prank.groups.ep_rank * num_local
+                expert_slice = (lo, lo + num_local)
+            out[name] = (p.grad, expert_slice)
+    return out

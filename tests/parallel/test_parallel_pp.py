@@ -1,0 +1,229 @@
+"""Pipeline parallelism (torch.distributed.pipelining) composed with data and expert
+parallelism, on real gloo process groups (spawned ranks, CPU, emulated device).
+
+S = data shards (dp x ep), M = micro-batches per shard (4), B = sequences per micro-batch
+(2). Each rank runs one step per scenario and saves its gradients; the parent compares
+them with a single process running the same S x M micro-batches through the whole model
+(gradient accumulation, loss / (S*M) each), and with the same layout's plain run.
+
+    .venv/bin/python -m pytest tests/parallel/test_parallel_pp.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.multiprocessing import ProcessRaisedException
+
+import pp_workers
+from spikeguard.model import build_model, model_config
+from spikeguard.parallel.launch_utils import run_spawned
+
+pytestmark = pytest.mark.timeout(240)
+
+SPAWN_TIMEOUT_S = 150          # a hung collective fails the test here
+MICRO_BATCHES, BATCH = 4, 2
+HUGE = pp_workers.HUGE
+# Float32 tolerance against the single process: the pipeline accumulates micro-batch
+# gradients in another order, divides by M once at the end instead of scaling each loss,
+# DDP averages shards, and the aux loss enters through its own backward; measured
+# differences are below 3e-7.
+ATOL = RTOL = 1e-5
+# 4 layers: 2 per stage under 1F1B, 1 per stage (4 stages, 2 per rank) interleaved.
+CFG = {"num_layers": 4}
+CFG_EP = {"num_layers": 4, "num_experts": 8}
+
+
+def _s(name, policy, budget=HUGE, **extra) -> dict:
+    return {"name": name, "policy": policy, "budget": budget, **extra}
+
+
+PP_SCENARIOS = [
+    _s("plain", "plain"), _s("calm", "none"), _s("full", "full"), _s("experts", "experts"),
+    _s("offload", "offload"), _s("adaptive", "adaptive"),
+    _s("tight", "adaptive", "calm*0.8"),
+    _s("i_plain", "plain", schedule="interleaved"), _s("i_full", "full", schedule="interleaved"),
+    _s("i_tight", "adaptive", "calm*0.6", schedule="interleaved"),
+]
+PP_EP_SCENARIOS = [
+    _s("plain", "plain"), _s("calm", "none", calm=True), _s("full", "full"),
+    _s("tight", "adaptive", "calm*0.85"),
+    # The spike: stage 0's first micro-batch (warm-up) sends every token to ep rank 0.
+    _s("spike_plain", "plain", spike=0),
+    _s("spike_adaptive", "adaptive", "calm*1.05", spike=0),
+    _s("spike_none", "none", "calm*1.05", spike=0),  # last: rank 0 dies of it
+]
+PP_DP_SCENARIOS = [_s("plain", "plain"), _s("calm", "none"), _s("full", "full"),
+                   _s("tight", "adaptive", "calm*0.8")]
+
+
+def _spawn(tmp_path_factory, name, world, runs, expect_failure=False):
+    out_dir = tmp_path_factory.mktemp(name)
+    args = (str(out_dir), MICRO_BATCHES, BATCH, runs)
+    if expect_failure:
+        with pytest.raises(ProcessRaisedException, match="DeviceOutOfMemory"):
+            run_spawned(pp_workers.pp_worker, world, args, store_path=out_dir / "store",
+                        timeout_s=SPAWN_TIMEOUT_S)
+    else:
+        run_spawned(pp_workers.pp_worker, world, args, store_path=out_dir / "store",
+                    timeout_s=SPAWN_TIMEOUT_S)
+    return lambda scenario, rank: torch.load(out_dir / f"{scenario}_rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    runs = [{"prefix": "", "pp": 2, "ep": 1, "cfg": CFG, "scenarios": PP_SCENARIOS}]
+    return 2, _spawn(tmp_path_factory, "pp2", 2, runs)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One spawn of 4 ranks for both 4-process layouts (process start-up dominates on 2
+    cores); PP=2 x EP=2 last, since its final scenario kills rank 0 on purpose."""
+    runs = [{"prefix": "dp_", "pp": 2, "ep": 1, "cfg": CFG, "scenarios": PP_DP_SCENARIOS},
+            {"prefix": "ep_", "pp": 2, "ep": 2, "cfg": CFG_EP, "scenarios": PP_EP_SCENARIOS}]
+    return _spawn(tmp_path_factory, "four", 4, runs, expect_failure=True)
+
+
+@pytest.fixture(scope="module")
+def pp2ep2(four_ranks):
+    return 4, lambda scenario, rank: four_ranks(f"ep_{scenario}", rank)
+
+
+@pytest.fixture(scope="module")
+def pp2dp2(four_ranks):
+    return 4, lambda scenario, rank: four_ranks(f"dp_{scenario}", rank)
+
+
+def _single_process(cfg_overrides: dict, num_shards: int) -> dict:
+    cfg = model_config("tiny", **cfg_overrides)
+    model = build_model(cfg, seed=0)
+    num_mb = num_shards * MICRO_BATCHES
+    tokens = pp_workers.global_batch(num_mb * BATCH, cfg.seq_len, cfg.vocab_size)
+    for mb in tokens.chunk(num_mb):
+        (model(mb[:, :-1], mb[:, 1:]).loss / num_mb).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_close_to_single_process(world: int, load, scenario: str, reference: dict) -> None:
+    seen = set()
+    for rank in range(world):
+        for name, (grad, expert_slice) in load(scenario, rank)["grads"].items():
+            expected = reference[name]
+            if expert_slice is not None:
+                expected = expected[expert_slice[0]:expert_slice[1]]
+            assert grad is not None, f"rank {rank}: no gradient for {name}"
+            torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"{scenario}, rank {rank}, {name}: {m}")
+            seen.add(name)
+    assert seen == set(reference), set(reference) ^ seen
+
+
+def _assert_bitwise(world: int, load, base: str, scenario: str) -> None:
+    for rank in range(world):
+        expected, actual = load(base, rank)["grads"], load(scenario, rank)["grads"]
+        assert expected.keys() == actual.keys()
+        differ = [n for n in expected if not torch.equal(expected[n][0], actual[n][0])]
+        assert not differ, f"{scenario}, rank {rank}: gradients differ from {base}: {differ}"
+
+
+# ---- PP=2 ------------------------------------------------------------------------------
+@pytest.mark.parametrize("plain", ["plain", "i_plain"], ids=["1f1b", "interleaved"])
+def test_pp_gradients_equal_single_process(pp2, plain):
+    world, load = pp2
+    _assert_close_to_single_process(world, load, plain, _single_process(CFG, 1))
+
+
+@pytest.mark.parametrize("scenario", ["calm", "full", "experts", "offload", "adaptive", "tight"])
+def test_pp_every_policy_gives_bitwise_the_plain_gradients(pp2, scenario):
+    world, load = pp2
+    _assert_bitwise(world, load, "plain", scenario)
+    for rank in range(world):
+        record = load(scenario, rank)["records"][0]
+        assert record["safety_net_reruns"] == 0
+        assert record["peak_bytes"] <= record["budget_bytes"]
+    if scenario == "tight":  # the budget really cut something on some stage
+        decisions = [load(scenario, r)["records"][0]["decisions"] for r in range(world)]
+        assert any(d["recompute"] + d["offload"] > 0 for d in decisions), decisions
+
+
+@pytest.mark.parametrize("scenario", ["i_full", "i_tight"])
+def test_pp_interleaved_policies_give_bitwise_the_plain_gradients(pp2, scenario):
+    world, load = pp2
+    _assert_bitwise(world, load, "i_plain", scenario)
+    for rank in range(world):
+        result = load(scenario, rank)
+        assert result["stage_ids"] == [rank, rank + 2]
+        for record in result["records"]:
+            assert record["peak_bytes"] <= record["budget_bytes"]
+            assert record["micro_batches"] == MICRO_BATCHES
+
+
+def test_pp_static_shapes_mean_no_extra_forward(pp2):
+    """The stage's first step runs exactly M forwards: no shape-inference forward that the
+    guard would count as a micro-batch."""
+    world, load = pp2
+    for rank in range(world):
+        result = load("calm", rank)
+        assert result["forwards"] == MICRO_BATCHES
+        assert result["records"][0]["micro_batches"] == MICRO_BATCHES
+
+
+def test_pp_residency_follows_the_1f1b_schedule(pp2):
+    """Stage s of p holds up to p - s micro-batches: stage 0 reserves one more at its first
+    forward, the last stage none; micro-batch 1 on stage 0 finds micro-batch 0 resident."""
+    world, load = pp2
+    log0 = load("tight", 0)["residency"][0]
+    first = log0[0]
+    assert (first["micro_batch"], first["phase"], first["resident"], first["to_add"]) == \
+        (0, "warmup", 0, 1) and first["reserved_bytes"] > 0
+    second = next(e for e in log0 if e["micro_batch"] == 1)
+    assert (second["resident"], second["to_add"]) == (1, 0)
+    log1 = load("tight", 1)["residency"][0]
+    assert all(e["to_add"] == 0 and e["resident"] == 0 for e in log1), log1
+
+
+# ---- PP=2 x EP=2 -----------------------------------------------------------------------
+def test_pp_ep_gradients_equal_single_process(pp2ep2):
+    world, load = pp2ep2
+    _assert_close_to_single_process(world, load, "plain", _single_process(CFG_EP, 2))
+
+
+@pytest.mark.parametrize("scenario", ["full", "tight"])
+def test_pp_ep_policies_give_bitwise_the_plain_gradients(pp2ep2, scenario):
+    world, load = pp2ep2
+    _assert_bitwise(world, load, "plain", scenario)
+
+
+def test_pp_ep_warmup_spike_none_dies_adaptive_stays_under_budget(pp2ep2):
+    """The spike (stage 0, micro-batch 0, all tokens to ep rank 0) under a per-rank budget
+    5% over what calm steps need with everything saved."""
+    world, load = pp2ep2
+    died = load("spike_none", 0)
+    assert died["stage_ids"] == [0] and died["oom"], died
+    for rank in range(world):
+        result = load("spike_adaptive", rank)
+        record = result["records"][0]
+        assert record["peak_bytes"] <= record["budget_bytes"], (rank, record)
+        assert record["safety_net_reruns"] == 0, (rank, record)
+    _assert_bitwise(world, load, "spike_plain", "spike_adaptive")
+    # The first warm-up decision on the spiked rank already reserved the micro-batch the
+    # schedule adds before its first backward (the spike itself is micro-batch 0).
+    first = load("spike_adaptive", 0)["residency"][0][0]
+    assert (first["micro_batch"], first["layer"], first["phase"], first["to_add"]) == \
+        (0, 0, "warmup", 1)
+    assert first["reserved_bytes"] > 0
+    hot = load("spike_adaptive", 0)["records"][0]["decisions"]
+    assert hot["recompute"] + hot["offload"] > 0, hot
+
+
+# ---- PP=2 x DP=2 -----------------------------------------------------------------------
+def test_pp_dp_gradients_equal_single_process(pp2dp2):
+    world, load = pp2dp2
+    _assert_close_to_single_process(world, load, "plain", _single_process(CFG, 2))
+
+
+@pytest.mark.parametrize("scenario", ["calm", "full", "tight"])
+def test_pp_dp_policies_give_bitwise_the_plain_gradients(pp2dp2, scenario):
+    world, load = pp2dp2
+    _assert_bitwise(world, load, "plain", scenario)
