@@ -41,6 +41,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train the built-in MoE transformer")
     train.add_argument("--preset", default="small", help="tiny, small or medium (default small)")
+    train.add_argument("--hf", default=None, metavar="NAME_OR_JSON",
+                       help="train a tiny Hugging Face transformers MoE model instead (a model "
+                            "type such as mixtral, qwen3_moe, olmoe, or a config JSON; random "
+                            "weights, nothing downloaded; needs spikeguard[hf]); see docs/hf.md")
     model = train.add_argument_group("model overrides")
     for flag in ("--seq-len", "--num-experts", "--top-k", "--d-model", "--num-layers",
                  "--d-expert"):
@@ -121,6 +125,9 @@ def _given(**values: Any) -> dict[str, Any]:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    if args.hf is not None:
+        from spikeguard.integrations.hf_train import run_from_cli
+        return run_from_cli(args)
     from spikeguard.memory.budget import parse_bytes
     from spikeguard.model.config import model_config
     from spikeguard.train.loop import TrainConfig

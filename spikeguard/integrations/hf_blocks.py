@@ -112,14 +112,14 @@ class HFBlock:
         self.block, self.experts, self.router = block, experts, router
         self.shared, self.num_experts = shared, num_experts
         self.top_k = router.top_k if isinstance(getattr(router, "top_k", None), int) else None
-        self.d_model = _d_model(router, experts)
+        self.d_model = _d_model(router, experts, num_experts)
 
 
-def _d_model(router: nn.Module, experts: nn.Module) -> Optional[int]:
-    """D: the router's input width (its 2-D weight's columns), else the experts' own."""
-    weight = getattr(router, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return weight.shape[1]
+def _d_model(router: nn.Module, experts: nn.Module, num_experts: int) -> Optional[int]:
+    """D: the router's input width (the columns of its (E, D) weight), else the experts'."""
+    for weight in router.parameters():
+        if weight.dim() == 2 and weight.shape[0] == num_experts:
+            return weight.shape[1]
     for name in ("hidden_dim", "hidden_size"):
         if isinstance(getattr(experts, name, None), int):
             return getattr(experts, name)
@@ -144,10 +144,15 @@ class HFAdapter(BlockAdapter):
         for module in model.modules():
             if getattr(module, "gradient_checkpointing", False) is True:
                 raise UsageError(
-                    "the model has transformers' gradient checkpointing enabled; call "
-                    "model.gradient_checkpointing_disable() before attach: the guard decides "
-                    "recompute itself, and the two must not be stacked")
+                    "the model has transformers' activation checkpointing enabled; call "
+                    "model.activation_checkpointing_disable() (gradient_checkpointing_disable() "
+                    "in older versions) before attach: the guard decides recompute itself, "
+                    "and the two must not be stacked")
         for f in found:
+            # Checked before anything is installed, so a refused attach leaves no trace.
+            if "forward" in vars(f.experts):
+                raise UsageError(f"the experts of {type(f.block).__name__} already have a "
+                                 f"patched forward; another tool is wrapping them")
             if getattr(f.experts, "_is_expert_parallel", False):
                 raise UsageError("transformers' own expert parallelism is not supported by "
                                  "the guard yet (its experts hold sentinel routes)")
@@ -164,9 +169,6 @@ class HFAdapter(BlockAdapter):
     # ---- the window ---------------------------------------------------------------------
     def install(self, block: nn.Module, guard) -> None:
         experts = self.part(block).experts
-        if "forward" in vars(experts):
-            raise UsageError(f"the experts of {type(block).__name__} already have a patched "
-                             f"forward; another tool is wrapping them")
         orig = experts.forward
         self._orig[id(block)] = orig
         window = functools.partial(run_window, guard, self.part(block), self.layer_index(block),

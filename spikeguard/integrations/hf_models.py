@@ -57,9 +57,9 @@ class HFSizes:
 def _transformers():
     try:
         import transformers
-    except ModuleNotFoundError:
-        raise UsageError("Hugging Face models need transformers: "
-                         "pip install 'spikeguard[hf]'") from None
+    except ImportError as exc:
+        raise UsageError(f"Hugging Face models need transformers: pip install "
+                         f"'spikeguard[hf]' ({exc})") from None
     return transformers
 
 
@@ -99,9 +99,9 @@ def tiny_config(source: str, sizes: HFSizes):
     model_type, values = read_config_source(source)
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **values)
-    except ValueError as exc:
+    except ValueError:
         raise UsageError(f"unknown transformers model type {model_type!r} "
-                         f"(e.g. mixtral, qwen3_moe, olmoe): {str(exc).splitlines()[0]}") from None
+                         f"(MoE examples: mixtral, qwen3_moe, olmoe, qwen2_moe, deepseek_v3)") from None
     except TypeError as exc:
         raise UsageError(f"config values do not fit {model_type}: {exc}") from None
     have = cfg.to_dict()
