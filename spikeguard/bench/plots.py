@@ -42,7 +42,6 @@ Runs = Mapping[str, Records]
 PLOT_FILES = {"memory": "memory_timeline.png", "throughput": "throughput.png",
               "imbalance": "imbalance.png"}
 CEILING = "ceiling"  # the bench's name for the run without a memory limit
-_MiB = 1024 ** 2
 _SPIKE_COLOR, _RECOMPUTE_COLOR, _OFFLOAD_COLOR = "#f4a261", "#d62828", "#1d70b8"
 
 
@@ -72,9 +71,13 @@ def _completed(records: Records) -> list[Mapping[str, Any]]:
 
 def _hot_peak(record: Mapping[str, Any]) -> Optional[float]:
     """Bytes on the step's hot rank: the cluster's worst peak (the rank that would run out
-    first) under expert parallelism, this process's peak otherwise."""
+    first) under expert parallelism, this process's peak otherwise. None without a guard:
+    an unguarded expert-parallel rank still logs max_peak_bytes, as 0 (nothing measured)."""
+    own = _num(record, "peak_bytes")
+    if own is None:
+        return None
     value = _num(record, "max_peak_bytes")
-    return value if value is not None else _num(record, "peak_bytes")
+    return value if value is not None else own
 
 
 def _hot_decisions(record: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -119,8 +122,9 @@ def _check_runs(runs: Runs) -> None:
     if not runs:
         raise UsageError("nothing to plot: no runs given")
     for name, records in runs.items():
-        if not isinstance(records, Sequence) or isinstance(records, (str, bytes)):
-            raise UsageError(f"run {name!r}: expected a list of step records")
+        if not isinstance(records, Sequence) or isinstance(records, (str, bytes)) \
+                or not all(isinstance(r, Mapping) for r in records):
+            raise UsageError(f"run {name!r}: expected a list of step records (dicts)")
 
 
 def _canvas(fig: Figure) -> Figure:
@@ -230,49 +234,61 @@ def throughput_stats(records: Records) -> Optional[tuple[float, float, float]]:
     return float(q25), float(median(rates)), float(q75)
 
 
-def throughput(runs: Runs, effective: Optional[Mapping[str, float]] = None) -> Figure:
+def throughput(runs: Runs, effective: Optional[Mapping[str, float]] = None,
+               relative: Optional[Mapping[str, float]] = None) -> Figure:
     """One bar per run: median tokens/s of its completed steps, the interquartile range as
-    a whisker, labelled with the ratio to `ceiling` when a run has that name. `effective`
-    ({name: tokens/s}, from the bench) adds a hatched bar: the throughput counting lost
-    time and restarts, which a log alone cannot know."""
+    a whisker, labelled with the ratio to `ceiling` when a run has that name. From the
+    bench: `effective` ({name: tokens/s}) adds a hatched bar, the throughput counting lost
+    time and restarts, which a log alone cannot know; `relative` ({name: ratio}) replaces
+    the label's ratio with the bench's own (median of per-segment ratios), so the picture
+    and the table say the same number."""
     _check_runs(runs)
     stats = {name: throughput_stats(records) for name, records in runs.items()}
     if all(s is None for s in stats.values()):
         raise NothingToPlot("throughput: no log has a completed step with tokens_per_s")
     names = list(runs)
     ceiling = stats.get(CEILING)
+    base = ceiling[1] if ceiling and ceiling[1] > 0 else None
     fig = _canvas(Figure(figsize=(max(5.0, 1.3 * len(names) + 2), 4.2), layout="constrained"))
     ax = fig.subplots()
     x = np.arange(len(names))
     width = 0.38 if effective else 0.6
-    offset = -width / 2 if effective else 0.0
     meds = [s[1] if s else 0.0 for s in stats.values()]
     err = np.array([[s[1] - s[0], s[2] - s[1]] if s else [0, 0] for s in stats.values()]).T
-    bars = ax.bar(x + offset, meds, width, yerr=err, capsize=3, color="#2a9d8f",
-                  label="median of steps (whisker: 25-75%)")
-    if effective:
-        eff = [float(effective.get(n, 0.0) or 0.0) for n in names]
-        eff_bars = ax.bar(x + width / 2, eff, width, color="#e9c46a", hatch="//",
-               label="effective (lost time, restarts)")
-    if ceiling is not None:
-        ax.axhline(ceiling[1], color="grey", ls=":", lw=1)
+    bars = ax.bar(x - width / 2 if effective else x, meds, width, yerr=err, capsize=3,
+                  color="#2a9d8f", label="median of steps (whisker: 25-75%)")
     for bar, name, s in zip(bars, names, stats.values()):
-        text = "no completed step" if s is None else (
-            f"{s[1] / ceiling[1]:.2f}x ceiling" if ceiling and ceiling[1] > 0 else
-            f"{s[1]:,.0f}")
-        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, s[2] if s else 0.0),
-                    xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8)
-    if effective and ceiling and ceiling[1] > 0:
+        ratio = _given_number(relative, name)
+        if ratio is None and s is not None and base:
+            ratio = s[1] / base
+        text = ("no completed step" if s is None else
+                f"{ratio:.2f}x ceiling" if ratio is not None else f"{s[1]:,.0f}")
+        _label(ax, bar, s[2] if s else 0.0, text)
+    if effective:
+        eff = [_given_number(effective, n) or 0.0 for n in names]
+        eff_bars = ax.bar(x + width / 2, eff, width, color="#e9c46a", hatch="//",
+                          label="effective (lost time, restarts)")
+        eff_base = _given_number(effective, CEILING) or base
         for bar in eff_bars:
-            ax.annotate(f"{bar.get_height() / ceiling[1]:.2f}x", (bar.get_x() + width / 2,
-                        bar.get_height()), xytext=(0, 4), textcoords="offset points",
-                        ha="center", fontsize=8)
+            if eff_base:
+                _label(ax, bar, bar.get_height(), f"{bar.get_height() / eff_base:.2f}x")
+    if base:
+        ax.axhline(base, color="grey", ls=":", lw=1)
     ax.set_xticks(x, names)
     ax.set_ylabel("tokens / s")
     ax.set_title("Throughput per run (CPU, emulated device)")
     ax.margins(y=0.12)
     fig.legend(fontsize=8, loc="outside lower center", ncols=2)
     return fig
+
+
+def _given_number(values: Optional[Mapping[str, Any]], name: str) -> Optional[float]:
+    return _num(values, name) if values else None
+
+
+def _label(ax, bar, y: float, text: str) -> None:
+    ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), xytext=(0, 4),
+                textcoords="offset points", ha="center", fontsize=8)
 
 
 # ---- 3. per-layer, per-rank imbalance over steps -----------------------------------------
@@ -385,6 +401,7 @@ def save_png(fig: Figure, path: str | Path) -> Path:
 
 
 def make_figures(runs: Runs, *, effective: Optional[Mapping[str, float]] = None,
+                 relative: Optional[Mapping[str, float]] = None,
                  with_throughput: Optional[bool] = None) -> tuple[dict[str, Figure], list[str]]:
     """Every figure the logs can feed, {key of PLOT_FILES: Figure}, and one line per plot
     left out and why. Throughput is drawn when there are several runs unless
@@ -395,7 +412,7 @@ def make_figures(runs: Runs, *, effective: Optional[Mapping[str, float]] = None,
     makers = {"memory": lambda: memory_timeline(runs),
               "imbalance": lambda: imbalance_heatmap(runs)}
     if with_throughput:
-        makers["throughput"] = lambda: throughput(runs, effective)
+        makers["throughput"] = lambda: throughput(runs, effective, relative)
     figures, notes = {}, []
     for key, make in makers.items():
         try:
@@ -412,7 +429,9 @@ def save_figures(figures: Mapping[str, Figure], out_dir: str | Path) -> list[Pat
 
 def draw_plots(runs: Runs, out_dir: str | Path, *,
                effective: Optional[Mapping[str, float]] = None,
+               relative: Optional[Mapping[str, float]] = None,
                with_throughput: Optional[bool] = None) -> tuple[list[Path], list[str]]:
     """make_figures, then save_figures: the files written and the plots left out (why)."""
-    figures, notes = make_figures(runs, effective=effective, with_throughput=with_throughput)
+    figures, notes = make_figures(runs, effective=effective, relative=relative,
+                                  with_throughput=with_throughput)
     return save_figures(figures, out_dir), notes

@@ -6,7 +6,6 @@ degraded logs, one-line errors.
 
 from __future__ import annotations
 
-import json
 import struct
 from statistics import median
 
@@ -113,8 +112,11 @@ def test_memory_timeline_degrades_and_refuses_when_nothing_to_draw():
     assert not _lines(fig.axes[1], "peak")
     assert _lines(fig.axes[1], "others-budget")
     assert "no memory records" in fig.axes[1].texts[0].get_text()
+    # An unguarded expert-parallel rank logs max_peak_bytes 0: not a measured peak.
+    unguarded_ep = [dict(r, rank_peak_bytes=[0, 0], max_peak_bytes=0, peak_rank=0)
+                    for r in _records(guard=False)]
     with pytest.raises(NothingToPlot, match="peak_bytes"):
-        plots.memory_timeline({"plain": _records(guard=False)})
+        plots.memory_timeline({"plain": _records(guard=False), "ep": unguarded_ep})
 
 
 def test_throughput_bars_are_medians_of_completed_steps_with_ratio_to_ceiling():
@@ -129,6 +131,10 @@ def test_throughput_bars_are_medians_of_completed_steps_with_ratio_to_ceiling():
     assert heights[3:] == pytest.approx([0.0, 0.0, 500.0])
     texts = [t.get_text() for t in ax.texts]
     assert f"{expected[1] / expected[0]:.2f}x ceiling" in texts
+    assert f"{500.0 / expected[0]:.2f}x" in texts                    # effective vs ceiling
+    # The bench's own ratios, when given, are the labels (picture and table agree).
+    ax = plots.throughput(runs, relative={"full": 0.123}).axes[0]
+    assert "0.12x ceiling" in [t.get_text() for t in ax.texts]
     with pytest.raises(NothingToPlot):
         plots.throughput({"a": [{"step": 1}]})
 
