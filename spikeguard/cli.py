@@ -65,7 +65,12 @@ def _build_parser() -> argparse.ArgumentParser:
     par.add_argument("--nproc", type=int, default=1,
                      help="processes to start with torchrun on this machine (default 1)")
     par.add_argument("--ep", type=int, default=None,
-                     help="expert-parallel size (default: --nproc)")
+                     help="expert-parallel size (default: --nproc; 1 with --pp)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline stages (torch.distributed.pipelining); data parallel is "
+                          "--nproc / (--pp x --ep)")
+    par.add_argument("--schedule", default="1f1b", choices=("1f1b", "interleaved"),
+                     help="pipeline schedule (default 1f1b; interleaved: 2 stages per rank)")
     par.add_argument("--skew", default=None,
                      choices=("production", "one-hot-rank", "rotating", "burst"),
                      help="inject routing skew (spikeguard.bench.skew); default none")
@@ -104,8 +109,12 @@ def _build_parser() -> argparse.ArgumentParser:
                            "adaptive guard); 1 trains one plain process")
     _add_io_args(demo, with_data=False)
     demo.set_defaults(run=_run_demo)
+    from spikeguard.bench.bench_cli import add_parser as add_bench_parser
+    add_bench_parser(commands)
     from spikeguard.bench.report_cli import add_parser as add_report_parser
     add_report_parser(commands)
+    from spikeguard.sim.cli import add_parser as add_simulate_parser
+    add_simulate_parser(commands)
     return parser
 
 
@@ -143,6 +152,9 @@ def _run_train(args: argparse.Namespace) -> int:
     args.budget_bytes = parse_bytes(args.budget) if args.budget not in (None, "auto") else None
     use_guard = args.budget is not None or args.policy is not None
     _check_run_files(args, model_cfg, train_cfg)
+    if args.pp != 1:
+        from spikeguard.parallel.pipeline_cli import run_pipeline_train
+        return run_pipeline_train(args, model_cfg, train_cfg)
     if args.nproc != 1 or args.ep not in (None, 1) or args.skew is not None:
         from spikeguard.parallel.launch import check_layout, relaunch_under_torchrun, under_torchrun
 

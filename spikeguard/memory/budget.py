@@ -55,5 +55,7 @@ def format_bytes(num_bytes: float, round_up: bool = False, unit: str | None = No
             if round_up:
                 scale = 10 ** (2 - int(math.floor(math.log10(value))))
                 return f"{math.ceil(value * scale) / scale:g} {unit}"
-            return f"{value:.3g} {unit}"
+            text = f"{value:.3g}"
+            # 1023.9 KiB is "1024 KiB", not "1.02e+03 KiB"
+            return f"{text if 'e' not in text else f'{value:.0f}'} {unit}"
     return f"{int(math.ceil(num_bytes)) if round_up else int(num_bytes)} B"

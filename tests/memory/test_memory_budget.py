@@ -40,7 +40,7 @@ def test_parse_bytes_rejects_what_is_not_a_positive_size(bad):
 
 @pytest.mark.parametrize("num_bytes,text", [
     (512, "512 B"), (2**10, "1 KiB"), (1536, "1.5 KiB"), (2 * 2**20, "2 MiB"),
-    (int(1.82 * 2**30), "1.82 GiB"),
+    (int(1.82 * 2**30), "1.82 GiB"), (int(1023.9 * 2**10), "1024 KiB"),
 ])
 def test_format_bytes_uses_binary_units(num_bytes, text):
     assert format_bytes(num_bytes) == text

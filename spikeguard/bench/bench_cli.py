@@ -1,0 +1,306 @@
+"""`spikeguard bench`: every memory policy on the same routing spikes, side by side.
+
+    .venv/bin/spikeguard bench --json bench.json --plots docs/img/bench --docs docs/bench.md
+
+1. A measurement pass trains with the skew injector (or replays --trace), everything
+   saved and no limit, and records the routing trace: from now on every policy sees
+   exactly these loads.
+2. The budget (unless given): what the calm steps of that pass peaked at, plus 10% of
+   their activations, so that the spikes do not fit with everything saved.
+3. Policies ceiling (no guard, no limit), none, offload, experts, full and adaptive train
+   under that budget, interleaved by segments (spikeguard.bench.runner); `none` dies on
+   the spikes and is restarted from its checkpoints.
+4. Figures (spikeguard.bench.results), `safe-static` (the fastest static setting that
+   survived), a table, a JSON file, plots and a docs page.
+On a machine without a GPU the device is the ledger's emulated byte budget: every figure
+is a CPU figure, and the page says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from spikeguard.errors import UsageError
+
+POLICIES = ("ceiling", "none", "offload", "experts", "full", "adaptive")
+PATTERNS = ("production", "one-hot-rank", "rotating", "burst")
+NO_LIMIT = "1TiB"
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="every policy on the same routing spikes, "
+                                              "side by side (crashes and restarts included)")
+    work = bench.add_argument_group("workload")
+    work.add_argument("--preset", default="small", help="model preset (default small)")
+    work.add_argument("--ep", type=int, default=2, help="expert-parallel processes (default 2)")
+    work.add_argument("--steps", type=int, default=200)
+    work.add_argument("--batch-size", type=int, default=8)
+    work.add_argument("--micro-batches", type=int, default=1)
+    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--pattern", default="production", choices=PATTERNS,
+                      help="routing skew (default production: 2.9%% spike steps)")
+    work.add_argument("--spike-prob", type=float, default=None)
+    work.add_argument("--spike-max", type=float, default=None,
+                      help="largest spike, max/mean tokens per rank (default min(2.6, ep))")
+    work.add_argument("--skew-seed", type=int, default=0)
+    work.add_argument("--trace", default=None, metavar="FILE",
+                      help="replay this recorded trace instead of recording one")
+    run = bench.add_argument_group("comparison")
+    run.add_argument("--policies", default=",".join(POLICIES),
+                     help=f"comma-separated, from {', '.join(POLICIES)} (default all)")
+    run.add_argument("--budget", default="auto",
+                     help="device budget per rank (default auto: calm-step peak + 10%% of "
+                          "its activations)")
+    run.add_argument("--segments", type=int, default=4,
+                     help="interleaving: policies take turns every steps/segments steps")
+    run.add_argument("--checkpoint-every", type=int, default=25)
+    run.add_argument("--restart-cost", type=float, default=284.0, metavar="SECONDS",
+                     help="cold-restart cost per crash for the at-scale figure (default 284)")
+    out = bench.add_argument_group("outputs")
+    out.add_argument("--work", default=None, metavar="DIR",
+                     help="folder for traces, logs and checkpoints (default: a new temp dir)")
+    out.add_argument("--json", default=None, metavar="FILE")
+    out.add_argument("--plots", default=None, metavar="DIR")
+    out.add_argument("--docs", default=None, metavar="FILE.md",
+                     help="write the benchmark page (command, machine, table, plots)")
+    bench.set_defaults(run=run_bench)
+
+
+def _positive(name: str, value) -> None:
+    if value <= 0:
+        raise UsageError(f"--{name} must be positive, got {value}")
+
+
+def _validate(args) -> list[str]:
+    from spikeguard.model.config import PRESETS
+
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    for name in ("ep", "steps", "batch_size", "micro_batches", "segments", "checkpoint_every"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.ep < 2:
+        raise UsageError("--ep must be at least 2: spikes are one rank receiving more than its share")
+    if args.segments > args.steps:
+        raise UsageError(f"--segments {args.segments} exceeds --steps {args.steps}")
+    if args.restart_cost < 0:
+        raise UsageError(f"--restart-cost must be >= 0, got {args.restart_cost}")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies or len(set(policies)) != len(policies):
+        raise UsageError(f"--policies must name each of {', '.join(POLICIES)} at most once, "
+                         f"got {args.policies!r}")
+    if args.budget != "auto":
+        from spikeguard.memory.budget import parse_bytes
+        args.budget_bytes = parse_bytes(args.budget)
+    for flag, path in (("--json", args.json), ("--docs", args.docs)):
+        if path is not None and (Path(path).is_dir() or not Path(path).parent.is_dir()):
+            raise UsageError(f"{flag} needs a file in an existing folder, got {path}")
+    if args.plots is not None and Path(args.plots).is_file():
+        raise UsageError(f"--plots {args.plots} is a file")
+    if args.work is not None and Path(args.work).is_file():
+        raise UsageError(f"--work {args.work} is a file")
+    return policies
+
+
+def _common(args, trace: Path) -> list[str]:
+    return ["--preset", args.preset, "--nproc", str(args.ep), "--batch-size", str(args.batch_size),
+            "--micro-batches", str(args.micro_batches), "--seed", str(args.seed),
+            "--threads", "1", "--eval-every", str(args.steps), "--eval-batches", "1",
+            "--trace", str(trace), "--checkpoint-every", str(args.checkpoint_every)]
+
+
+def _measure(args, work: Path, echo) -> tuple[Path, list[dict]]:
+    """The measurement pass: records (or replays) the trace with everything saved."""
+    from spikeguard.bench.runner import JobRunner
+
+    base = ["--preset", args.preset, "--nproc", str(args.ep), "--batch-size",
+            str(args.batch_size), "--micro-batches", str(args.micro_batches), "--seed",
+            str(args.seed), "--threads", "1", "--eval-every", str(args.steps),
+            "--eval-batches", "1", "--policy", "none", "--budget", NO_LIMIT]
+    if args.trace is not None:
+        trace = Path(args.trace)
+        extra = ["--trace", str(trace)]
+    else:
+        trace = work / "trace.jsonl"
+        extra = ["--skew", args.pattern, "--skew-seed", str(args.skew_seed),
+                 "--record-trace", str(trace)]
+        if args.spike_prob is not None:
+            extra += ["--spike-prob", str(args.spike_prob)]
+        extra += ["--spike-max", str(args.spike_max if args.spike_max is not None
+                                     else min(2.6, float(args.ep)))]
+    job = JobRunner(base, work, args.ep, echo).run("measure", extra, 1, args.steps, "measure")
+    if job.crashed_step is not None:
+        raise UsageError("the measurement pass ran out of a 1 TiB budget")
+    return trace, job.records
+
+
+def _budget_from(records: list[dict]) -> tuple[int, int, int]:
+    """(budget, calm peak, static) from the measurement pass."""
+    from spikeguard.runtime.auto_budget import auto_budget
+
+    calm = [r for r in records if not r.get("skew_spike")]
+    if not calm:
+        raise UsageError("the trace has no calm step to size the budget from; give --budget")
+    peak = max(r["max_peak_bytes"] for r in calm)
+    static = max(r["static_bytes"] for r in calm)
+    return auto_budget(peak, static), peak, static
+
+
+def _segments(steps: int, count: int) -> list[tuple[int, int]]:
+    edges = [round(i * steps / count) for i in range(count + 1)]
+    return [(edges[i] + 1, edges[i + 1]) for i in range(count)]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from spikeguard.bench import results
+    from spikeguard.bench.runner import JobRunner, PolicyRun, run_policy_segment
+
+    policies = _validate(args)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a log file gets the table unwrapped
+
+    def echo(text: str) -> None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="spikeguard-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    echo(f"bench: {args.preset}, EP={args.ep} processes, {args.steps} steps, work in {work}")
+    echo("measurement pass (everything saved, no limit; records the routing trace):")
+    trace, measured = _measure(args, work, echo)
+    spikes = [r["step"] for r in measured if r.get("skew_spike")]
+    if args.budget == "auto":
+        budget, calm_peak, static = _budget_from(measured)
+        how = (f"auto: calm-step peak {calm_peak} B (of which static {static} B) + 10% of "
+               f"its activations")
+    else:
+        budget, how = args.budget_bytes, "given"
+    echo(f"budget {budget} B per rank ({how}); spike steps in the trace: {spikes}")
+    segments = _segments(args.steps, args.segments)
+    runner = JobRunner(_common(args, trace), work, args.ep, echo)
+    runs = {p: PolicyRun(p) for p in policies}
+    for i, (first, last) in enumerate(segments):
+        echo(f"segment {i + 1}/{len(segments)}: steps {first}-{last}")
+        order = policies[i % len(policies):] + policies[:i % len(policies)]
+        for policy in order:
+            policy_args = [] if policy == "ceiling" else ["--policy", policy, "--budget", str(budget)]
+            run_policy_segment(runner, runs[policy], policy_args, work / "ckpt" / policy,
+                               first, last)
+    measured_peak = max(r["max_peak_bytes"] for r in measured)
+    figures = {p: results.policy_figures(runs[p], budget, segments, args.restart_cost,
+                                         measured_peak if p == "ceiling" else None)
+               for p in policies}
+    results.add_ratios(figures)
+    safe = results.pick_safe_static(figures)
+    if safe is not None:
+        figures["safe-static"] = {**figures[safe], "is": safe}
+    report = _report(args, policies, figures, budget, how, spikes, trace, work)
+    _print_table(console, report)
+    if args.json:
+        _write_atomic(Path(args.json), json.dumps(report, indent=1, default=str))
+        echo(f"wrote {args.json}")
+    plot_files = _plots(args, runs, figures, echo)
+    if args.docs:
+        from spikeguard.bench.bench_docs import page
+        _write_atomic(Path(args.docs), page(report, plot_files, Path(args.docs).parent))
+        echo(f"wrote {args.docs}")
+    return 0
+
+
+def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[str, Any]:
+    import torch
+
+    return {
+        "command": "spikeguard " + " ".join(args.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "device": "CPU only: the device is emulated by the ledger's byte budget"},
+        "workload": {"preset": args.preset, "ep": args.ep, "steps": args.steps,
+                     "batch_size": args.batch_size, "micro_batches": args.micro_batches,
+                     "pattern": None if args.trace else args.pattern,
+                     "trace": str(trace), "spike_steps": spikes,
+                     "segments": args.segments, "checkpoint_every": args.checkpoint_every,
+                     "restart_cost_s": args.restart_cost},
+        "budget_bytes": budget,
+        "budget_rule": how,
+        "policies": figures,
+        "order": [p for p in policies] + (["safe-static"] if "safe-static" in figures else []),
+        "work": str(work),
+    }
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    """The comparison as rows of text (the terminal table and the docs page share them)."""
+    from spikeguard.memory.budget import format_bytes
+
+    rows = []
+    for name in report["order"]:
+        f = report["policies"][name]
+        label = f"{name} ({f['is']})" if "is" in f else name
+        d = f["decisions"]
+        rows.append([
+            label, _fmt(f["tokens_per_s"], ".0f"), _fmt(f["relative_to_ceiling"], ".3f"),
+            format_bytes(f["peak_bytes"]) if f["peak_bytes"] else "-",
+            str(f["overruns"]), str(f["oom_events"]), _fmt(f["lost_seconds"], ".1f"),
+            _fmt(f.get("effective_relative_to_ceiling"), ".3f"),
+            _fmt(f.get("effective_relative_at_restart_cost"), ".3f"),
+            f"{d['save']}/{d['recompute']}/{d['offload']}",
+        ])
+    return rows
+
+
+TABLE_HEADER = ["policy", "tok/s", "vs ceiling", "peak", "over budget", "OOM + restarts",
+                "lost s", "effective vs ceiling", "at 284 s/restart", "save/rec/off"]
+
+
+def _print_table(console, report: dict) -> None:
+    from rich.table import Table
+
+    from spikeguard.memory.budget import format_bytes
+
+    table = Table(title=f"spikeguard bench: budget {format_bytes(report['budget_bytes'])} per "
+                        f"rank (CPU, emulated device)")
+    header = list(TABLE_HEADER)
+    header[8] = f"at {report['workload']['restart_cost_s']:g} s/restart"
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in table_rows(report):
+        table.add_row(*row)
+    console.print(table)
+
+
+def _plots(args, runs, figures, echo) -> list[Path]:
+    if not args.plots:
+        return []
+    from spikeguard.bench.plots import draw_plots
+
+    folder = Path(args.plots)
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = {name: run.final_records() for name, run in runs.items()}
+    effective = {name: f["effective_tokens_per_s"] for name, f in figures.items() if name in logs}
+    written, notes = draw_plots(logs, folder, effective=effective)
+    for note in notes:
+        echo(f"plot left out: {note}")
+    for path in written:
+        echo(f"wrote {path}")
+    return written
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

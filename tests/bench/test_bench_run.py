@@ -1,0 +1,113 @@
+"""`spikeguard bench`: bad input before any job, the figures' arithmetic on known jobs, and
+one real (short) run: same trace for every policy, `none` dies and is restarted from its
+checkpoint with the time it lost measured, `adaptive` stays under the budget.
+
+    .venv/bin/python -m pytest tests/bench/test_bench_run.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from spikeguard import cli
+from spikeguard.bench import results
+from spikeguard.bench.bench_cli import _segments
+from spikeguard.bench.runner import Job, PolicyRun, read_log
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--policies", "none,sometimes"], "--policies"),
+    (["--policies", "none,none"], "--policies"),
+    (["--segments", "9", "--steps", "4"], "exceeds"),
+    (["--ep", "1"], "at least 2"),
+    (["--steps", "0"], "positive"),
+    (["--restart-cost", "-1"], ">= 0"),
+    (["--budget", "lots"], "byte size"),
+    (["--preset", "huge"], "unknown preset"),
+    (["--json", "{tmp}/no/such/dir/x.json"], "existing folder"),
+    (["--plots", "{tmp}/afile"], "is a file"),
+])
+def test_bad_input_is_one_line_exit_2_before_any_job(tmp_path, capsys, extra, match):
+    (tmp_path / "afile").write_text("keep me")
+    argv = ["bench", "--work", str(tmp_path / "w")] + [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0], err
+    assert not (tmp_path / "w").exists()
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def _rec(step, seconds=1.0, tokens=100, **extra):
+    return {"step": step, "step_time_s": seconds, "tokens": tokens, **extra}
+
+
+def test_lost_time_is_redone_steps_plus_the_crashed_jobs_overhead():
+    run = PolicyRun("none")
+    # job 1 trains 1..3 (checkpoint at 2), dies on 4 after 10 s of wall time
+    run.jobs.append(Job("none", 1, 6, 10.0, 4, [_rec(1), _rec(2), _rec(3, seconds=2.0)]))
+    run.dropped.add(4)
+    # the restart resumes at 3 (from the step-2 checkpoint), re-does 3, skips 4, trains 5..6
+    run.jobs.append(Job("none", 3, 6, 9.0, None,
+                        [_rec(3, seconds=2.5), {"step": 4, "skipped": True, "tokens": 0,
+                                                 "step_time_s": 0.0}, _rec(5), _rec(6)]))
+    lost, redone, crashes = results.lost_seconds(run)
+    assert crashes == 1 and redone == 2.0
+    assert lost == pytest.approx(2.0 + (10.0 - 4.0))   # re-done step 3 + overhead beyond steps
+    f = results.policy_figures(run, budget=1000, segments=[(1, 6)], restart_cost_s=284.0)
+    assert f["tokens"] == 500 and f["train_seconds"] == pytest.approx(6.5)   # steps 1,2,3,5,6
+    assert f["dropped_steps"] == [4] and f["oom_events"] == f["restarts"] == 1
+    assert f["effective_tokens_per_s"] == pytest.approx(500 / (6.5 + 8.0))
+    assert f["effective_tokens_per_s_at_restart_cost"] == pytest.approx(500 / (6.5 + 2.0 + 284))
+    records = run.final_records()
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[2]["step_time_s"] == 2.5 and records[3]["crashed"]
+
+
+def test_safe_static_is_the_fastest_survivor_and_segments_cover_the_steps():
+    figs = {"none": {"oom_events": 2, "tokens_per_s": 9.0},
+            "experts": {"oom_events": 0, "tokens_per_s": 7.0},
+            "full": {"oom_events": 0, "tokens_per_s": 5.0},
+            "adaptive": {"oom_events": 0, "tokens_per_s": 8.0}}
+    assert results.pick_safe_static(figs) == "experts"
+    assert results.pick_safe_static({"none": {"oom_events": 1, "tokens_per_s": 1.0}}) is None
+    assert _segments(10, 3) == [(1, 3), (4, 7), (8, 10)]
+    assert _segments(200, 4)[-1] == (151, 200)
+
+
+def test_a_short_real_bench(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spikeguard", "bench", "--preset", "tiny", "--steps", "4",
+         "--segments", "1", "--checkpoint-every", "1", "--pattern", "one-hot-rank",
+         "--spike-prob", "0.5", "--spike-max", "2", "--policies", "ceiling,none,adaptive",
+         "--work", str(work), "--json", str(out)],
+        capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["workload"]["spike_steps"], "the seed must give at least one spike"
+    pol = report["policies"]
+    for name in ("ceiling", "none", "adaptive"):
+        for key in ("tokens_per_s", "relative_to_ceiling", "peak_bytes", "budget_bytes",
+                    "oom_events", "restarts", "lost_seconds", "effective_tokens_per_s",
+                    "decisions"):
+            assert key in pol[name], (name, key)
+    assert pol["none"]["oom_events"] >= 1 and pol["none"]["restarts"] == pol["none"]["oom_events"]
+    assert pol["none"]["lost_seconds"] > 0
+    assert pol["adaptive"]["oom_events"] == 0 and pol["adaptive"]["overruns"] == 0
+    assert pol["adaptive"]["peak_bytes"] <= report["budget_bytes"]
+    assert "safe-static" not in pol     # `none` was the only static policy and it crashed
+    # every job replayed the same trace: the cluster's tokens per rank match step by step
+    logs = sorted((work / "logs").glob("*.jsonl"))
+    loads = {}
+    for log in logs:
+        for r in read_log(log):
+            if "rank_imbalance" in r:
+                loads.setdefault(r["step"], []).append(r["rank_imbalance"])
+    assert all(all(x == per_step[0] for x in per_step) for per_step in loads.values())
+    assert "OOM + restarts" in proc.stdout
