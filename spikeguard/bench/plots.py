@@ -42,6 +42,7 @@ Runs = Mapping[str, Records]
 PLOT_FILES = {"memory": "memory_timeline.png", "throughput": "throughput.png",
               "imbalance": "imbalance.png"}
 CEILING = "ceiling"  # the bench's name for the run without a memory limit
+MAX_STEP_SPAN = 100_000  # heatmap columns: a log with steps 1 and 10**9 must not fill memory
 _SPIKE_COLOR, _RECOMPUTE_COLOR, _OFFLOAD_COLOR = "#f4a261", "#d62828", "#1d70b8"
 
 
@@ -299,6 +300,9 @@ def imbalance_matrix(records: Records) -> tuple[Optional[np.ndarray], list[str],
     parallel, else layers (max/mean tokens per expert). Columns are every step from the
     first to the last; one without a completed record (crashed, skipped) is NaN."""
     done = _completed(records)
+    if done and done[-1]["step"] - done[0]["step"] > MAX_STEP_SPAN:
+        raise NothingToPlot(f"imbalance: steps {done[0]['step']} to {done[-1]['step']} span "
+                            f"more than {MAX_STEP_SPAN} columns")
     steps = list(range(done[0]["step"], done[-1]["step"] + 1)) if done else []
     for key, kind in (("rank_imbalance", "rank"), ("imbalance_per_layer", "expert"),
                       ("layer_imbalance", "expert")):

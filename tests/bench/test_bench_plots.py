@@ -154,6 +154,10 @@ def test_imbalance_heatmap_rows_are_layer_by_rank_and_columns_steps():
     assert single.shape == (LAYERS, 4) and single[1, 0] == pytest.approx(1.6)
     with pytest.raises(NothingToPlot):
         plots.imbalance_heatmap({"a": [{"step": 1, "rank_imbalance": "garbage"}]})
+    far = _records(steps=2, ep=False)
+    far[1]["step"] = 10 ** 9
+    with pytest.raises(NothingToPlot, match="span"):
+        plots.imbalance_heatmap({"far": far})
 
 
 def test_draw_plots_writes_valid_pngs(tmp_path):
