@@ -30,6 +30,19 @@ class CostModel:
     h2d_s_per_byte: float = 1e-10
     copies_overlap: bool = False
 
+    @classmethod
+    def from_rates(cls, shape: ExpertShape, flop_per_s: float, memory_bytes_per_s: float,
+                   host_bytes_per_s: float, copies_overlap: bool) -> "CostModel":
+        """A cost model from a device's rates instead of timings, for the simulator, which
+        has no device to time: gate_up and down are GEMMs (2 FLOPs per multiply-add) at the
+        achieved `flop_per_s`; silu and the product are element-wise, bound by memory
+        traffic (silu reads and writes F elements, the product reads 2F and writes F)."""
+        D, F, b = shape.d_model, shape.d_expert, shape.elem_bytes
+        stages = {"gate_up": 4 * D * F / flop_per_s, "silu": 2 * F * b / memory_bytes_per_s,
+                  "act": 3 * F * b / memory_bytes_per_s, "down": 2 * F * D / flop_per_s}
+        return cls(stage_s_per_token=stages, d2h_s_per_byte=1 / host_bytes_per_s,
+                   h2d_s_per_byte=1 / host_bytes_per_s, copies_overlap=copies_overlap)
+
     def observe(self, stage: str, num_routed: int, seconds: float) -> None:
         """Exponential average of a measured stage time (ignores tiny samples)."""
         if num_routed < 64 or seconds <= 0:

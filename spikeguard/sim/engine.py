@@ -1,0 +1,225 @@
+"""The simulation: every step, every distinct (stage, load), every policy; then the run.
+
+    result = simulate(load_config(preset="1t"))
+    result.policies["adaptive"].mfu
+
+Per step, each stage walks its schedule for each distinct load of the step (spikeguard.sim.
+walk), memoised per (policy, stage, load). The step's time is the slowest stage's busy
+time plus the pipeline bubble, (pp - 1)/v of that stage's mean micro-batch time; within a
+stage the slowest expert-parallel rank sets the pace (every all-to-all waits for it).
+A step where any rank runs out of memory is a crash: a cold restart (run.restart_s), the
+steps since the last checkpoint re-run, and the crashed attempt itself, all lost; the
+steps after the restart are assumed to see fresh routing (training is not bit-replayed),
+so the crashed step then completes at the policy's median step time. Gradient all-reduce
+over data parallelism and tensor-parallel communication are assumed hidden under compute;
+the optimizer step is not counted.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from spikeguard.errors import UsageError
+from spikeguard.memory.budget import format_bytes
+from spikeguard.plan.cost import CostModel
+from spikeguard.sim.config import STATIC_CANDIDATES, SimConfig
+from spikeguard.sim.loads import Loads
+from spikeguard.sim.schedule import bubble_micro_batches
+from spikeguard.sim.shape import DeviceModel, build
+from spikeguard.sim.walk import StageWalker
+
+
+@dataclass
+class PolicyResult:
+    name: str
+    step_s: np.ndarray               # time of each step as run (crashed: the lost attempt)
+    crashed: np.ndarray              # bool per step
+    peak_step: np.ndarray            # worst device's peak bytes per step
+    peak_bytes: list[int]            # per stage, over the run
+    decisions: Counter
+    total_s: float = 0.0
+    lost_s: float = 0.0
+    tokens_per_s: float = 0.0
+    flops_per_s: float = 0.0
+    mfu: float = 0.0
+    setting: Optional[str] = None    # safe-static: which static policy it is
+
+    @property
+    def crashes(self) -> int:
+        return int(self.crashed.sum())
+
+    def to_dict(self) -> dict:
+        return {"mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
+                "flops_per_s": self.flops_per_s, "crashes": self.crashes,
+                "lost_seconds": self.lost_s, "total_seconds": self.total_s,
+                "peak_bytes": self.peak_bytes, "setting": self.setting,
+                "mean_step_s": float(np.mean(self.step_s[~self.crashed])) if (~self.crashed).any() else None,
+                "decisions": dict(self.decisions)}
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    device_model: DeviceModel
+    policies: dict[str, PolicyResult]
+    spike_steps: np.ndarray
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        cfg, dm = self.config, self.device_model
+        return {"config": cfg.to_dict(), "num_params": dm.num_params,
+                "tokens_per_step": cfg.layout.global_batch * cfg.model.seq_len,
+                "model_flops_per_token": dm.model_flops_per_token,
+                "static_bytes": [s.static_bytes for s in dm.stages],
+                "spike_steps": int(self.spike_steps.sum()),
+                "policies": {name: r.to_dict() for name, r in self.policies.items()},
+                "notes": self.notes}
+
+
+def device_cost(cfg: SimConfig, dm: DeviceModel) -> CostModel:
+    dev = cfg.device
+    return CostModel.from_rates(dm.expert_shape, dev.peak_flops * dev.efficiency,
+                                dev.memory_bytes_per_s, dev.host_bytes_per_s,
+                                copies_overlap=dev.kind == "cuda")
+
+
+def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
+             progress: Optional[Callable[[int], None]] = None) -> SimResult:
+    """Run every policy of `cfg.run.policies` over `cfg.workload.steps` steps."""
+    dm = build(cfg)
+    cost = cost or device_cost(cfg, dm)
+    check_fits(cfg, dm, cost)
+    wanted = list(cfg.run.policies)
+    needed = [p for p in wanted if p != "safe-static"]
+    if "safe-static" in wanted:
+        needed += [p for p in STATIC_CANDIDATES if p not in needed]
+    loads = Loads(cfg, dm.tokens)
+    steps = cfg.workload.steps
+    walkers = {p: [StageWalker(cfg, dm, st, p, cost) for st in dm.stages] for p in needed}
+    cache: dict = {p: {} for p in needed}
+    lay = cfg.layout
+    bubble = bubble_micro_batches(lay.pp, lay.virtual_stages) / lay.micro_batches
+    step_s = {p: np.zeros(steps) for p in needed}
+    crashed = {p: np.zeros(steps, dtype=bool) for p in needed}
+    peak_step = {p: np.zeros(steps, dtype=np.int64) for p in needed}
+    peak_stage = {p: [0] * lay.pp for p in needed}
+    decisions = {p: Counter() for p in needed}
+    spikes = np.zeros(steps, dtype=bool)
+    for step in range(steps):
+        groups = loads.groups(step)
+        spikes[step] = loads.is_spike(step)
+        for p in needed:
+            busy = []
+            for st, walker in zip(dm.stages, walkers[p]):
+                worst = 0.0
+                for load, num_ranks in groups:
+                    key = (st.stage, _key(load, st))
+                    res = cache[p].get(key)
+                    if res is None:
+                        res = cache[p][key] = walker.walk(load)
+                    worst = max(worst, res.seconds)
+                    crashed[p][step] |= res.crashed
+                    peak_step[p][step] = max(peak_step[p][step], res.peak_bytes)
+                    peak_stage[p][st.stage] = max(peak_stage[p][st.stage], res.peak_bytes)
+                    decisions[p].update({k: v * num_ranks for k, v in res.decisions.items()})
+                busy.append(worst)
+            slowest = max(busy)
+            step_s[p][step] = slowest * (1 + bubble)
+        if progress is not None:
+            progress(step)
+    policies = {p: _account(cfg, dm, PolicyResult(p, step_s[p], crashed[p], peak_step[p],
+                                                   peak_stage[p], decisions[p]))
+                for p in needed}
+    out = {}
+    for p in wanted:
+        out[p] = _safe_static(policies) if p == "safe-static" else policies[p]
+    return SimResult(cfg, dm, out, spikes)
+
+
+def _key(load, stage) -> object:
+    if isinstance(load, (int, np.integer)):
+        return int(load)
+    layers = [x for chunk in stage.chunks for x in chunk]
+    return load[:, layers].tobytes()
+
+
+def _account(cfg: SimConfig, dm: DeviceModel, r: PolicyResult) -> PolicyResult:
+    """Crashes into time: restart, the steps since the last checkpoint, the lost attempt."""
+    ok = r.step_s[~r.crashed]
+    median = float(np.median(ok)) if ok.size else float(np.max(r.step_s))
+    interval, restart = cfg.run.checkpoint_interval, cfg.run.restart_s
+    total = lost = since_checkpoint = 0.0
+    for step, seconds in enumerate(r.step_s):
+        if r.crashed[step]:
+            lost += restart + since_checkpoint + seconds
+            seconds = median
+        total += seconds
+        since_checkpoint += seconds
+        if (step + 1) % interval == 0:
+            since_checkpoint = 0.0
+    r.total_s, r.lost_s = total + lost, lost
+    tokens = len(r.step_s) * cfg.layout.global_batch * cfg.model.seq_len
+    r.tokens_per_s = tokens / r.total_s
+    r.flops_per_s = r.tokens_per_s * dm.model_flops_per_token
+    r.mfu = r.flops_per_s / (cfg.layout.devices * cfg.device.peak_flops)
+    return r
+
+
+def _safe_static(policies: dict[str, PolicyResult]) -> PolicyResult:
+    """The fastest static setting that never crashed over the simulated steps."""
+    alive = [policies[p] for p in STATIC_CANDIDATES if policies[p].crashes == 0]
+    if not alive:
+        worst = policies["full"]
+        r = PolicyResult("safe-static", worst.step_s, worst.crashed, worst.peak_step,
+                         worst.peak_bytes, worst.decisions, worst.total_s, worst.lost_s,
+                         worst.tokens_per_s, worst.flops_per_s, worst.mfu, setting=None)
+        return r
+    best = max(alive, key=lambda r: r.tokens_per_s)
+    return PolicyResult("safe-static", best.step_s, best.crashed, best.peak_step,
+                        best.peak_bytes, best.decisions, best.total_s, best.lost_s,
+                        best.tokens_per_s, best.flops_per_s, best.mfu, setting=best.name)
+
+
+def check_fits(cfg: SimConfig, dm: DeviceModel, cost: CostModel) -> None:
+    """A model that does not fit even with full recompute under the mean load is an error
+    that says what would: the capacity needed, and layouts that would bring it down."""
+    need = full_recompute_peak(cfg, dm, cost)
+    cap = cfg.device.capacity_bytes
+    if need <= cap:
+        return
+    lay = cfg.layout
+    hints = [f"a device of at least {format_bytes(need, round_up=True)}"]
+    for name, changes in (("pp", {"pp": lay.pp * 2}), ("ep", {"ep": lay.ep * 2}),
+                          ("tp", {"tp": lay.tp * 2}),
+                          ("micro_batch_size", {"micro_batch_size": max(1, lay.micro_batch_size // 2)})):
+        try:
+            other = cfg.with_changes(layout=changes)
+        except UsageError:
+            continue
+        if changes == {"micro_batch_size": lay.micro_batch_size}:
+            continue
+        peak = full_recompute_peak(other, build(other), cost)
+        if peak <= cap:
+            value = next(iter(changes.values()))
+            hints.append(f"layout.{name} = {value} (full recompute peak {format_bytes(peak)})")
+    raise UsageError(
+        f"the model does not fit even with full recompute: a stage needs "
+        f"{format_bytes(need)} on a device of {format_bytes(cap)} (static "
+        f"{format_bytes(max(s.static_bytes for s in dm.stages))}); would fit: "
+        + "; ".join(hints))
+
+
+def full_recompute_peak(cfg: SimConfig, dm: DeviceModel, cost: CostModel) -> int:
+    """Worst stage's peak under full recompute with every rank at the mean load."""
+    mean = dm.tokens * cfg.model.top_k
+    peaks = []
+    for st in dm.stages:
+        walker = StageWalker(cfg, dm, st, "full", cost)
+        walker.capacity = float("inf")  # the whole peak, not where it would first overflow
+        peaks.append(walker.walk(mean).peak_bytes)
+    return max(peaks)
