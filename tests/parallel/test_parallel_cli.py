@@ -67,3 +67,51 @@ def test_auto_budget_fits_calm_steps_and_not_a_2x_spike():
     summary = [line for line in lived.stdout.splitlines() if line.startswith("memory: peak")]
     assert summary and "| 0 steps over |" in summary[0], lived.stdout[-2000:]
     assert "3 spike steps" in summary[0]
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of `pid`, from /proc (Linux)."""
+    import os
+
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def test_a_rank_that_dies_stops_the_job_with_a_clear_message(tmp_path):
+    """SIGKILL one rank mid-run: torchrun stops the other, the command exits non-zero
+    with one clear line, well within the group timeout (no hang)."""
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "run.jsonl"
+    argv = ["train", "--preset", "tiny", "--num-experts", "8", "--batch-size", "8",
+            "--steps", "100000", "--threads", "1", "--nproc", "2", "--log", str(log)]
+    proc = subprocess.Popen([sys.executable, "-m", "spikeguard", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and log.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never trained"
+            time.sleep(0.2)
+        workers = [w for t in _children(proc.pid) for w in _children(t)]
+        assert len(workers) == 2, workers
+        killed_at = time.monotonic()
+        os.kill(workers[-1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=90)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3
+    assert "spikeguard: a rank failed (torchrun exit" in err
+    assert took < 60, f"the job took {took:.0f} s to stop after a rank died"
