@@ -58,6 +58,11 @@ class BlockAdapter:
     def top_k(self) -> int:
         raise NotImplementedError
 
+    def recompute_kwargs(self, layer: nn.Module, kwargs: dict) -> dict:
+        """The keyword arguments a whole layer is recomputed with (some state, such as a
+        KV cache, must not be written twice)."""
+        return kwargs
+
     # ---- the window ---------------------------------------------------------------------
     def install(self, block: nn.Module, guard) -> None:
         raise NotImplementedError

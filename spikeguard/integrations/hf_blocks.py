@@ -41,6 +41,7 @@ from spikeguard.runtime.executor import base_policy
 
 log = logging.getLogger("spikeguard")
 
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 LOOKED_FOR = ("a module with an `experts` child called as experts(hidden_states, "
               "top_k_index, top_k_weights) holding 3-D expert weights, beside a top-k router "
               "(the Hugging Face transformers v5 MoE layout)")
@@ -165,6 +166,15 @@ class HFAdapter(BlockAdapter):
 
     def top_k(self) -> int:
         return self.part(self.blocks[0]).top_k or 1
+
+    def recompute_kwargs(self, layer: nn.Module, kwargs: dict) -> dict:
+        """A recomputed decoder layer would append to the KV cache a second time (its
+        recompute fails in torch's checkpoint, or corrupts the cache): like transformers'
+        own layer checkpointing (GradientCheckpointingLayer, v5.24), the layer gets no
+        cache; training does not read it."""
+        if getattr(layer, "_can_checkpoint_with_cache", False):
+            return kwargs
+        return {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items()}
 
     # ---- the window ---------------------------------------------------------------------
     def install(self, block: nn.Module, guard) -> None:

@@ -280,6 +280,7 @@ class Guard(DecisionWindow):
         if torch.is_grad_enabled() and (self._full_recompute or self._layer_cannot_fit(layer_idx)):
             # The flag is set inside the checkpointed function, so backward's recompute
             # takes the same path as the forward did.
+            kwargs = self.adapter.recompute_kwargs(layer, kwargs)
             return checkpoint(functools.partial(self._full_region, orig_forward), *args,
                               use_reentrant=False, **kwargs,
                               context_fn=functools.partial(create_selective_checkpoint_contexts,

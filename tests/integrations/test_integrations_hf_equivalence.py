@@ -119,3 +119,20 @@ def test_decisions_follow_the_region_action(case):
     assert {p.recomputed() != () for p in chosen} == {True, False}
     assert decisions["save"] + decisions["recompute"] + decisions["offload"] == len(chosen)
     assert any(a is Action.OFFLOAD for p in chosen for a in p.actions)
+
+
+@pytest.mark.parametrize("policy", ["full", "adaptive"])
+def test_whole_layer_recompute_with_the_kv_cache_on(policy):
+    """Most v5 configs default to use_cache=True: a layer recomputed whole must not write
+    the cache twice (torch's checkpoint would find the recompute diverging)."""
+    model = build("mixtral")
+    model.config.use_cache = True
+    reference = step(model, BATCHES)
+    guard = spikeguard.attach(model, budget=HUGE, policy=policy)
+    guard._layer_cannot_fit = lambda layer: True  # adaptive: every layer takes the fallback
+    try:
+        actual = step(model, BATCHES, guard)
+        assert guard.history[-1]["decisions"]["recompute"] == 4
+    finally:
+        guard.detach()
+    assert_bitwise(reference, actual)
