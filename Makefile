@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -15,6 +15,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# Regenerates docs/bench.md, docs/bench.json and docs/img/bench/ (about 15 min here).
+bench: $(STAMP)
+	$(VENV)/bin/spikeguard bench --json docs/bench.json --plots docs/img/bench --docs docs/bench.md
 
 clean:
 	rm -rf $(VENV) *.egg-info

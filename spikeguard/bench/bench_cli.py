@@ -163,6 +163,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from spikeguard.bench import results
     from spikeguard.bench.runner import JobRunner, PolicyRun, run_policy_segment
+    from spikeguard.memory.budget import format_bytes
 
     policies = _validate(args)
     console = Console()
@@ -180,11 +181,12 @@ def run_bench(args: argparse.Namespace) -> int:
     spikes = [r["step"] for r in measured if r.get("skew_spike")]
     if args.budget == "auto":
         budget, calm_peak, static = _budget_from(measured)
-        how = (f"auto: calm-step peak {calm_peak} B (of which static {static} B) + 10% of "
-               f"its activations")
+        how = (f"auto: the calm steps' peak with everything saved, {format_bytes(calm_peak)} "
+               f"(of which {format_bytes(static)} parameters, gradients and optimizer state), "
+               f"plus 10% of its activations")
     else:
         budget, how = args.budget_bytes, "given"
-    echo(f"budget {budget} B per rank ({how}); spike steps in the trace: {spikes}")
+    echo(f"budget {format_bytes(budget)} per rank ({how}); spike steps in the trace: {spikes}")
     segments = _segments(args.steps, args.segments)
     runner = JobRunner(_common(args, trace), work, args.ep, echo)
     runs = {p: PolicyRun(p) for p in policies}

@@ -63,7 +63,7 @@ def policy_figures(run: PolicyRun, budget: int, segments: list[tuple[int, int]],
     seconds = sum(r["step_time_s"] for r in kept)
     lost, redone, crashes = lost_seconds(run)
     peaks = [r.get("max_peak_bytes", r.get("peak_bytes")) for r in kept]
-    peaks = [p for p in peaks if p is not None]
+    peaks = [p for p in peaks if p]   # an unguarded run logs no peak (or 0 under EP)
     decisions = {a: 0 for a in ACTIONS}
     for r in kept:
         for d in r.get("rank_decisions") or ([r["decisions"]] if r.get("decisions") else []):
