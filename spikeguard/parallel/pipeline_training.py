@@ -127,7 +127,9 @@ class PipelineRank:
             args = (idx_BT,) if self.has_first else ()
             kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
             with _unwrapped_errors():
-                self.schedule.step(*args, **kwargs)
+                # return_outputs=False: the last stage would otherwise keep every
+                # micro-batch's log-probabilities (B x T x V each) until the step ends.
+                self.schedule.step(*args, return_outputs=False, **kwargs)
         self._reduce_expert_grads()
         return losses
 
