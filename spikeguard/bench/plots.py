@@ -237,50 +237,71 @@ def throughput_stats(records: Records) -> Optional[tuple[float, float, float]]:
 
 def throughput(runs: Runs, effective: Optional[Mapping[str, float]] = None,
                relative: Optional[Mapping[str, float]] = None) -> Figure:
-    """One bar per run: median tokens/s of its completed steps, the interquartile range as
-    a whisker, labelled with the ratio to `ceiling` when a run has that name. From the
-    bench: `effective` ({name: tokens/s}) adds a hatched bar, the throughput counting lost
-    time and restarts, which a log alone cannot know; `relative` ({name: ratio}) replaces
-    the label's ratio with the bench's own (median of per-segment ratios), so the picture
-    and the table say the same number."""
+    """One bar per run. With a run named `ceiling`, bars are ratios to it: the run's median
+    tokens/s over completed steps divided by the ceiling's (whisker: the run's 25-75%
+    range, over the same), or the bench's `relative` ({name: ratio}, its median of
+    per-segment ratios) when given, so the picture and the table say the same number.
+    Without a ceiling, bars are median tokens/s. `effective` ({name: tokens/s}, from the
+    bench) adds a hatched bar: throughput counting lost time and restarts, which a log
+    alone cannot know (as a ratio, over the ceiling's effective figure)."""
     _check_runs(runs)
     stats = {name: throughput_stats(records) for name, records in runs.items()}
-    if all(s is None for s in stats.values()):
+    if all(s is None for s in stats.values()) and not relative:
         raise NothingToPlot("throughput: no log has a completed step with tokens_per_s")
     names = list(runs)
     ceiling = stats.get(CEILING)
     base = ceiling[1] if ceiling and ceiling[1] > 0 else None
+    as_ratio = base is not None or bool(relative)
     fig = _canvas(Figure(figsize=(max(5.0, 1.3 * len(names) + 2), 4.2), layout="constrained"))
     ax = fig.subplots()
     x = np.arange(len(names))
     width = 0.38 if effective else 0.6
-    meds = [s[1] if s else 0.0 for s in stats.values()]
-    err = np.array([[s[1] - s[0], s[2] - s[1]] if s else [0, 0] for s in stats.values()]).T
-    bars = ax.bar(x - width / 2 if effective else x, meds, width, yerr=err, capsize=3,
-                  color="#2a9d8f", label="median of steps (whisker: 25-75%)")
-    for bar, name, s in zip(bars, names, stats.values()):
-        ratio = _given_number(relative, name)
-        if ratio is None and s is not None and base:
-            ratio = s[1] / base
-        text = ("no completed step" if s is None else
-                f"{ratio:.2f}x ceiling" if ratio is not None else f"{s[1]:,.0f}")
-        _label(ax, bar, s[2] if s else 0.0, text)
+    heights, err = _main_bars(names, stats, base if as_ratio else None, relative)
+    what = ("bench: median of per-segment ratios" if relative else
+            "median of steps (whisker: 25-75%)")
+    bars = ax.bar(x - width / 2 if effective else x, heights, width,
+                  yerr=err if np.nan_to_num(err).any() else None, capsize=3,
+                  color="#2a9d8f", label=what)
+    for bar, h, top in zip(bars, heights, heights + err[1]):
+        _label(ax, bar, 0.0 if np.isnan(h) else top, "no data" if np.isnan(h) else
+               f"{h:.2f}x" if as_ratio else f"{h:,.0f}")
     if effective:
-        eff = [_given_number(effective, n) or 0.0 for n in names]
-        eff_bars = ax.bar(x + width / 2, eff, width, color="#e9c46a", hatch="//",
-                          label="effective (lost time, restarts)")
+        given = [_given_number(effective, n) for n in names]
+        eff = np.array([np.nan if v is None else v for v in given])   # NaN: no bar
         eff_base = _given_number(effective, CEILING) or base
-        for bar in eff_bars:
-            if eff_base:
-                _label(ax, bar, bar.get_height(), f"{bar.get_height() / eff_base:.2f}x")
-    if base:
-        ax.axhline(base, color="grey", ls=":", lw=1)
+        if as_ratio and eff_base:
+            eff = eff / eff_base
+        for bar, h in zip(ax.bar(x + width / 2, eff, width, color="#e9c46a", hatch="//",
+                                 label="effective (lost time, restarts)"), eff):
+            if not np.isnan(h):
+                _label(ax, bar, h, f"{h:.2f}x" if as_ratio else f"{h:,.0f}")
+    if as_ratio:
+        ax.axhline(1.0, color="grey", ls=":", lw=1)
     ax.set_xticks(x, names)
-    ax.set_ylabel("tokens / s")
+    ax.set_ylabel("throughput / ceiling's" if as_ratio else "tokens / s")
     ax.set_title("Throughput per run (CPU, emulated device)")
     ax.margins(y=0.12)
     fig.legend(fontsize=8, loc="outside lower center", ncols=2)
     return fig
+
+
+def _main_bars(names, stats, base, relative) -> tuple[np.ndarray, np.ndarray]:
+    """Bar heights and (below, above) whiskers: the bench's ratios if given (no whisker),
+    else medians over `base` (1.0 when None: tokens/s). A run with no data is NaN."""
+    heights, err = [], []
+    for name in names:
+        given, s = _given_number(relative, name), stats[name]
+        if given is not None:
+            heights.append(given)
+            err.append((0.0, 0.0))
+        elif s is not None and not relative:
+            scale = base or 1.0
+            heights.append(s[1] / scale)
+            err.append(((s[1] - s[0]) / scale, (s[2] - s[1]) / scale))
+        else:
+            heights.append(np.nan)
+            err.append((0.0, 0.0))
+    return np.array(heights), np.array(err).T
 
 
 def _given_number(values: Optional[Mapping[str, Any]], name: str) -> Optional[float]:

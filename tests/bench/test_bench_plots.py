@@ -119,22 +119,25 @@ def test_memory_timeline_degrades_and_refuses_when_nothing_to_draw():
         plots.memory_timeline({"plain": _records(guard=False), "ep": unguarded_ep})
 
 
-def test_throughput_bars_are_medians_of_completed_steps_with_ratio_to_ceiling():
+def test_throughput_bars_are_medians_of_completed_steps_over_the_ceiling():
     runs = {"ceiling": _records(rate=2000.0), "full": _records(rate=1000.0),
             "none": _records(rate=1500.0, crash_at=3, skip=(4,))}
-    fig = plots.throughput(runs, effective={"none": 500.0})
+    medians = [median(2000.0 + s for s in range(1, 9)), median(1000.0 + s for s in range(1, 9)),
+               median(1500.0 + s for s in range(1, 9) if s not in (3, 4))]
+    fig = plots.throughput(runs, effective={"ceiling": 1800.0, "none": 450.0})
     (ax,) = fig.axes
     heights = [p.get_height() for p in ax.patches]
-    expected = [median(2000.0 + s for s in range(1, 9)), median(1000.0 + s for s in range(1, 9)),
-                median(1500.0 + s for s in range(1, 9) if s not in (3, 4))]
-    assert heights[:3] == pytest.approx(expected)          # then the effective bars
-    assert heights[3:] == pytest.approx([0.0, 0.0, 500.0])
+    assert heights[:3] == pytest.approx([m / medians[0] for m in medians])
+    assert heights[3:] == pytest.approx([1.0, np.nan, 0.25], nan_ok=True)  # over ceiling's
     texts = [t.get_text() for t in ax.texts]
-    assert f"{expected[1] / expected[0]:.2f}x ceiling" in texts
-    assert f"{500.0 / expected[0]:.2f}x" in texts                    # effective vs ceiling
-    # The bench's own ratios, when given, are the labels (picture and table agree).
-    ax = plots.throughput(runs, relative={"full": 0.123}).axes[0]
-    assert "0.12x ceiling" in [t.get_text() for t in ax.texts]
+    assert f"{medians[1] / medians[0]:.2f}x" in texts and "0.25x" in texts
+    # The bench's own ratios, when given, are the bars (picture and table agree).
+    ax = plots.throughput(runs, relative={"ceiling": 1.0, "full": 0.123, "none": 0.7}).axes[0]
+    assert [p.get_height() for p in ax.patches] == pytest.approx([1.0, 0.123, 0.7])
+    # Without a ceiling: tokens/s.
+    ax = plots.throughput({"full": runs["full"], "none": runs["none"]}).axes[0]
+    assert [p.get_height() for p in ax.patches] == pytest.approx(medians[1:])
+    assert ax.get_ylabel() == "tokens / s"
     with pytest.raises(NothingToPlot):
         plots.throughput({"a": [{"step": 1}]})
 
