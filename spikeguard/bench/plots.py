@@ -183,7 +183,7 @@ def _memory_panel(ax, name: str, records: Records, scale: float,
             over = int(np.sum(ys * scale > budget))
             notes.append(f"{over} over budget")
     else:
-        ax.text(0.5, 0.5, "no completed step with peak_bytes (no guard: train with --budget)",
+        ax.text(0.5, 0.5, "no peak_bytes recorded (no memory guard in this run)",
                 transform=ax.transAxes, ha="center", va="center", color="grey")
     for r in crashed:
         y = _hot_peak(r) or budget or shared_budget
