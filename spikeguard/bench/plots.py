@@ -154,7 +154,9 @@ def memory_timeline(runs: Runs) -> Figure:
         _memory_panel(ax, name, records, scale, shared_budget, spike_steps(records, runs))
         ax.set_ylabel(f"peak ({unit})")
     axes[-1].set_xlabel("step")
-    fig.suptitle("Memory of the hot rank per step (CPU, emulated device: the guard's ledger)")
+    # Logs do not say where they ran: the caption must hold for CPU and CUDA runs alike.
+    fig.suptitle("Memory of the hot rank per step (the guard's bytes; on CPU an emulated "
+                 "device)")
     fig.legend(handles=_memory_legend(), loc="outside lower center", ncols=4, fontsize=8)
     return fig
 
@@ -279,7 +281,7 @@ def throughput(runs: Runs, effective: Optional[Mapping[str, float]] = None,
         ax.axhline(1.0, color="grey", ls=":", lw=1)
     ax.set_xticks(x, names)
     ax.set_ylabel("throughput / ceiling's" if as_ratio else "tokens / s")
-    ax.set_title("Throughput per run (CPU, emulated device)")
+    ax.set_title("Throughput per run (on CPU: emulated device memory)")
     ax.margins(y=0.12)
     fig.legend(fontsize=8, loc="outside lower center", ncols=2)
     return fig
