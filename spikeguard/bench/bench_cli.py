@@ -294,7 +294,8 @@ def _plots(args, runs, figures, echo) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     logs = {name: run.final_records() for name, run in runs.items()}
     effective = {name: f["effective_tokens_per_s"] for name, f in figures.items() if name in logs}
-    written, notes = draw_plots(logs, folder, effective=effective)
+    relative = {name: f["relative_to_ceiling"] for name, f in figures.items() if name in logs}
+    written, notes = draw_plots(logs, folder, effective=effective, relative=relative)
     for note in notes:
         echo(f"plot left out: {note}")
     for path in written:
