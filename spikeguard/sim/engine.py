@@ -41,6 +41,7 @@ class PolicyResult:
     crashed: np.ndarray              # bool per step
     peak_step: np.ndarray            # worst device's peak bytes per step
     peak_bytes: list[int]            # per stage, over the run
+    peak_stage_step: np.ndarray      # [step, stage]: that stage's worst device
     decisions: Counter
     total_s: float = 0.0
     lost_s: float = 0.0
@@ -107,6 +108,7 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     step_s = {p: np.zeros(steps) for p in needed}
     crashed = {p: np.zeros(steps, dtype=bool) for p in needed}
     peak_step = {p: np.zeros(steps, dtype=np.int64) for p in needed}
+    peak_ss = {p: np.zeros((steps, lay.pp), dtype=np.int64) for p in needed}
     peak_stage = {p: [0] * lay.pp for p in needed}
     decisions = {p: Counter() for p in needed}
     spikes = np.zeros(steps, dtype=bool)
@@ -125,6 +127,7 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
                     worst = max(worst, res.seconds)
                     crashed[p][step] |= res.crashed
                     peak_step[p][step] = max(peak_step[p][step], res.peak_bytes)
+                    peak_ss[p][step, st.stage] = max(peak_ss[p][step, st.stage], res.peak_bytes)
                     peak_stage[p][st.stage] = max(peak_stage[p][st.stage], res.peak_bytes)
                     decisions[p].update({k: v * num_ranks for k, v in res.decisions.items()})
                 busy.append(worst)
@@ -133,7 +136,7 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
         if progress is not None:
             progress(step)
     policies = {p: _account(cfg, dm, PolicyResult(p, step_s[p], crashed[p], peak_step[p],
-                                                   peak_stage[p], decisions[p]))
+                                                   peak_stage[p], peak_ss[p], decisions[p]))
                 for p in needed}
     out = {}
     for p in wanted:
@@ -176,12 +179,14 @@ def _safe_static(policies: dict[str, PolicyResult]) -> PolicyResult:
     if not alive:
         worst = policies["full"]
         r = PolicyResult("safe-static", worst.step_s, worst.crashed, worst.peak_step,
-                         worst.peak_bytes, worst.decisions, worst.total_s, worst.lost_s,
+                         worst.peak_bytes, worst.peak_stage_step, worst.decisions,
+                         worst.total_s, worst.lost_s,
                          worst.tokens_per_s, worst.flops_per_s, worst.mfu, setting=None)
         return r
     best = max(alive, key=lambda r: r.tokens_per_s)
     return PolicyResult("safe-static", best.step_s, best.crashed, best.peak_step,
-                        best.peak_bytes, best.decisions, best.total_s, best.lost_s,
+                        best.peak_bytes, best.peak_stage_step, best.decisions,
+                        best.total_s, best.lost_s,
                         best.tokens_per_s, best.flops_per_s, best.mfu, setting=best.name)
 
 
