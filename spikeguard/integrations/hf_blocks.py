@@ -141,7 +141,6 @@ class HFAdapter(BlockAdapter):
     def __init__(self, model: nn.Module, found: list[HFBlock]):
         super().__init__(model, [f.block for f in found])
         self.parts = {id(f.block): f for f in found}
-        self._orig = {}
         for module in model.modules():
             if getattr(module, "gradient_checkpointing", False) is True:
                 raise UsageError(
@@ -180,7 +179,6 @@ class HFAdapter(BlockAdapter):
     def install(self, block: nn.Module, guard) -> None:
         experts = self.part(block).experts
         orig = experts.forward
-        self._orig[id(block)] = orig
         window = functools.partial(run_window, guard, self.part(block), self.layer_index(block),
                                    orig)
         window.__signature__ = inspect.signature(orig)
@@ -190,7 +188,6 @@ class HFAdapter(BlockAdapter):
         experts = self.part(block).experts
         if "forward" in vars(experts):
             del experts.forward
-        self._orig.pop(id(block), None)
 
     # ---- what the planner needs ---------------------------------------------------------
     def byte_model(self, device) -> RegionBytes:

@@ -23,6 +23,7 @@ to the plain model's.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from spikeguard.memory.ledger import storage_bytes, storage_key
-from spikeguard.plan.catalogue import Action, LayerPlan
+from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
 from spikeguard.runtime.hooks import _unpack
 
@@ -57,7 +58,9 @@ def region_action(plan: LayerPlan) -> Action:
 def run_window(guard, part, layer: int, orig_forward, hidden_states, top_k_index,
                top_k_weights, *args, **kwargs):
     """The experts call of one block, under the guard's decision."""
-    call = functools.partial(orig_forward, *args, **kwargs) if (args or kwargs) else orig_forward
+    def call(hidden_states, top_k_index, top_k_weights):
+        return orig_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
     if not guard._in_forward or not torch.is_grad_enabled():
         return call(hidden_states, top_k_index, top_k_weights)
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
@@ -75,7 +78,13 @@ def run_window(guard, part, layer: int, orig_forward, hidden_states, top_k_index
     elif action is Action.OFFLOAD:
         out = _offload(guard, call, inputs)
     else:
+        start = time.perf_counter()
         out = call(*inputs)
+        if guard.executor.timed:  # CPU: the call's time corrects the cost model, as the
+            # built-in stages' do; spread evenly, as at calibration (recompute re-runs all)
+            share = (time.perf_counter() - start) / len(EXPERT_STAGES)
+            for stage in EXPERT_STAGES:
+                guard.cost.observe(stage, top_k_index.numel(), share)
     guard.ctx.op = "combine"
     if hidden_states.requires_grad and layer > 0:
         # When backward has passed this layer's experts, bring the layer below back.

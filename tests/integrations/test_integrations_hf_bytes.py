@@ -22,7 +22,7 @@ from torch import nn
 
 import spikeguard
 
-from hf_helpers import ARCHITECTURES, HUGE, assert_bitwise, build, step, windows
+from hf_helpers import ARCHITECTURES, HUGE, assert_bitwise, build, windows
 
 pytestmark = pytest.mark.timeout(120)
 
