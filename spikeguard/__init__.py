@@ -7,10 +7,13 @@ operator, right after the router has run, what to keep, recompute or offload.
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
 
 
-def attach(model, budget=None, policy: str = "adaptive", optimizer=None):
-    """Attach a guard to `model`; see spikeguard.runtime.guard."""
+def attach(model, budget=None, policy: str = "adaptive", optimizer=None,
+           shared_policy: str = "keep"):
+    """Attach a guard to `model`; see spikeguard.runtime.guard. `shared_policy` ("keep" or
+    "recompute") is the static policy of shared experts and dense (non-MoE) layers."""
     from spikeguard.runtime.guard import attach as _attach
-    return _attach(model, budget=budget, policy=policy, optimizer=optimizer)
+    return _attach(model, budget=budget, policy=policy, optimizer=optimizer,
+                   shared_policy=shared_policy)
 
 
 __all__ = ["attach", "BudgetInfeasible", "DeviceOutOfMemory", "UsageError"]

@@ -17,11 +17,18 @@ An adapter answers, for the blocks it found in one model:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from spikeguard.runtime.executor import base_policy
+
+# What shared experts and dense (non-MoE) layers do, whatever the routing: they are not
+# planned per micro-batch (their bytes do not move with the counts), only set once.
+SHARED_POLICIES = ("keep", "recompute")
 
 
 class BlockAdapter:
@@ -51,6 +58,28 @@ class BlockAdapter:
     def shared_modules(self, block: nn.Module) -> list[nn.Module]:
         return []
 
+    def dense_layers(self) -> list[nn.Module]:
+        """Layers beside the MoE layers in their container that hold no MoE block
+        (DeepSeek's first dense layers, Qwen3-MoE's `mlp_only_layers`)."""
+        moe_layers = {id(self.parent_layer(b)) for b in self.blocks}
+        containers = {}
+        for block in self.blocks:
+            container = _parent_of(self.model, self.parent_layer(block))
+            containers[id(container)] = container
+        return [m for c in containers.values() for m in c.children()
+                if id(m) not in moe_layers and any(p.requires_grad for p in m.parameters())]
+
+    def apply_shared_policy(self, policy: str, guard) -> list[nn.Module]:
+        """Under "recompute", every shared module and dense layer runs under a plain
+        non-reentrant checkpoint (only its inputs are kept); returns the modules wrapped,
+        whose instance `forward` detach removes. "keep" changes nothing."""
+        if policy == "keep":
+            return []
+        modules = [s for b in self.blocks for s in self.shared_modules(b)] + self.dense_layers()
+        for module in modules:
+            module.forward = functools.partial(_recomputed, self, guard, module, module.forward)
+        return modules
+
     def group(self) -> Optional[Any]:
         """The expert-parallel process group, if the experts are sharded; else None."""
         return None
@@ -79,6 +108,14 @@ class BlockAdapter:
 
     def planner(self, shape, cost):
         raise NotImplementedError
+
+
+def _recomputed(adapter: BlockAdapter, guard, module: nn.Module, orig_forward, *args, **kwargs):
+    # Inside a whole-layer checkpoint the layer is recomputed already: no nesting.
+    if guard._in_full_region or not torch.is_grad_enabled():
+        return orig_forward(*args, **kwargs)
+    return checkpoint(orig_forward, *args, use_reentrant=False,
+                      **adapter.recompute_kwargs(module, kwargs))
 
 
 def _parent_of(model: nn.Module, block: nn.Module) -> nn.Module:

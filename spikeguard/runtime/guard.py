@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
 from spikeguard.integrations import find_adapter
+from spikeguard.integrations.adapter import SHARED_POLICIES
 from spikeguard.memory.budget import format_bytes, parse_bytes
 from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.static import static_bytes
@@ -49,16 +50,18 @@ FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
 
 
 def attach(model: nn.Module, budget=None, policy: str = "adaptive",
-           optimizer: Optional[torch.optim.Optimizer] = None) -> "Guard":
+           optimizer: Optional[torch.optim.Optimizer] = None,
+           shared_policy: str = "keep") -> "Guard":
     """Attach a guard to a model with MoE blocks; see the module docstring."""
-    return Guard(model, budget=budget, policy=policy, optimizer=optimizer)
+    return Guard(model, budget=budget, policy=policy, optimizer=optimizer,
+                 shared_policy=shared_policy)
 
 
 class Guard(DecisionWindow):
     """Keeps one model's training under a device memory budget."""
 
     def __init__(self, model: nn.Module, *, budget=None, policy: str = "adaptive",
-                 optimizer: Optional[torch.optim.Optimizer] = None):
+                 optimizer: Optional[torch.optim.Optimizer] = None, shared_policy: str = "keep"):
         if not isinstance(model, nn.Module):
             raise UsageError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -66,6 +69,9 @@ class Guard(DecisionWindow):
                              f"got {type(optimizer).__name__}")
         if policy not in POLICIES:
             raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if shared_policy not in SHARED_POLICIES:
+            raise UsageError(f"unknown shared_policy {shared_policy!r}; choose one of "
+                             f"{', '.join(SHARED_POLICIES)}")
         if getattr(model, "_spikeguard", None) is not None:
             raise UsageError("this model already has a spikeguard attached; detach() it first")
         # The blocks, found by the adapter of their family (spikeguard.integrations).
@@ -108,6 +114,8 @@ class Guard(DecisionWindow):
         self._routed_per_token = 0.0                # routed copies per token (max seen)
         self._handles: list = []
         self._install()
+        # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
+        self._recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
         self.ledger.set_static(self._static_bytes())
 
     # ---- life cycle -------------------------------------------------------------------
@@ -152,8 +160,8 @@ class Guard(DecisionWindow):
             handle.remove()
         for block in self.moe_blocks:
             self.adapter.uninstall(block)
-        for layer in self._wrapped_layers:
-            del layer.forward
+        for module in self._wrapped_layers + self._recomputed_modules:
+            del module.forward
         del self.model.forward
         self.model._spikeguard = None
 
