@@ -47,15 +47,18 @@ LOOKED_FOR = ("a module with an `experts` child called as experts(hidden_states,
               "(the Hugging Face transformers v5 MoE layout)")
 
 
-def _experts_signature_ok(module: nn.Module) -> bool:
+def routed_arg_names(module: nn.Module) -> Optional[tuple[str, str, str]]:
+    """The names of forward's first three parameters if they read (hidden states, routed
+    indices, routed weights): the second holds "index"/"idx", the third "weight"."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
-        return False
-    names = [p.name.lower() for p in params
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (len(names) >= 3 and any(s in names[1] for s in ("index", "idx"))
-            and "weight" in names[2])
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(names) >= 3 and any(s in names[1].lower() for s in ("index", "idx")) \
+            and "weight" in names[2].lower():
+        return tuple(names[:3])
+    return None
 
 
 def num_experts_of(experts: nn.Module) -> Optional[int]:
@@ -81,7 +84,10 @@ def _router_of(block: nn.Module, experts: nn.Module, num_experts: int) -> Option
 def as_hf_block(module: nn.Module) -> Optional["HFBlock"]:
     """The parts of `module` if it has the v5 MoE block's structure, else None."""
     experts = getattr(module, "experts", None)
-    if not isinstance(experts, nn.Module) or not _experts_signature_ok(experts):
+    if not isinstance(experts, nn.Module):
+        return None
+    arg_names = routed_arg_names(experts)
+    if arg_names is None:
         return None
     if not any(p.dim() == 3 for p in experts.parameters(recurse=False)):
         return None
@@ -92,7 +98,7 @@ def as_hf_block(module: nn.Module) -> Optional["HFBlock"]:
     if router is None:
         return None
     shared = [c for c in module.children() if c is not experts and c is not router]
-    return HFBlock(module, experts, router, shared, num_experts)
+    return HFBlock(module, experts, router, shared, num_experts, arg_names)
 
 
 def hf_layer_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -109,9 +115,9 @@ def hf_layer_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 class HFBlock:
     """One recognised block and its parts."""
 
-    def __init__(self, block, experts, router, shared, num_experts):
+    def __init__(self, block, experts, router, shared, num_experts, arg_names):
         self.block, self.experts, self.router = block, experts, router
-        self.shared, self.num_experts = shared, num_experts
+        self.shared, self.num_experts, self.arg_names = shared, num_experts, arg_names
         self.top_k = router.top_k if isinstance(getattr(router, "top_k", None), int) else None
         self.d_model = _d_model(router, experts, num_experts)
 

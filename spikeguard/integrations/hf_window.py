@@ -55,11 +55,22 @@ def region_action(plan: LayerPlan) -> Action:
     return Action.SAVE
 
 
-def run_window(guard, part, layer: int, orig_forward, hidden_states, top_k_index,
-               top_k_weights, *args, **kwargs):
+def split_call(arg_names, args: tuple, kwargs: dict):
+    """(hidden_states, top_k_index, top_k_weights), the other positional arguments and
+    the other keyword arguments of an experts call, however the block passed them."""
+    routed = list(args[:3])
+    rest = {k: v for k, v in kwargs.items() if k not in arg_names[len(routed):]}
+    routed += [kwargs[name] for name in arg_names[len(routed):]]
+    return routed, args[3:], rest
+
+
+def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
     """The experts call of one block, under the guard's decision."""
+    (hidden_states, top_k_index, top_k_weights), more, rest = split_call(part.arg_names,
+                                                                          args, kwargs)
+
     def call(hidden_states, top_k_index, top_k_weights):
-        return orig_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        return orig_forward(hidden_states, top_k_index, top_k_weights, *more, **rest)
 
     if not guard._in_forward or not torch.is_grad_enabled():
         return call(hidden_states, top_k_index, top_k_weights)

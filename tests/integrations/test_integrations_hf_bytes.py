@@ -125,7 +125,8 @@ class ToyBlock(nn.Module):
     def forward(self, x_BTD):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         w_TK, idx_TK, _ = self.scorer(x_TD)
-        return self.experts(x_TD, idx_TK, w_TK).reshape(x_BTD.shape)
+        # Keyword arguments with its own names: the window reads them by name.
+        return self.experts(x_TD, routed_weight=w_TK, routed_idx=idx_TK).reshape(x_BTD.shape)
 
 
 class ToyLayer(nn.Module):
