@@ -127,7 +127,8 @@ def measure_device(reps: int = 7, batch_size: int = 8, micro_batches: int = 2,
     cfg = model_config("small")
     batches = _batches(cfg, load_corpus(None), 1, batch_size, micro_batches, seed)[0]
     model = build_model(cfg, seed=seed)
-    fwd, step = [], []
+    ckpt_model = _checkpointed(build_model(cfg, seed=seed))
+    fwd, step, ckpt = [], [], []
     for rep in range(reps + 1):
         start = time.perf_counter()
         for idx_BT, targets_BT in batches:
@@ -136,15 +137,35 @@ def measure_device(reps: int = 7, batch_size: int = 8, micro_batches: int = 2,
         for idx_BT, targets_BT in batches:
             model(idx_BT, targets_BT).loss.backward()
         end = time.perf_counter()
+        for idx_BT, targets_BT in batches:
+            ckpt_model(idx_BT, targets_BT).loss.backward()
+        last = time.perf_counter()
         model.zero_grad(set_to_none=True)
+        ckpt_model.zero_grad(set_to_none=True)
         if rep:
             fwd.append(mid - start)
             step.append(end - mid)
+            ckpt.append(last - end)
     fwd_s, step_s = statistics.median(fwd), statistics.median(step)
     tokens = batch_size * micro_batches * cfg.seq_len
-    flops = build(sim_config(1 << 40, 1, batch_size, micro_batches)).model_flops_per_token * tokens
-    return {"flop_rate": flops / step_s, "backward_ratio": (step_s - fwd_s) / fwd_s,
-            "forward_s": fwd_s, "step_s": step_s}
+    # model_flops_per_token counts training (3x the forward): the forward's share is a third
+    fwd_flops = build(sim_config(1 << 40, 1, batch_size, micro_batches)).model_flops_per_token * tokens / 3
+    return {"flop_rate": fwd_flops / fwd_s, "backward_ratio": (step_s - fwd_s) / fwd_s,
+            "forward_s": fwd_s, "step_s": step_s,
+            # diagnostic, not used by the simulator: plain torch checkpointing of every
+            # block, no guard, against the plain step (what one extra forward really costs)
+            "plain_checkpoint_over_plain": step_s / statistics.median(ckpt)}
+
+
+def _checkpointed(model):
+    """Every transformer block under torch.utils.checkpoint (non-reentrant), no guard."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
 
 
 def compare_ratios(reps: int = 7, batch_size: int = 8, micro_batches: int = 2) -> dict:
@@ -171,6 +192,7 @@ def compare_ratios(reps: int = 7, batch_size: int = 8, micro_batches: int = 2) -
             "simulated": {"full_over_ceiling": tps["full"] / tps["ceiling"],
                           "adaptive_over_ceiling": tps["adaptive"] / tps["ceiling"]},
             "flop_rate": flop_rate, "backward_ratio": device["backward_ratio"],
+            "plain_checkpoint_over_plain": device["plain_checkpoint_over_plain"],
             "budget_bytes": budget,
             "sim_decisions": dict(sim.policies["adaptive"].decisions),
             "runtime_decisions": measured["policies"]["adaptive"]["decisions"]}
@@ -298,6 +320,8 @@ def main(argv=None) -> int:
         m, s = ratios["measured"][key], ratios["simulated"][key]
         print(f"  {key:22s} measured {m:.3f} simulated {s:.3f} ({s / m - 1:+.1%})")
     print(f"  adaptive decisions: runtime {ratios['runtime_decisions']} sim {ratios['sim_decisions']}")
+    print(f"  diagnostic: plain torch checkpointing of every block (no guard) runs at "
+          f"{ratios['plain_checkpoint_over_plain']:.3f} of the plain step here")
     if args.pp_ep:
         pp_ep = compare_pp_ep(steps=args.steps)
         print("PP=2 x EP=2, 4 processes: peak bytes per step per stage (worst rank of the stage):")
