@@ -17,7 +17,6 @@ the optimizer step is not counted.
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional

@@ -88,7 +88,7 @@ def num_params(cfg: SimConfig) -> int:
 
 
 def build(cfg: SimConfig) -> DeviceModel:
-    m, lay, tr = cfg.model, cfg.layout, cfg.training
+    m, lay = cfg.model, cfg.layout
     D, F, H, E, K, V, S, b, tp = (m.d_model, m.d_expert, m.num_heads, m.num_experts, m.top_k,
                                   m.vocab_size, m.seq_len, m.dtype_bytes, lay.tp)
     Fs = F * m.num_shared_experts

@@ -264,6 +264,7 @@ class StageWalker:
                 host_by_layer.append(0)
                 seconds += self._layer_compute_s(count)
                 decisions["full_layer"] += 1
+                decisions["recompute"] += 5   # the runtime records it as every op recomputed
                 max_routed = max(max_routed, count)
                 continue
             # The decision window (window.py `decide`).
