@@ -110,6 +110,14 @@ class BlockAdapter:
         raise NotImplementedError
 
 
+def preserved_rng(device: torch.device):
+    """Calibration and probes draw random numbers: the user's generators (CPU, and the
+    device's) come back as they were, so attaching never shifts a dropout mask or a
+    router's jitter."""
+    devices = [device] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda")
+
+
 def _recomputed(adapter: BlockAdapter, guard, module: nn.Module, orig_forward, *args, **kwargs):
     # Inside a whole-layer checkpoint the layer is recomputed already: no nesting.
     if guard._in_full_region or not torch.is_grad_enabled():

@@ -12,7 +12,7 @@ from typing import Optional
 
 from torch import nn
 
-from spikeguard.integrations.adapter import BlockAdapter
+from spikeguard.integrations.adapter import BlockAdapter, preserved_rng
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.plan.planner import Planner
@@ -53,7 +53,8 @@ class BuiltinAdapter(BlockAdapter):
 
     def calibrate(self, cost, shape: ExpertShape, device) -> None:
         experts = self.blocks[0].experts
-        cost.calibrate(shape, experts.num_experts, device, experts.w13_ED2F.dtype)
+        with preserved_rng(device):
+            cost.calibrate(shape, experts.num_experts, device, experts.w13_ED2F.dtype)
 
     def planner(self, shape: ExpertShape, cost) -> Planner:
         return Planner(shape, cost)

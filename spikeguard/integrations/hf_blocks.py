@@ -13,7 +13,7 @@ That call is the decision window: the counts per expert are a bincount of
 `top_k_index_TK`, and no expert has run. A block is recognised when it has
 
   * an experts child whose `forward(hidden_states, top_k_index, top_k_weights)` takes
-    the routed indices and weights (parameter names containing "index"/"idx" and
+    the routed indices and weights (parameter names containing "index"/"indices"/"idx" and
     "weight") and holds 3-D parameters (E, ., .);
   * a router child beside it: a `top_k` attribute, or a 2-D weight of E rows.
 
@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from spikeguard.errors import UsageError
-from spikeguard.integrations.adapter import BlockAdapter
+from spikeguard.integrations.adapter import BlockAdapter, preserved_rng
 from spikeguard.integrations.hf_bytes import RegionBytes, RegionPlanner, derive_bytes, probe_bytes
 from spikeguard.integrations.hf_window import run_window
 from spikeguard.runtime.executor import base_policy
@@ -49,13 +49,13 @@ LOOKED_FOR = ("a module with an `experts` child called as experts(hidden_states,
 
 def routed_arg_names(module: nn.Module) -> Optional[tuple[str, str, str]]:
     """The names of forward's first three parameters if they read (hidden states, routed
-    indices, routed weights): the second holds "index"/"idx", the third "weight"."""
+    indices, routed weights): the second holds "index"/"indices"/"idx", the third "weight"."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(names) >= 3 and any(s in names[1].lower() for s in ("index", "idx")) \
+    if len(names) >= 3 and any(s in names[1].lower() for s in ("index", "indices", "idx")) \
             and "weight" in names[2].lower():
         return tuple(names[:3])
     return None
@@ -207,7 +207,9 @@ class HFAdapter(BlockAdapter):
         if first.d_model is None:
             raise UsageError(f"cannot size a probe for {type(first.experts).__name__}: no "
                              f"model width found (router weight, hidden_dim or config.hidden_size)")
-        shape = probe_bytes(first.experts, first.num_experts, self.top_k(), device, first.d_model)
+        with preserved_rng(device):
+            shape = probe_bytes(first.experts, first.num_experts, self.top_k(), device,
+                                first.d_model)
         log.info("%s: bytes per routed token not derivable from its attributes; "
                  "learned by measurement (probe on %s routed copies, linear fit): keep %d B, "
                  "recompute keeps %d B per routed copy", type(first.experts).__name__,
@@ -217,7 +219,8 @@ class HFAdapter(BlockAdapter):
 
     def calibrate(self, cost, shape: RegionBytes, device) -> None:
         first = self.part(self.blocks[0])
-        shape.calibrate(cost, first.experts, first.num_experts, self.top_k(), device)
+        with preserved_rng(device):
+            shape.calibrate(cost, first.experts, first.num_experts, self.top_k(), device)
 
     def planner(self, shape: RegionBytes, cost) -> RegionPlanner:
         return RegionPlanner(shape, cost)

@@ -153,13 +153,12 @@ def probe_bytes(experts: nn.Module, num_experts: int, top_k: int, device,
     static = {p.untyped_storage().data_ptr() for p in experts.parameters()}
     gen = torch.Generator().manual_seed(0)
     saved, cached, routed = [], [], []
-    with torch.random.fork_rng(devices=[]):
-        for tokens in PROBE_TOKENS:
-            args = random_inputs(tokens, d_model, top_k, num_experts, param.device,
-                                 param.dtype, gen)
-            saved.append(_saved_bytes(lambda: experts(*args), static, args))
-            cached.append(_cached_bytes(experts, args))
-            routed.append(tokens * top_k)
+    for tokens in PROBE_TOKENS:
+        args = random_inputs(tokens, d_model, top_k, num_experts, param.device,
+                             param.dtype, gen)
+        saved.append(_saved_bytes(lambda: experts(*args), static, args))
+        cached.append(_cached_bytes(experts, args))
+        routed.append(tokens * top_k)
     slope = (saved[1] - saved[0]) / (routed[1] - routed[0])
     cached_slope = (cached[1] - cached[0]) / (routed[1] - routed[0])
     b = param.element_size()

@@ -24,7 +24,8 @@ from torch import nn
 from spikeguard.errors import UsageError
 
 BYTE_VOCAB = 256
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k")
 EXPERT_WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size",
                      "shared_expert_intermediate_size")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -105,15 +106,16 @@ def tiny_config(source: str, sizes: HFSizes):
     except TypeError as exc:
         raise UsageError(f"config values do not fit {model_type}: {exc}") from None
     have = cfg.to_dict()
-    experts_key = next((k for k in EXPERT_COUNT_KEYS if isinstance(have.get(k), int)), None)
-    if experts_key is None or "num_experts_per_tok" not in have:
+    experts_key = next((k for k in EXPERT_COUNT_KEYS if k in have), None)
+    top_k_key = next((k for k in TOP_K_KEYS if k in have), None)
+    if experts_key is None or top_k_key is None:
         raise UsageError(f"{model_type} is not a mixture-of-experts model (its config has none "
-                         f"of {', '.join(EXPERT_COUNT_KEYS)} and num_experts_per_tok)")
+                         f"of {', '.join(EXPERT_COUNT_KEYS)})")
     updates: dict[str, Any] = {
         "hidden_size": sizes.d_model, "num_hidden_layers": sizes.num_layers,
         "num_attention_heads": sizes.num_heads, "num_key_value_heads": sizes.num_kv_heads,
-        "vocab_size": BYTE_VOCAB, experts_key: sizes.num_experts,
-        "num_experts_per_tok": sizes.top_k, "use_cache": False, "output_router_logits": True,
+        "vocab_size": BYTE_VOCAB, experts_key: sizes.num_experts, top_k_key: sizes.top_k,
+        "use_cache": False, "output_router_logits": True,
         "max_position_embeddings": max(sizes.seq_len + 1, 64),
     }
     updates.update({k: sizes.d_expert for k in EXPERT_WIDTH_KEYS if k in have})
@@ -126,12 +128,17 @@ def tiny_config(source: str, sizes: HFSizes):
         updates["first_k_dense_replace"] = min(have["first_k_dense_replace"], sizes.num_layers - 1)
     if "n_group" in have:
         updates.update(n_group=1, topk_group=1)
+    if isinstance(have.get("layer_types"), list):  # per-layer kinds: the first ones
+        kinds = have["layer_types"]
+        updates["layer_types"] = [kinds[i % len(kinds)] for i in range(sizes.num_layers)]
     for key in TOKEN_ID_KEYS:
         if isinstance(have.get(key), int) and have[key] >= BYTE_VOCAB:
             updates[key] = None
-    for key, value in updates.items():
-        setattr(cfg, key, value)
-    return cfg
+    # Built again with the sizes, so fields the config derives from them follow.
+    try:
+        return transformers.AutoConfig.for_model(model_type, **{**values, **updates})
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{model_type} cannot be built small: {str(exc).splitlines()[0]}") from None
 
 
 def build_hf_model(source: str, sizes: HFSizes, seed: int = 0) -> nn.Module:

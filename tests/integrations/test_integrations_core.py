@@ -103,3 +103,25 @@ def test_hf_errors():
     w_BT = torch.randint(0, 256, (2, 9))
     spikeguard.attach(model, budget="64MiB").detach()  # a failed attach left nothing behind
     assert torch.equal(model(input_ids=w_BT).logits, model(input_ids=w_BT).logits)
+
+
+def _draw_after(attach_first: bool, model) -> torch.Tensor:
+    torch.manual_seed(0)
+    if attach_first:
+        spikeguard.attach(model, budget="64MiB").detach()
+    return torch.rand(4)
+
+
+@pytest.mark.parametrize("kind", ["builtin", "hf"])
+def test_attach_leaves_the_random_generator_alone(kind):
+    """Calibration and the probe draw random numbers on their own generators: a model with
+    dropout or router jitter sees the same masks with and without the guard."""
+    if kind == "builtin":
+        model = build_model(model_config("tiny"))
+    else:
+        pytest.importorskip("transformers")
+        from hf_helpers import build
+
+        model = build("mixtral")
+        model.config._experts_implementation = "eager"  # the probe path draws too
+    assert torch.equal(_draw_after(False, model), _draw_after(True, model))
