@@ -11,6 +11,8 @@ model's outputs back bit for bit.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -74,6 +76,18 @@ def test_none_runs_out_where_adaptive_fits(case):
     try:
         with pytest.raises(spikeguard.DeviceOutOfMemory, match="would put"):
             step(model, BATCHES, guard)
+    finally:
+        guard.detach()
+
+
+def test_forward_keeps_its_signature(case):
+    """transformers' Trainer and generate read forward's parameters (input_ids, labels)."""
+    model, _, _ = case
+    before = inspect.signature(model.forward)
+    guard = spikeguard.attach(model, budget=HUGE)
+    try:
+        assert inspect.signature(model.forward) == before
+        assert "labels" in before.parameters
     finally:
         guard.detach()
 
