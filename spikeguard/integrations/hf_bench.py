@@ -1,0 +1,121 @@
+"""Throughput of a Hugging Face MoE model under the guard, side by side (CPU figures).
+
+    .venv/bin/python -m spikeguard.integrations.hf_bench --hf mixtral --reps 9
+
+One process, the same batches for every policy, runs interleaved (ceiling, none, full,
+experts, adaptive, ceiling, ...) so machine noise hits all alike; medians of the reps
+after one warm-up round. The ceiling is the plain transformers model, no guard, no limit;
+"none" is the guard with an unlimited budget (its bookkeeping alone); the rest run under
+`--fraction` x the ceiling's peak. On a CPU-only machine the device is emulated by the
+ledger's byte budget: these are CPU figures, not GPU ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import spikeguard
+from spikeguard.bench.runtime_ratios import print_table
+from spikeguard.data.corpus import load_corpus
+from spikeguard.errors import UsageError
+from spikeguard.integrations.hf_models import HFSizes, build_hf_model
+
+POLICIES = ("ceiling", "none", "full", "experts", "adaptive")
+UNLIMITED = 1 << 50
+
+
+def _step(model, windows) -> float:
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    for w_BT in windows:
+        model(input_ids=w_BT, labels=w_BT).loss.backward()
+    return time.perf_counter() - start
+
+
+def _guarded_step(model, guard, windows) -> float:
+    with guard.step():
+        return _step(model, windows)
+
+
+def measure(source: str, sizes: HFSizes, batch_size: int, micro_batches: int, reps: int,
+            fraction: float, seed: int = 0) -> dict:
+    corpus = load_corpus(None)
+    gen = torch.Generator().manual_seed(seed)
+    windows = []
+    for _ in range(micro_batches):
+        idx_BT, targets_BT = corpus.get_batch("train", batch_size, sizes.seq_len, gen)
+        windows.append(torch.cat([idx_BT, targets_BT[:, -1:]], dim=1))
+    models = {p: build_hf_model(source, sizes, seed=seed) for p in POLICIES}
+    probe = spikeguard.attach(build_hf_model(source, sizes, seed=seed), budget=UNLIMITED,
+                              policy="none")
+    _guarded_step(probe.model, probe, windows)
+    ceiling_peak = probe.history[-1]["peak_bytes"]
+    probe.detach()
+    budget = int(fraction * ceiling_peak)
+    guards = {p: spikeguard.attach(models[p], budget=UNLIMITED if p == "none" else budget,
+                                   policy=p) for p in POLICIES if p != "ceiling"}
+    times = {p: [] for p in POLICIES}
+    for rep in range(reps + 1):  # the first round warms up and is dropped
+        for p in POLICIES:
+            seconds = _step(models[p], windows) if p == "ceiling" else \
+                _guarded_step(models[p], guards[p], windows)
+            if rep:
+                times[p].append(seconds)
+    tokens = batch_size * micro_batches * (sizes.seq_len + 1)
+    result = {"preset": f"{source} (transformers)", "tokens_per_step": tokens,
+              "ceiling_peak_bytes": ceiling_peak, "budget_bytes": budget, "policies": {}}
+    for p in POLICIES:
+        med = statistics.median(times[p])
+        hist = guards[p].history[1:] if p in guards else []
+        result["policies"][p] = {
+            "median_s": med, "tokens_per_s": tokens / med,
+            "peak_bytes": max((h["peak_bytes"] for h in hist), default=ceiling_peak),
+            "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
+            "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
+            "decisions": hist[-1]["decisions"] if hist else {},
+        }
+    tps = {p: result["policies"][p]["tokens_per_s"] for p in POLICIES}
+    result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
+    result["full_over_ceiling"] = tps["full"] / tps["ceiling"]
+    gap = tps["ceiling"] - tps["full"]
+    result["gap_closed"] = (tps["adaptive"] - tps["full"]) / gap if gap > 0 else float("nan")
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf", default="mixtral", help="model type or config JSON")
+    for flag, default in (("--d-model", 128), ("--num-layers", 4), ("--num-experts", 8),
+                          ("--top-k", 2), ("--d-expert", 128), ("--seq-len", 128)):
+        parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--fraction", type=float, default=0.85)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        for name in ("batch_size", "micro_batches", "reps", "threads"):
+            if getattr(args, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be positive")
+        if not 0 < args.fraction <= 1:
+            raise UsageError("--fraction must be in (0, 1]")
+        sizes = HFSizes(d_model=args.d_model, num_layers=args.num_layers,
+                        num_experts=args.num_experts, top_k=args.top_k,
+                        d_expert=args.d_expert, seq_len=args.seq_len)
+        torch.set_num_threads(args.threads)
+        print_table(measure(args.hf, sizes, args.batch_size, args.micro_batches, args.reps,
+                            args.fraction))
+    except UsageError as err:
+        print(f"spikeguard: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
