@@ -122,6 +122,34 @@ class Residency:
         return reserved
 
 
+    # ---- eviction of resident micro-batches ----------------------------------------
+    def _evict_order(self) -> list[int]:
+        """Older resident micro-batches, the one whose backward comes last first."""
+        pos = self.position()
+        return sorted(pos.older, reverse=True) if pos is not None and self.enabled else []
+
+    def evictable(self, tracker) -> int:
+        """Bytes of the older resident micro-batches' saved tensors that could go to host."""
+        return sum(tracker.evictable(mb, ALL_LAYERS) for mb in self._evict_order())
+
+    def evict(self, tracker, num_bytes: int) -> int:
+        """Offload older resident micro-batches' saved tensors (earliest layer first, the
+        newest micro-batch first) until `num_bytes` are freed; they come back when their
+        backward unpacks them, counted by the reload reservation above."""
+        freed = 0
+        for mb in self._evict_order():
+            if freed >= num_bytes:
+                break
+            freed += tracker.evict(mb, ALL_LAYERS, num_bytes - freed)
+        if freed and self.log:
+            self.log[-1]["evicted_resident_bytes"] = self.log[-1].get(
+                "evicted_resident_bytes", 0) + freed
+        return freed
+
+
+ALL_LAYERS = 1 << 30  # tracker.evict/evictable take layers below this: every layer
+
+
 def attach_residency(guard, schedule, stage_index: int, pp_rank: int,
                      enabled: bool = True) -> Residency:
     """Give `guard`'s forecast the schedule's residency for `stage_index` (on `pp_rank`)."""

@@ -230,6 +230,12 @@ class Guard(DecisionWindow):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item():
             del out
+            if self._step is not None:
+                # The attempt finished its forward, so it was counted: un-count it, or the
+                # re-run and every later micro-batch would get the next number (and the
+                # pipeline's residency would read the wrong schedule position).
+                self._step.micro_batches -= 1
+                self._step.decisions.subtract(self._step.attempt)
             raise mine or DeviceOutOfMemory(
                 "another rank of the expert-parallel group ran out of memory")
         return out

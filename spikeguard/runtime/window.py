@@ -49,6 +49,9 @@ class DecisionWindow:
             backward_room = (self.budget_bytes - self.ledger.in_use() - prefetch_margin
                              - self.forecast.backward_reserved_bytes)  # pipeline: others resident
             evictable = self.tracker.evictable(mb, layer)
+            residency = self.forecast.residency  # pipeline: resident micro-batches may go too
+            if residency is not None:
+                evictable += residency.evictable(self.tracker)
             try:
                 decision = self.planner.decide(num_routed, headroom, evictable, backward_room)
             except BudgetInfeasible as err:
@@ -63,6 +66,8 @@ class DecisionWindow:
                     budget_bytes=self.budget_bytes) from None
             if decision.evict_bytes:
                 freed = self.tracker.evict(mb, layer, decision.evict_bytes)
+                if residency is not None and freed < decision.evict_bytes:
+                    freed += residency.evict(self.tracker, decision.evict_bytes - freed)
                 if self._step:
                     self._step.evicted_bytes += freed
         if self._step is not None:

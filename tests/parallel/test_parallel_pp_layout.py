@@ -66,6 +66,36 @@ def test_residency_reserves_whole_micro_batches_and_logs_once_per_layer():
     assert r.reserve(1, 50) == 0 and r.backward_reserve == 0
 
 
+class _Tracker:
+    """Stands in for SavedTensorTracker: evictable bytes per micro-batch, evictions seen."""
+
+    def __init__(self, evictable: dict):
+        self.left, self.calls = dict(evictable), []
+
+    def evictable(self, mb, before_layer):
+        return self.left.get(mb, 0)
+
+    def evict(self, mb, before_layer, num_bytes):
+        freed = min(num_bytes, self.left.get(mb, 0))
+        self.left[mb] = self.left.get(mb, 0) - freed
+        self.calls.append((mb, freed))
+        return freed
+
+
+def test_resident_micro_batches_are_evicted_newest_first():
+    """At stage 0 of 3's third forward, micro-batches 0 and 1 are resident: 1's backward
+    comes after 0's, so its tensors go to the host first."""
+    r = Residency(positions(_actions("FFFBFBBB"), 0), micro_batch=lambda: 2)
+    tracker = _Tracker({0: 100, 1: 30, 2: 999})
+    assert r.evictable(tracker) == 130          # the micro-batch in flight is not counted
+    r.reserve(0, 10)
+    assert r.evict(tracker, 50) == 50
+    assert tracker.calls == [(1, 30), (0, 20)]
+    assert r.log[-1]["evicted_resident_bytes"] == 50
+    r.enabled = False
+    assert r.evictable(tracker) == 0
+
+
 def test_mesh_coordinates_put_ep_peers_next_to_each_other():
     layout = ParallelLayout(8, pp=2, ep=2)
     assert layout.dp == 2
