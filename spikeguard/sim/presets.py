@@ -14,7 +14,8 @@ Assumptions of the published-scale presets (docs/simulator.md discusses them):
 `small` is the runtime's `small` preset (fp32) as runtime_ratios runs it: 2 micro-batches
 of 8 x 128 tokens, parameters and gradients on the device (no optimizer given to the
 guard), the device emulated by a budget of 0.85x the ceiling's peak (CPU); its rates are
-placeholders until calibrated from this machine (spikeguard.sim.validate).
+rough placeholders (2 cores' fp32 peak, and the ~2.3e10 FLOP/s the plain model achieves
+here), which spikeguard.sim.validate replaces by measurements.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ PRESETS: dict[str, dict] = {
                   "num_experts": 8, "top_k": 2, "d_expert": 256, "num_shared_experts": 1,
                   "vocab_size": 256, "seq_len": 128, "dtype_bytes": 4},
         "layout": {"devices": 1, "micro_batch_size": 8, "global_batch": 16},
-        "device": {"name": "this machine (CPU, emulated device)", "kind": "cpu",
-                   "capacity_bytes": 100_421_641, "peak_flops": 5e10, "efficiency": 1.0,
+        "device": {"name": "this machine", "kind": "cpu",
+                   "capacity_bytes": 100_421_641, "peak_flops": 1e11, "efficiency": 0.23,
                    "memory_bytes_per_s": 1e10, "host_bytes_per_s": 4e10,
                    "interconnect_bytes_per_s": 1e10},
         "training": {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 0},

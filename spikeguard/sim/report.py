@@ -62,6 +62,13 @@ def _plain(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:,.0f}"
+
+
 def _mix(decisions: dict) -> str:
     total = sum(decisions.get(a, 0) for a in ACTIONS)
     if not total:
@@ -83,7 +90,7 @@ def print_report(console, result: SimResult, calibration: Optional[dict] = None,
     lay, dev = cfg.layout, cfg.device
     cpu = " (CPU, emulated device)" if dev.kind == "cpu" else ""
     console.print(
-        f"model {cfg.model.name}: {dm.num_params / 1e9:.3g}B parameters, {cfg.model.num_layers} "
+        f"model {cfg.model.name}: {_count(dm.num_params)} parameters, {cfg.model.num_layers} "
         f"layers, {cfg.model.num_experts} experts top-{cfg.model.top_k} | {lay.devices} devices "
         f"= tp {lay.tp} x pp {lay.pp} x dp {lay.dp} (ep {lay.ep}), {lay.schedule}"
         f"{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}, {lay.micro_batches} "
@@ -96,7 +103,7 @@ def print_report(console, result: SimResult, calibration: Optional[dict] = None,
                       f"recompute {calibration['target_mfu']:.1%} MFU (the only fitted number)",
                       markup=False, highlight=False)
     table = Table(title=f"per policy{cpu}")
-    for col in ("policy", "MFU", "tokens/s", "PFLOP/s", "crashes", "lost s",
+    for col in ("policy", "MFU", "tokens/s", "FLOP/s", "crashes", "lost s",
                 "peak (worst stage)", "save / recompute / offload"):
         table.add_column(col, justify="right" if col not in ("policy",) else "left")
     for name, r in result.policies.items():
@@ -104,7 +111,7 @@ def print_report(console, result: SimResult, calibration: Optional[dict] = None,
         peak = max(r.peak_bytes)
         stage = r.peak_bytes.index(peak)
         table.add_row(label, f"{r.mfu:.1%}", f"{r.tokens_per_s:,.0f}",
-                      f"{r.flops_per_s / 1e15:,.1f}", str(r.crashes), f"{r.lost_s:,.0f}",
+                      f"{r.flops_per_s:.3g}", str(r.crashes), f"{r.lost_s:,.0f}",
                       f"{format_bytes(peak)} s{stage}", _mix(r.decisions))
     console.print(table)
     if scaling_rows:

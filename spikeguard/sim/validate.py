@@ -9,11 +9,12 @@
    peak per step. Single process: both must agree within 10% (tests/sim/test_sim_validation.py).
    `none` cannot run under that budget (it dies, and the simulator must say it crashes);
    its peak is compared with no limit.
-2. Throughput ratios: spikeguard.bench.runtime_ratios measures ceiling, full and adaptive
-   side by side; the simulator's device is this machine, measured (`measure_device`: the
-   plain model's FLOP rate and backward/forward time ratio; the expert stages and host
-   copies from the guard's own cost calibration), and predicts full/ceiling and
-   adaptive/ceiling. Timing-based, so this is a
+2. Throughput ratios: ceiling, full and adaptive measured side by side as
+   spikeguard.bench.runtime_ratios does, and in the same interleaved rounds this machine
+   measured as the simulator's device (`measure_ratios`: the plain model's forward time,
+   hence its FLOP rate, and its backward/forward time ratio; the expert stages and host
+   copies from the guard's own cost calibration); the simulator then predicts
+   full/ceiling and adaptive/ceiling. Timing-based, so this is a
    script whose figures go in docs/simulator.md, never a timed test.
 """
 
@@ -112,49 +113,66 @@ def compare_peaks(steps: int = 3, batch_size: int = 8, micro_batches: int = 2, s
     return out
 
 
-def measure_device(reps: int = 7, batch_size: int = 8, micro_batches: int = 2,
+def measure_ratios(reps: int = 15, batch_size: int = 8, micro_batches: int = 2,
                    seed: int = 0) -> dict:
-    """This machine as the simulator's device: the plain model's forward and forward +
-    backward times (interleaved, medians), so the achieved FLOP rate and the backward /
-    forward ratio. Measured, not fitted to any ratio the simulator then predicts."""
+    """runtime_ratios' measurement (same batches, budget 0.85x the ceiling's peak, runs
+    interleaved, medians, first round dropped), with this machine measured as the
+    simulator's device in the same rounds, so machine noise hits both alike:
+
+      forward     the plain model's forward alone (its FLOP rate, and backward/forward);
+      ceiling     the plain model's step;  full / adaptive: guarded steps (the ratios);
+      guard_none  the guard keeping everything under no limit (its bookkeeping alone);
+      checkpoint  plain torch checkpointing of every block, no guard.
+    The last two are diagnostics; the simulator uses only `forward` and `ceiling`."""
     import statistics
     import time
 
+    import spikeguard
     from spikeguard.data.corpus import load_corpus
     from spikeguard.model import build_model, model_config
-    from spikeguard.sim.shape import build
 
     cfg = model_config("small")
     batches = _batches(cfg, load_corpus(None), 1, batch_size, micro_batches, seed)[0]
-    model = build_model(cfg, seed=seed)
-    ckpt_model = _checkpointed(build_model(cfg, seed=seed))
-    fwd, step, ckpt = [], [], []
-    for rep in range(reps + 1):
-        start = time.perf_counter()
+    probe = spikeguard.attach(build_model(cfg, seed=seed), budget=1 << 50, policy="none")
+    with probe.step():
         for idx_BT, targets_BT in batches:
-            model(idx_BT, targets_BT).loss  # graph built, then dropped
-        mid = time.perf_counter()
+            probe.model(idx_BT, targets_BT).loss.backward()
+    budget = int(BUDGET_FRACTION * probe.history[-1]["peak_bytes"])
+    plain = build_model(cfg, seed=seed)
+    ckpt = _checkpointed(build_model(cfg, seed=seed))
+    guards = {"full": spikeguard.attach(build_model(cfg, seed=seed), budget=budget, policy="full"),
+              "adaptive": spikeguard.attach(build_model(cfg, seed=seed), budget=budget,
+                                            policy="adaptive"),
+              "guard_none": spikeguard.attach(build_model(cfg, seed=seed), budget=1 << 50,
+                                              policy="none")}
+
+    def forward_only():
+        for idx_BT, targets_BT in batches:
+            plain(idx_BT, targets_BT).loss  # graph built, then dropped
+
+    def step(model):
         for idx_BT, targets_BT in batches:
             model(idx_BT, targets_BT).loss.backward()
-        end = time.perf_counter()
-        for idx_BT, targets_BT in batches:
-            ckpt_model(idx_BT, targets_BT).loss.backward()
-        last = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        ckpt_model.zero_grad(set_to_none=True)
-        if rep:
-            fwd.append(mid - start)
-            step.append(end - mid)
-            ckpt.append(last - end)
-    fwd_s, step_s = statistics.median(fwd), statistics.median(step)
-    tokens = batch_size * micro_batches * cfg.seq_len
-    # model_flops_per_token counts training (3x the forward): the forward's share is a third
-    fwd_flops = build(sim_config(1 << 40, 1, batch_size, micro_batches)).model_flops_per_token * tokens / 3
-    return {"flop_rate": fwd_flops / fwd_s, "backward_ratio": (step_s - fwd_s) / fwd_s,
-            "forward_s": fwd_s, "step_s": step_s,
-            # diagnostic, not used by the simulator: plain torch checkpointing of every
-            # block, no guard, against the plain step (what one extra forward really costs)
-            "plain_checkpoint_over_plain": step_s / statistics.median(ckpt)}
+
+    def guarded(guard):
+        with guard.step():
+            step(guard.model)
+
+    runs = {"forward": forward_only, "ceiling": lambda: step(plain),
+            "checkpoint": lambda: step(ckpt), **{n: (lambda g=g: guarded(g)) for n, g in guards.items()}}
+    times = {name: [] for name in runs}
+    for rep in range(reps + 1):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    hist = guards["adaptive"].history[1:]
+    return {"median_s": med, "budget_bytes": budget, "cost": guards["adaptive"].cost,
+            "runtime_decisions": hist[-1]["decisions"],
+            "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist)}
 
 
 def _checkpointed(model):
@@ -168,34 +186,34 @@ def _checkpointed(model):
     return model
 
 
-def compare_ratios(reps: int = 7, batch_size: int = 8, micro_batches: int = 2) -> dict:
-    """Measured runtime_ratios against the simulator with this machine as its device."""
-    import spikeguard
-    from spikeguard.bench.runtime_ratios import measure
-    from spikeguard.model import build_model, model_config
+def compare_ratios(reps: int = 15, batch_size: int = 8, micro_batches: int = 2) -> dict:
+    """Measured throughput ratios against the simulator with this machine as its device."""
     from spikeguard.sim.engine import simulate
+    from spikeguard.sim.shape import build
 
-    device = measure_device(reps, batch_size, micro_batches)
-    measured = measure("small", batch_size, micro_batches, reps, BUDGET_FRACTION)
-    budget = measured["budget_bytes"]
-    flop_rate = device["flop_rate"]
+    m = measure_ratios(reps, batch_size, micro_batches)
+    med, budget, cost = m["median_s"], m["budget_bytes"], m["cost"]
+    tokens = batch_size * micro_batches * 128
+    # model_flops_per_token counts training (3x the forward): the forward's share is a third
+    fwd_flops = build(sim_config(budget, 1, batch_size, micro_batches)).model_flops_per_token * tokens / 3
+    flop_rate = fwd_flops / med["forward"]
+    backward_ratio = (med["ceiling"] - med["forward"]) / med["forward"]
     # The guard's own calibration of the expert stages and host copies on this machine.
-    guard = spikeguard.attach(build_model(model_config("small")), budget=budget, policy="adaptive")
-    cost = guard.cost
     sim_cfg = sim_config(budget, 4, batch_size, micro_batches, peak_flops=flop_rate, efficiency=1.0,
-                         backward_ratio=device["backward_ratio"],
+                         backward_ratio=backward_ratio,
                          host_bytes_per_s=2 / (cost.d2h_s_per_byte + cost.h2d_s_per_byte))
     sim = simulate(sim_cfg.with_changes(run={"policies": ("ceiling", "full", "adaptive")}), cost=cost)
     tps = {p: sim.policies[p].tokens_per_s for p in ("ceiling", "full", "adaptive")}
-    return {"measured": {"full_over_ceiling": measured["full_over_ceiling"],
-                         "adaptive_over_ceiling": measured["adaptive_over_ceiling"]},
+    return {"measured": {"full_over_ceiling": med["ceiling"] / med["full"],
+                         "adaptive_over_ceiling": med["ceiling"] / med["adaptive"]},
             "simulated": {"full_over_ceiling": tps["full"] / tps["ceiling"],
                           "adaptive_over_ceiling": tps["adaptive"] / tps["ceiling"]},
-            "flop_rate": flop_rate, "backward_ratio": device["backward_ratio"],
-            "plain_checkpoint_over_plain": device["plain_checkpoint_over_plain"],
-            "budget_bytes": budget,
+            "flop_rate": flop_rate, "backward_ratio": backward_ratio,
+            "guard_none_over_ceiling": med["ceiling"] / med["guard_none"],
+            "plain_checkpoint_over_plain": med["ceiling"] / med["checkpoint"],
+            "median_s": med, "budget_bytes": budget, "overruns": m["overruns"],
             "sim_decisions": dict(sim.policies["adaptive"].decisions),
-            "runtime_decisions": measured["policies"]["adaptive"]["decisions"]}
+            "runtime_decisions": m["runtime_decisions"]}
 
 
 def _rank_logs(folder: Path) -> list[list[dict]]:
@@ -301,7 +319,7 @@ def compare_pp_ep(policies=(("none", "1GiB"), ("full", "1GiB"), ("adaptive", "ti
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--pp-ep", action="store_true",
                         help="also the 4-process PP=2 x EP=2 comparison (a few minutes)")
     args = parser.parse_args(argv)
@@ -319,9 +337,11 @@ def main(argv=None) -> int:
     for key in ("full_over_ceiling", "adaptive_over_ceiling"):
         m, s = ratios["measured"][key], ratios["simulated"][key]
         print(f"  {key:22s} measured {m:.3f} simulated {s:.3f} ({s / m - 1:+.1%})")
-    print(f"  adaptive decisions: runtime {ratios['runtime_decisions']} sim {ratios['sim_decisions']}")
-    print(f"  diagnostic: plain torch checkpointing of every block (no guard) runs at "
-          f"{ratios['plain_checkpoint_over_plain']:.3f} of the plain step here")
+    print(f"  adaptive decisions: runtime {ratios['runtime_decisions']} (last step) sim "
+          f"{ratios['sim_decisions']} (4 steps); runtime overruns {ratios['overruns']}")
+    print(f"  diagnostics (not simulated): the guard keeping everything, no limit: "
+          f"{ratios['guard_none_over_ceiling']:.3f} of the ceiling; plain torch checkpointing "
+          f"of every block, no guard: {ratios['plain_checkpoint_over_plain']:.3f}")
     if args.pp_ep:
         pp_ep = compare_pp_ep(steps=args.steps)
         print("PP=2 x EP=2, 4 processes: peak bytes per step per stage (worst rank of the stage):")
