@@ -148,7 +148,9 @@ class _RankRun:
         optimizer_of = {id(m): o for m, o in zip(self.prank.modules.stages, self.optimizers)}
         kwargs: dict[str, Any] = {}
         if self.args.budget_bytes is not None:
-            kwargs["budget"] = self.args.budget_bytes
+            # Interleaved: one guard per model chunk (no shared per-rank ledger yet), so the
+            # rank's budget is split evenly between its chunks.
+            kwargs["budget"] = self.args.budget_bytes // len(self.prank.modules.stages)
         if self.args.policy is not None:
             kwargs["policy"] = self.args.policy
         self.prank.attach_guards(lambda m: attach(m, optimizer=optimizer_of[id(m)], **kwargs))
@@ -168,7 +170,10 @@ class _RankRun:
                   f"{cfg.batch_size} x {T} tokens per shard; step lines are rank 0's, loss the "
                   f"last stage's, peak and spike the cluster's"
                   + ("; memory: CPU run, peak / budget are the guard's emulated device"
-                     if self.use_guard else ""))
+                     if self.use_guard else "")
+                  + ("; interleaved: each of a rank's 2 chunks has its own guard and half the "
+                     "budget, peak is the larger chunk's" if len(self.prank.stage_ids) > 1
+                     and self.use_guard else ""))
         val_init = self._evaluate(val)
         log_file = open_log(self.log_path) if self.log_path is not None else None
         records = []
