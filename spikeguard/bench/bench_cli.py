@@ -210,7 +210,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         _write_atomic(Path(args.json), json.dumps(report, indent=1, default=str))
         echo(f"wrote {args.json}")
-    plot_files = _plots(args, runs, figures, echo)
+    plot_files = _plots(args, runs, figures, measured, echo)
     if args.docs:
         from spikeguard.bench.bench_docs import page
         _write_atomic(Path(args.docs), page(report, plot_files, Path(args.docs).parent))
@@ -285,7 +285,7 @@ def _print_table(console, report: dict) -> None:
     console.print(table)
 
 
-def _plots(args, runs, figures, echo) -> list[Path]:
+def _plots(args, runs, figures, measured, echo) -> list[Path]:
     if not args.plots:
         return []
     from spikeguard.bench.plots import draw_plots
@@ -293,6 +293,12 @@ def _plots(args, runs, figures, echo) -> list[Path]:
     folder = Path(args.plots)
     folder.mkdir(parents=True, exist_ok=True)
     logs = {name: run.final_records() for name, run in runs.items()}
+    if "ceiling" in logs:
+        # The ceiling runs without a guard, so it logs no bytes; its memory is the
+        # measurement pass's (the same trace, everything saved, no limit).
+        peaks = {r["step"]: r.get("max_peak_bytes") for r in measured}
+        logs["ceiling"] = [{**r, "max_peak_bytes": peaks.get(r["step"]),
+                            "peak_bytes": peaks.get(r["step"])} for r in logs["ceiling"]]
     effective = {name: f["effective_tokens_per_s"] for name, f in figures.items() if name in logs}
     relative = {name: f["relative_to_ceiling"] for name, f in figures.items() if name in logs}
     written, notes = draw_plots(logs, folder, effective=effective, relative=relative)

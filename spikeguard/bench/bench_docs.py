@@ -41,8 +41,8 @@ def page(report: dict, plots: list[Path], docs_dir: Path) -> str:
         "|" + "|".join("---" for _ in header) + "|",
         *("| " + " | ".join(row) + " |" for row in table_rows(report)),
         "",
-        "- `ceiling`: no guard and no limit (its peak is the measurement pass's, everything "
-        "saved). `none` keeps everything under the budget: it dies on the spikes, is "
+        "- `ceiling`: no guard and no limit (its peak, in the table and the memory plot, is "
+        "the measurement pass's: the same trace, everything saved). `none` keeps everything under the budget: it dies on the spikes, is "
         "restarted from its last checkpoint with the batch that killed it dropped, and "
         "re-does the steps since. `offload`, `experts`, `full`: static settings. "
         "`safe-static`: the fastest static setting that survived the whole trace. "
