@@ -374,17 +374,17 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
                   f"{train_cfg.steps} steps x {tokens_per_step} tokens | CPU threads "
                   f"{torch.get_num_threads()}")
     _say(console, f"data: {corpus.source}")
-    factory = None
+    def guarded(guarded_model, optimizer):
+        if guard_args.budget == "auto":
+            guard_args.budget_bytes = _auto_budget(guarded_model, optimizer, corpus,
+                                                   model_cfg, train_cfg, parallel, console)
+        return _make_guard(guarded_model, guard_args, optimizer)
+
+    factory = guarded if guard_args is not None else None
     if guard_args is not None:
         # Training here runs on CPU, where there is no device memory: the peak and budget
         # in the step lines are the bytes the guard's ledger tracks against its budget.
         _say(console, "memory: CPU run, peak / budget are the guard's emulated device")
-
-        def factory(guarded_model, optimizer):
-            if guard_args.budget == "auto":
-                guard_args.budget_bytes = _auto_budget(guarded_model, optimizer, corpus,
-                                                       model_cfg, train_cfg, parallel, console)
-            return _make_guard(guarded_model, guard_args, optimizer)
     if parallel is not None:
         _say(console, f"expert parallel: {parallel.worker.world_size} ranks (gloo), "
                       f"{model_cfg.num_experts // parallel.worker.world_size} experts each; "
@@ -404,7 +404,7 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
         for observer in observers:
             observer.detach()
     if parallel is not None:
-        del model, factory  # the group must be unreferenced when it is torn down
+        del model, factory, guarded  # the group must be unreferenced when it is torn down
         parallel.close(clean=True)
     s = summarize(records)
     if guard_args is not None:

@@ -25,7 +25,7 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from spikeguard.errors import UsageError
 

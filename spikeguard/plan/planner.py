@@ -107,10 +107,14 @@ class Planner:
         shortfall = shortfall_of(smallest)
         if shortfall <= evictable_bytes:
             return Decision(smallest.plan, need, smallest.s_per_token * num_routed, shortfall)
+        room = f"forward headroom {format_bytes(headroom_bytes)}"
+        if backward_room is not None:
+            room += f", backward room {format_bytes(backward_room)}"
         raise BudgetInfeasible(
-            f"no plan fits: this layer needs at least {format_bytes(need)} with its expert path "
-            f"recomputed or offloaded, {format_bytes(shortfall - evictable_bytes)} more than the "
-            f"headroom left after evicting earlier layers",
+            f"no plan fits: the least this layer's expert path can keep on the device is "
+            f"{format_bytes(need)} ({format_bytes(smallest.offload_bytes_per_token * num_routed)} "
+            f"more come back from host in backward), {format_bytes(shortfall - evictable_bytes)} "
+            f"more than the room left after evicting earlier layers ({room})",
             needed_bytes=shortfall - evictable_bytes)
 
     def least(self, num_routed: int) -> Decision:
