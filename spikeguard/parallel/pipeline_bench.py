@@ -103,7 +103,7 @@ def _rank(rank: int, world: int, store: str, opts: dict) -> None:
         _report(gathered, opts, cfg, layout, M * B * cfg.seq_len * groups.num_shards)
     for prank, _ in runs.values():
         prank.close()
-    del runs, groups
+    runs = groups = None  # the group must be unreferenced when it is torn down
     close_gloo()
 
 

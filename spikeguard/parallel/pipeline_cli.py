@@ -87,13 +87,10 @@ def _train_rank(args, layout, model_cfg, train_cfg, skew_config) -> int:
             raise UsageError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
     worker = init_worker()
-    try:
-        run = _RankRun(args, layout, model_cfg, train_cfg, skew_config, worker.rank)
-        run.train()
-    except BaseException:
-        # Nothing that talks to the peers, which may be blocked in a collective: torchrun
-        # stops them once this rank exits with its error.
-        raise
+    # On an error: nothing that talks to the peers, which may be blocked in a collective;
+    # torchrun stops them once this rank exits with its error.
+    run = _RankRun(args, layout, model_cfg, train_cfg, skew_config, worker.rank)
+    run.train()
     # As ExpertParallelHooks.close: the group's threads end only once nothing refers to
     # it, so drop the models, destroy, and collect while the interpreter is whole.
     run.close()

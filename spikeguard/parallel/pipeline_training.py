@@ -22,7 +22,7 @@ to float rounding (tests/parallel/test_parallel_pp.py states the tolerance).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -199,8 +199,3 @@ def _unwrapped_errors():
         if isinstance(cause, (DeviceOutOfMemory, UsageError)):
             raise cause from None
         raise
-
-
-def first_warmup_decision(residency: Residency) -> Optional[dict]:
-    """The residency log's first decision of the step (micro-batch 0), or None."""
-    return residency.log[0] if residency.log else None
