@@ -52,6 +52,13 @@ class Forward:
     decisions: Counter = field(default_factory=Counter)
     failed: bool = False  # nothing fits, even full recompute: the device runs out
     host: tuple = ()      # bytes it put on the host, per layer of the chunk
+    # bytes it evicted from older resident micro-batches: (index in the newest-first order
+    # of the older ones, bytes), relative so that the memoised forward applies anywhere
+    resident_evictions: tuple = ()
+
+    @property
+    def resident_freed(self) -> int:
+        return sum(n for _, n in self.resident_evictions)
 
 
 @dataclass
@@ -71,6 +78,33 @@ def _positions(ops: list[Op]) -> list:
     actions = [SimpleNamespace(computation_type=SimpleNamespace(value=op.kind), stage_index=0)
                for op in ops]
     return positions(actions, 0)
+
+
+class _ResidentTracker:
+    """The two tracker calls Residency.evictable/evict make (runtime/hooks.py's
+    SavedTensorTracker), over the bytes the walk's resident micro-batches hold."""
+
+    def __init__(self, device: dict):
+        self.device = dict(device)
+        self.evicted: dict = {}
+
+    def evictable(self, micro_batch: int, before_layer: int) -> int:
+        return self.device.get(micro_batch, 0)
+
+    def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
+        take = min(num_bytes, self.device.get(micro_batch, 0))
+        if take > 0:
+            self.device[micro_batch] -= take
+            self.evicted[micro_batch] = self.evicted.get(micro_batch, 0) + take
+        return max(take, 0)
+
+
+def _relative(residency, residents: _ResidentTracker) -> tuple:
+    """Evictions as (index among the older micro-batches, newest first, bytes)."""
+    if not residents.evicted:
+        return ()
+    order = sorted(residency.position().older, reverse=True)
+    return tuple((order.index(mb), n) for mb, n in residents.evicted.items())
 
 
 def _residency(schedule_positions, forward: int, host: dict, device: dict):
@@ -122,12 +156,19 @@ class StageWalker:
                 continue
             counts = self._counts(load, op)
             fwd = self.forward(op.chunk, counts, in_use, k, host, device)
-            peak = max(peak, in_use + fwd.peak)
+            top = in_use - fwd.resident_freed + fwd.peak
+            peak = max(peak, top)
             decisions.update(fwd.decisions)
             seconds += fwd.seconds
-            if fwd.failed or in_use + fwd.peak > self.capacity:
+            if fwd.failed or top > self.capacity:
                 return WalkResult(peak, seconds, True, decisions)
-            in_use += fwd.kept
+            if fwd.resident_evictions:   # the older resident micro-batches it sent to host
+                newest_first = sorted(self.positions[k].older, reverse=True)
+                for index, n in fwd.resident_evictions:
+                    device[newest_first[index]] -= n
+                    key = (newest_first[index], "evicted")
+                    host[key] = host.get(key, 0) + n
+            in_use += fwd.kept - fwd.resident_freed
             live[(op.micro_batch, op.chunk)], device[k] = k, fwd.kept
             host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
             k += 1
@@ -173,11 +214,11 @@ class StageWalker:
         older = set(pos.older)
         reload = max((n for (o, _), n in host.items() if o in older), default=0)
         key = (chunk, counts, in_use, pos.to_add, pos.at_backward, reload,
-               sum(device.get(o, 0) for o in older))
+               tuple(device.get(o, 0) for o in sorted(older, reverse=True)))
         hit = self._memo.get(key)
         if hit is None:
             residency = _residency(self.positions, k, host, device)
-            hit = self._memo[key] = self._adaptive(chunk, counts, in_use, residency)
+            hit = self._memo[key] = self._adaptive(chunk, counts, in_use, residency, device)
         return hit
 
     # ---- pieces shared by every policy -------------------------------------------------
@@ -239,7 +280,8 @@ class StageWalker:
         return Forward(kept + head, kept + head, seconds, decisions)
 
     # ---- adaptive: Planner.decide with the runtime's inputs -----------------------------
-    def _adaptive(self, chunk: int, counts: tuple[int, ...], in_use: int, residency) -> Forward:
+    def _adaptive(self, chunk: int, counts: tuple[int, ...], in_use: int, residency,
+                  device: dict) -> Forward:
         dm, planner, cap, T = self.dm, self.planner, self.capacity, self.dm.tokens
         embed, head, head_flops = self._ends(chunk)
         forecast = Forecast(num_layers=len(counts), head_bytes_per_token=head / T,
@@ -254,7 +296,10 @@ class StageWalker:
         decisions: Counter = Counter()
         max_routed = 0
         mean_routed = T * self.cfg.model.top_k
+        residents = _ResidentTracker(device)
+        start_in_use = in_use
         for i, count in enumerate(counts):
+            in_use = start_in_use - sum(residents.evicted.values())
             held = embed + sum(kept_by_layer)
             # Layer entry (window.py `_layer_cannot_fit`): the load is not known yet.
             routed = max(max_routed, mean_routed)
@@ -276,19 +321,29 @@ class StageWalker:
                 headroom -= count * dm.expert_shape.bytes_per_token()["gate_up"]
             margin = layer_part if self.cuda and i < len(counts) - 1 else 0
             backward_room = cap - now - margin - getattr(forecast, "backward_reserved_bytes", 0)
+            # pipeline: older resident micro-batches may go to host too (window.py)
+            evictable = held + residency.evictable(residents)
             try:
-                d = planner.decide(count, int(headroom), held, int(backward_room))
+                d = planner.decide(count, int(headroom), int(evictable), int(backward_room))
             except BudgetInfeasible:
-                return self._safety_net(chunk, counts, in_use, i, head_flops)
+                net = self._safety_net(chunk, counts, in_use, i, head_flops)
+                net.resident_evictions = _relative(residency, residents)
+                return net
             if d.evict_bytes:
-                seconds += self._evict(kept_by_layer, host_by_layer, d.evict_bytes)
+                own = min(d.evict_bytes, held)
+                seconds += self._evict(kept_by_layer, host_by_layer, own)
+                if d.evict_bytes > own:
+                    before = sum(residents.evicted.values())
+                    residency.evict(residents, d.evict_bytes - own)
+                    seconds += self._copy_s(sum(residents.evicted.values()) - before)
                 decisions["evicted_bytes"] += d.evict_bytes
             kept_by_layer.append(layer_part + d.device_bytes + post)
             host_by_layer.append(planner.offload_bytes_per_token(d.plan) * count)
             seconds += d.added_s
             decisions.update(a.value for a in d.plan.actions)
         kept = embed + sum(kept_by_layer) + head
-        return Forward(kept, kept, seconds, decisions, host=tuple(host_by_layer))
+        return Forward(kept, kept, seconds, decisions, host=tuple(host_by_layer),
+                       resident_evictions=_relative(residency, residents))
 
     def _evict(self, kept_by_layer: list[int], host_by_layer: list[int], evict: int) -> float:
         """Earlier layers go to host, oldest first; their copies cost what the planner's
@@ -299,8 +354,11 @@ class StageWalker:
             kept_by_layer[j] -= take
             host_by_layer[j] += take
             left -= take
+        return self._copy_s(evict)
+
+    def _copy_s(self, num_bytes: int) -> float:
         cost = self.planner.cost
-        return 0.0 if cost.copies_overlap else evict * (cost.d2h_s_per_byte + cost.h2d_s_per_byte)
+        return 0.0 if cost.copies_overlap else num_bytes * (cost.d2h_s_per_byte + cost.h2d_s_per_byte)
 
     def _safety_net(self, chunk: int, counts: tuple[int, ...], in_use: int, layer: int,
                     head_flops: float) -> Forward:
