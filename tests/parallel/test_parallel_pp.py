@@ -62,16 +62,19 @@ PP_DP_SCENARIOS = [_s("plain", "plain"), _s("calm", "none"), _s("full", "full"),
                    _s("tight", "adaptive", "calm*0.8")]
 
 
-def _spawn(tmp_path_factory, name, world, runs, expect_failure=False):
+def _spawn(tmp_path_factory, name, world, runs, expect_failure=None):
+    """expect_failure: the file the dying rank saves before it raises (its peers may exit
+    with a connection error first, so the spawn's own message is not checked)."""
     out_dir = tmp_path_factory.mktemp(name)
     args = (str(out_dir), MICRO_BATCHES, BATCH, runs)
-    if expect_failure:
-        with pytest.raises(ProcessRaisedException, match="DeviceOutOfMemory"):
-            run_spawned(pp_workers.pp_worker, world, args, store_path=out_dir / "store",
-                        timeout_s=SPAWN_TIMEOUT_S)
-    else:
+    try:
         run_spawned(pp_workers.pp_worker, world, args, store_path=out_dir / "store",
                     timeout_s=SPAWN_TIMEOUT_S)
+    except ProcessRaisedException:
+        if expect_failure is None or not (out_dir / expect_failure).exists():
+            raise
+    else:
+        assert expect_failure is None, f"no rank failed; expected {expect_failure}"
     return lambda scenario, rank: torch.load(out_dir / f"{scenario}_rank{rank}.pt")
 
 
@@ -87,7 +90,7 @@ def four_ranks(tmp_path_factory):
     cores); PP=2 x EP=2 last, since its final scenario kills rank 0 on purpose."""
     runs = [{"prefix": "dp_", "pp": 2, "ep": 1, "cfg": CFG, "scenarios": PP_DP_SCENARIOS},
             {"prefix": "ep_", "pp": 2, "ep": 2, "cfg": CFG_EP, "scenarios": PP_EP_SCENARIOS}]
-    return _spawn(tmp_path_factory, "four", 4, runs, expect_failure=True)
+    return _spawn(tmp_path_factory, "four", 4, runs, expect_failure="ep_spike_none_rank0.pt")
 
 
 @pytest.fixture(scope="module")
