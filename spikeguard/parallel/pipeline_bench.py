@@ -126,7 +126,8 @@ def _report(gathered: list, opts: dict, cfg, layout, tokens_per_step: int) -> No
           f"{opts['batch_size']} x {cfg.seq_len} tokens per shard; medians of {opts['reps']} "
           f"rounds, policies interleaved; adaptive budget {opts['budget_fraction']:g} x each "
           f"rank's peak with everything saved")
-    print("| policy | tokens/s | vs ceiling | worst peak / budget (rank) | overruns | safety-net re-runs | save / recompute / offload (all ranks) |")
+    print("| policy | tokens/s | vs ceiling | worst peak / budget (rank) | overruns | "
+          "safety-net re-runs | save / recompute / offload (all ranks) |")
     print("|---|---|---|---|---|---|---|")
     for p in POLICIES:
         rate = tokens_per_step / s0[p]["median_s"]
@@ -140,7 +141,8 @@ def _report(gathered: list, opts: dict, cfg, layout, tokens_per_step: int) -> No
             str(sum(d[k] for d in dec)) for k in ("save", "recompute", "offload"))
         over = sum(g["summary"][p]["overruns"] for g in gathered)
         reruns = sum(g["summary"][p]["reruns"] for g in gathered)
-        print(f"| {p} | {rate:.0f} | {rate / ceiling:.3f} | {where} | {over} | {reruns} | {dec_text} |")
+        print(f"| {p} | {rate:.0f} | {rate / ceiling:.3f} | {where} | {over} | {reruns} "
+              f"| {dec_text} |")
     full = tokens_per_step / s0["full"]["median_s"]
     adaptive = tokens_per_step / s0["adaptive"]["median_s"]
     print(f"adaptive safety-net re-runs in the discarded first round (no measurements yet): "

@@ -209,7 +209,8 @@ class _RankRun:
         for opt in self.optimizers:
             opt.step()
         step_time_s = time.perf_counter() - start
-        tokens = self.groups.num_shards * cfg.micro_batches * cfg.batch_size * self.model_cfg.seq_len
+        tokens = (self.groups.num_shards * cfg.micro_batches * cfg.batch_size
+                  * self.model_cfg.seq_len)
         mine = {
             "rank": self.rank, "stages": self.prank.stage_ids,
             "coords": {"pp": self.groups.pp_rank, "dp": self.groups.dp_rank,
