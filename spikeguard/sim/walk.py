@@ -127,8 +127,6 @@ class StageWalker:
         self.flop_rate = dev.peak_flops * dev.efficiency
         self.planner = Planner(dm.expert_shape, cost)
         self.ops: list[Op] = stage_ops(stage.stage, lay.pp, lay.micro_batches, lay.virtual_stages)
-        self.layer_pos = {layer: i for i, layer in enumerate(sorted(
-            x for chunk in stage.chunks for x in chunk))}
         self.ep = lay.ep
         self._memo: dict = {}
         self.positions = _positions(self.ops) if policy == "adaptive" else []
