@@ -129,6 +129,8 @@ class Device:
     interconnect_bytes_per_s: float = 50e9  # per device, expert-parallel all-to-all
 
     def __post_init__(self) -> None:
+        if isinstance(self.capacity_bytes, float) and self.capacity_bytes.is_integer():
+            self.capacity_bytes = int(self.capacity_bytes)   # 80e9 in a TOML file is a float
         if self.kind not in DEVICE_KINDS:
             raise UsageError(f"device.kind must be one of {', '.join(DEVICE_KINDS)}, got {self.kind!r}")
         _check_positive("device", self, ("capacity_bytes",))

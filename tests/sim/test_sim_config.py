@@ -76,3 +76,9 @@ def test_model_that_does_not_fit_says_what_would(capsys):
     assert code == 2
     assert "does not fit even with full recompute" in err and "would fit" in err
     assert "layout.pp = 32" in err or "a device of at least" in err
+
+
+def test_capacity_written_as_a_float_in_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[device]\ncapacity_bytes = 80e9\n")
+    assert load_config("1t", str(path)).device.capacity_bytes == 80_000_000_000
