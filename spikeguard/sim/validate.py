@@ -89,20 +89,26 @@ def compare_peaks(steps: int = 3, batch_size: int = 8, micro_batches: int = 2, s
         finally:
             if recorder:
                 recorder.detach()
-        return [h["peak_bytes"] for h in guard.history], crashed, guard.cost
+        last = guard.history[-1]["decisions"] if guard.history else {}
+        return [h["peak_bytes"] for h in guard.history], crashed, guard.cost, last
 
-    ceiling, _, _ = run("none", 1 << 50, record=True)
+    ceiling, _, _, _ = run("none", 1 << 50, record=True)
     budget = int(BUDGET_FRACTION * ceiling[0])
     out = {"budget_bytes": budget, "policies": {}}
     try:
         for policy in policies:
-            measured, crashed, cost = run(policy, budget)
+            measured, crashed, cost, last_decisions = run(policy, budget)
             sim_cfg = sim_config(budget, steps, batch_size, micro_batches, trace_path)
             sim = simulate(sim_cfg.with_changes(run={"policies": (policy, "ceiling")}), cost=cost)
             predicted = sim.policies[policy]
             row = {"measured_peaks": measured, "runtime_crashed": crashed,
                    "predicted_peaks": predicted.peak_step.tolist(),
-                   "sim_crashes": predicted.crashes}
+                   "sim_crashes": predicted.crashes,
+                   # the runtime's last step, and the simulator's per step (every step of
+                   # a single process routes the same number of copies, so they are equal)
+                   "runtime_decisions": last_decisions,
+                   "sim_decisions_per_step": {a: predicted.decisions.get(a, 0) // steps
+                                              for a in ("save", "recompute", "offload")}}
             if policy == "none":   # compare without the limit it cannot live under
                 row["measured_peaks"] = ceiling
                 row["predicted_peaks"] = sim.policies["ceiling"].peak_step.tolist()

@@ -45,3 +45,11 @@ def test_pp2_ep2_four_processes_peaks_within_10_percent(tmp_path):
     for step_measured, step_predicted in zip(row["measured"], row["predicted"]):
         for measured, predicted in zip(step_measured, step_predicted):   # per stage
             assert abs(predicted - measured) <= 0.10 * measured, row
+
+
+def test_adaptive_decides_as_the_runtime_did(peaks):
+    """The simulator mirrors the decision window's inputs (walk.py); with the guard's own
+    cost model (its ranking of plans) the same inputs must give the same plans."""
+    row = peaks["policies"]["adaptive"]
+    assert row["runtime_decisions"]["offload"] + row["runtime_decisions"]["recompute"] > 0
+    assert row["sim_decisions_per_step"] == row["runtime_decisions"]
