@@ -71,13 +71,16 @@ class ExpertShape:
     # so what combine keeps is sized by the tokens this rank sent (T*K), not by the routed
     # copies its experts received; the forecast reserves it per token instead, and `down`
     # keeps nothing itself (its output is consumed by the gather before the exchange).
+    # What combine does keep per received row is the int64 index of that gather
+    # (index_select saves its index for backward).
     combine_after_exchange: bool = False
+    index_bytes: int = 8
 
     def bytes_per_token(self) -> dict[str, int]:
         """Bytes kept per routed token copy, per operator (the slope of the linear model)."""
         D, F, b = self.d_model, self.d_expert, self.elem_bytes
         if self.combine_after_exchange:
-            down, combine = 0, 0
+            down, combine = 0, self.index_bytes
         else:
             down, combine = D * b, D * b + self.weight_bytes
         return {"dispatch": D * b, "gate_up": 2 * F * b, "silu": F * b, "act": F * b,

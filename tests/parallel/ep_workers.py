@@ -89,3 +89,33 @@ def _run_scenarios(rank: int, world_size: int, group, out_dir: str, cfg_override
         torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
                     "record": record, "loss": loss.detach()},
                    Path(out_dir) / f"{name}_rank{rank}.pt")
+
+
+def bytes_worker(rank: int, world_size: int, store_path: str, out_dir: str, num_sequences: int,
+                 num_experts: int) -> None:
+    """One guarded forward (everything saved, no limit) on this rank's shard; saves, per
+    layer, the ledger's bytes per op, the rows this rank's experts received, the tokens."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        cfg = model_config("tiny", num_experts=num_experts)
+        model = build_model(cfg, seed=0)
+        parallelize_experts(model, torch.distributed.group.WORLD)
+        guard = spikeguard.attach(model, budget=HUGE, policy="none")
+        tokens_BT = shard(global_batch(num_sequences, cfg.seq_len, cfg.vocab_size), rank, world_size)
+        with guard.step():
+            out = model(tokens_BT[:, :-1], tokens_BT[:, 1:])
+            ops = ("dispatch", "gate_up", "silu", "act", "down", "combine")
+            found = {b.layer_idx: {"bytes": {op: guard.ledger.bytes_by(0, b.layer_idx, op) for op in ops},
+                                   "received": sum(b.last_tokens_per_expert)}
+                     for b in model.moe_blocks()}
+            found["tokens"] = tokens_BT[:, :-1].numel()
+            found["shape"] = guard.shape
+            found["combine_per_token"] = guard.forecast.combine_bytes_per_token
+            out.loss.backward()
+        torch.save(found, Path(out_dir) / f"bytes_rank{rank}.pt")
+        guard.detach()
+        del model, guard, out
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
