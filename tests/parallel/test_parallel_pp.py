@@ -51,11 +51,11 @@ PP_EP_SCENARIOS = [
     # The spike: stage 0's first micro-batch (warm-up) sends every token to ep rank 0.
     _s("spike_plain", "plain", spike=0),
     _s("spike_adaptive", "adaptive", "calm*1.05", spike=0),
-    # At 0.95 of the calm peak the last stage misses the head's bytes by about 1 KiB on two
-    # micro-batches (measured; the spike is on stage 0's micro-batch 1): the EP group takes
-    # the safety net together, inside a pipeline stage's forward.
+    # At 0.8 of the calm peak the last stage cannot fit a layer even at the least the
+    # planner keeps (measured: ranks 2 and 3 re-run; at 0.9 and above none does): the EP
+    # group takes the safety net together, inside a pipeline stage's forward.
     _s("spike1_plain", "plain", spike=1),
-    _s("rerun", "adaptive", "calm*0.95", spike=1),
+    _s("rerun", "adaptive", "calm*0.8", spike=1),
     _s("spike_none", "none", "calm*1.05", spike=0),  # last: rank 0 dies of it
 ]
 PP_DP_SCENARIOS = [_s("plain", "plain"), _s("calm", "none"), _s("full", "full"),
