@@ -491,3 +491,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # stdout from raising the same error again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except RuntimeError as exc:
+        if not _peer_failed(exc):
+            raise
+        # A rank of the group died (its own message is printed): this one's collective
+        # broke. One line, not a traceback of the broken collective.
+        print(f"spikeguard: rank {os.environ.get('RANK', '?')} stopped: another rank of "
+              f"the group failed ({_one_line(exc).split('. ')[0]})", file=sys.stderr)
+        return 1
+
+
+# What gloo and NCCL say in a surviving rank when a peer's process is gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "NCCL communicator was aborted")
+
+
+def _peer_failed(exc: BaseException) -> bool:
+    return "RANK" in os.environ and any(text in str(exc) for text in _PEER_GONE)

@@ -55,8 +55,10 @@ def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
 
     The arguments travel in an environment variable, not on torchrun's command line: its
     parser takes abbreviations, so `--nproc` or `--log` after `-m spikeguard` would be
-    read as its own `--nproc-per-node` / `--log-dir` (Python 3.11 argparse)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    read as its own `--nproc-per-node` / `--log-dir` (Python 3.11 argparse). torchrun is
+    run through spikeguard.parallel.quiet_torchrun, so that a failed rank's one line is
+    not followed by torchrun's own traceback; exit 3 means a rank ran out of memory."""
+    cmd = [sys.executable, "-m", "spikeguard.parallel.quiet_torchrun", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "spikeguard"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONUNBUFFERED="1")
