@@ -41,9 +41,9 @@ def test_none_dies_on_the_spiked_rank_with_a_clear_message():
     assert proc.returncode == 3
     assert "spikeguard: out of memory on rank" in proc.stderr
     assert "layer" in proc.stderr and "MiB" in proc.stderr
-    # the other rank's broken collective and torchrun's own report are one line each
+    # the other rank's broken collective (when it sees it before torchrun stops it) and
+    # torchrun's own report are one line each
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "stopped: another rank of the group failed" in proc.stderr
 
 
 def test_adaptive_finishes_every_step_under_the_same_spikes():
