@@ -156,7 +156,7 @@ def _run_train(args: argparse.Namespace) -> int:
         from spikeguard.parallel.pipeline_cli import run_pipeline_train
         return run_pipeline_train(args, model_cfg, train_cfg)
     if args.nproc != 1 or args.ep not in (None, 1) or args.skew is not None:
-        from spikeguard.parallel.launch import check_layout, relaunch_under_torchrun, under_torchrun
+        from spikeguard.parallel.launch import check_layout, launch_job, under_torchrun
 
         ep = args.ep if args.ep is not None else args.nproc
         check_layout(args.nproc, ep, model_cfg.num_experts)
@@ -167,12 +167,7 @@ def _run_train(args: argparse.Namespace) -> int:
             from spikeguard.bench.skew import SkewSchedule
             SkewSchedule(args.skew_config, ep)  # its checks (e.g. a spike above ep) fail here
         if not under_torchrun():
-            code = relaunch_under_torchrun(args.nproc, args.argv)
-            if code:
-                print(f"spikeguard: a rank failed (torchrun exit {code}); its message is above",
-                      file=sys.stderr)
-                return 3
-            return 0
+            return launch_job(args.nproc, args.argv)
     return _run(args.preset, model_cfg, train_cfg, data=args.data, log=args.log,
                 threads=args.threads, guard_args=args if use_guard else None,
                 parallel_args=args if hasattr(args, "skew_config") else None, run_args=args)

@@ -66,6 +66,17 @@ def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def launch_job(nproc: int, argv: Sequence[str]) -> int:
+    """The launching process's whole job: relaunch under torchrun and turn its exit code
+    into the command's (0 done, 3 a rank failed; the rank printed why)."""
+    code = relaunch_under_torchrun(nproc, argv)
+    if code:
+        print(f"spikeguard: a rank failed (torchrun exit {code}); its message is above",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
 def worker_argv() -> Optional[list[str]]:
     """The arguments a relaunched worker was given (None outside such a worker)."""
     if under_torchrun() and ARGV_ENV in os.environ:

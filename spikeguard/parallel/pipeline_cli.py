@@ -16,7 +16,6 @@ its expert-parallel peers (without EP: the worst max/mean tokens per expert).
 from __future__ import annotations
 
 import gc
-import sys
 import time
 from typing import Any, Optional
 
@@ -52,17 +51,12 @@ def check_pipeline_args(args, model_cfg, train_cfg) -> ParallelLayout:
 
 def run_pipeline_train(args, model_cfg, train_cfg) -> int:
     """Check, relaunch under torchrun (outside it), or train as one rank (inside)."""
-    from spikeguard.parallel.launch import relaunch_under_torchrun, under_torchrun
+    from spikeguard.parallel.launch import launch_job, under_torchrun
 
     layout = check_pipeline_args(args, model_cfg, train_cfg)
     skew_config = _skew_config(args, layout.ep)
     if not under_torchrun():
-        code = relaunch_under_torchrun(args.nproc, args.argv)
-        if code:
-            print(f"spikeguard: a rank failed (torchrun exit {code}); its message is above",
-                  file=sys.stderr)
-            return 3
-        return 0
+        return launch_job(args.nproc, args.argv)
     return _train_rank(args, layout, model_cfg, train_cfg, skew_config)
 
 

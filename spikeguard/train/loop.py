@@ -174,19 +174,23 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
         records = []
         quiet = parallel is not None and not parallel.is_main
         reporter = stack.enter_context(_reporter(console, train_cfg.steps)) if not quiet else None
+
+        def finish(record: dict[str, Any]) -> None:
+            """Keep, log, print and checkpoint a finished (or dropped) step."""
+            records.append(record)
+            if log_file is not None:
+                write_record(log_file, record)
+            if reporter is not None:
+                reporter.line(step_line(record, train_cfg.steps))
+                reporter.advance()
+            if checkpoint is not None:
+                checkpoint.after_step(record["step"], model, optimizer, train_gen,
+                                      last=record["step"] == train_cfg.steps)
+
         for step in range(start + 1, train_cfg.steps + 1):
             if step in skip_steps:
                 _skip_step(train_cfg, corpus, train_gen, seq_len)
-                record = {"step": step, "skipped": True, "tokens": 0, "step_time_s": 0.0}
-                records.append(record)
-                if log_file is not None:
-                    write_record(log_file, record)
-                if reporter is not None:
-                    reporter.line(step_line(record, train_cfg.steps))
-                    reporter.advance()
-                if checkpoint is not None:
-                    checkpoint.after_step(step, model, optimizer, train_gen,
-                                          last=step == train_cfg.steps)
+                finish({"step": step, "skipped": True, "tokens": 0, "step_time_s": 0.0})
                 continue
             if parallel is not None:
                 parallel.before_step(step)
@@ -209,15 +213,7 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
                 record.update(parallel.summarize(record, record.pop("_received_per_layer")))
             else:
                 record.pop("_received_per_layer")
-            records.append(record)
-            if log_file is not None:
-                write_record(log_file, record)
-            if reporter is not None:
-                reporter.line(step_line(record, train_cfg.steps))
-                reporter.advance()
-            if checkpoint is not None:
-                checkpoint.after_step(step, model, optimizer, train_gen,
-                                      last=step == train_cfg.steps)
+            finish(record)
     return records
 
 
