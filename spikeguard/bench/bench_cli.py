@@ -58,7 +58,7 @@ def add_parser(commands) -> None:
     run.add_argument("--budget", default="auto",
                      help="device budget per rank (default auto: calm-step peak + 10%% of "
                           "its activations)")
-    run.add_argument("--segments", type=int, default=4,
+    run.add_argument("--segments", type=int, default=8,
                      help="interleaving: policies take turns every steps/segments steps")
     run.add_argument("--checkpoint-every", type=int, default=25)
     run.add_argument("--restart-cost", type=float, default=284.0, metavar="SECONDS",

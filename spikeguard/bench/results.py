@@ -13,6 +13,9 @@ Definitions (also in docs/bench.md):
   effective_tokens_per_s_at_restart_cost
                           as above, with each crash's measured restart replaced by the
                           configured cold-restart cost (default 284 s, measured at scale)
+  effective_relative_to_ceiling (_at_restart_cost)
+                          relative_to_ceiling x training time / (training time + lost time):
+                          the robust ratio, discounted by the share of time the crashes took
   peak_bytes              worst rank's peak over the run (the ceiling has no guard: its peak
                           is the measurement pass's, everything saved, no limit)
   overruns                steps whose worst-rank peak exceeded the budget
@@ -85,6 +88,7 @@ def policy_figures(run: PolicyRun, budget: int, segments: list[tuple[int, int]],
         "effective_tokens_per_s": tokens / (seconds + lost) if seconds + lost else 0.0,
         "effective_tokens_per_s_at_restart_cost":
             tokens / (seconds + redone + crashes * restart_cost_s) if seconds else 0.0,
+        "restart_cost_s": restart_cost_s,
         "safety_net_reruns": sum(r.get("safety_net_reruns", 0) for r in kept),
         "decisions": decisions,
         "jobs": len(run.jobs),
@@ -101,15 +105,23 @@ def add_ratios(figures: dict[str, dict]) -> None:
             continue
         ratios = [a / b for a, b in zip(f["segment_tokens_per_s"], ceiling["segment_tokens_per_s"])
                   if a and b]
-        f["relative_to_ceiling"] = statistics.median(ratios) if ratios else None
-        base = ceiling["tokens_per_s"]
-        f["effective_relative_to_ceiling"] = f["effective_tokens_per_s"] / base if base else None
+        rel = statistics.median(ratios) if ratios else None
+        f["relative_to_ceiling"] = rel
+        seconds = f["train_seconds"]
+        crashes_at_cost = f["redone_seconds"] + f["oom_events"] * f["restart_cost_s"]
+        f["effective_relative_to_ceiling"] = (
+            rel * seconds / (seconds + f["lost_seconds"]) if rel is not None and seconds else None)
         f["effective_relative_at_restart_cost"] = (
-            f["effective_tokens_per_s_at_restart_cost"] / base if base else None)
+            rel * seconds / (seconds + crashes_at_cost) if rel is not None and seconds else None)
 
 
 def pick_safe_static(figures: dict[str, dict]) -> Optional[str]:
-    """The static setting with no crash and the highest throughput: the one a careful team
-    would have tuned to survive this trace's worst spike."""
+    """The static setting with no crash and the highest throughput (the interleaved ratio
+    to the ceiling when there is one): the one a careful team would have tuned to survive
+    this trace's worst spike."""
     survivors = [p for p in STATIC_CANDIDATES if p in figures and figures[p]["oom_events"] == 0]
-    return max(survivors, key=lambda p: figures[p]["tokens_per_s"], default=None)
+
+    def speed(p: str) -> float:
+        rel = figures[p].get("relative_to_ceiling")
+        return rel if rel is not None else figures[p]["tokens_per_s"]
+    return max(survivors, key=speed, default=None)

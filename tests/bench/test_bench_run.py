@@ -111,3 +111,17 @@ def test_a_short_real_bench(tmp_path):
                 loads.setdefault(r["step"], []).append(r["rank_imbalance"])
     assert all(all(x == per_step[0] for x in per_step) for per_step in loads.values())
     assert "OOM + restarts" in proc.stdout
+
+
+def test_ratios_are_interleaved_medians_discounted_by_lost_time():
+    base = {"train_seconds": 10.0, "lost_seconds": 0.0, "redone_seconds": 0.0, "oom_events": 0,
+            "restart_cost_s": 284.0, "tokens_per_s": 100.0}
+    figs = {"ceiling": {**base, "segment_tokens_per_s": [100.0, 50.0, 80.0]},
+            "none": {**base, "segment_tokens_per_s": [90.0, 50.0, 60.0], "lost_seconds": 10.0,
+                     "redone_seconds": 1.0, "oom_events": 1}}
+    results.add_ratios(figs)
+    assert figs["ceiling"]["relative_to_ceiling"] == 1.0
+    assert figs["none"]["relative_to_ceiling"] == pytest.approx(0.9)   # median of .9, 1, .75
+    assert figs["none"]["effective_relative_to_ceiling"] == pytest.approx(0.9 * 10 / 20)
+    assert figs["none"]["effective_relative_at_restart_cost"] == pytest.approx(0.9 * 10 / 295)
+    assert results.pick_safe_static(figs) is None   # `none` crashed
