@@ -379,8 +379,12 @@ def imbalance_heatmap(runs: Runs) -> Figure:
                                   0.8 + sum(heights)), layout="constrained"))
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False,
                         height_ratios=heights)[:, 0]
+    # One colour scale for every panel, so the same load looks the same in every run.
+    finite = [m[0][np.isfinite(m[0])] for m in matrices.values() if m[0] is not None]
+    finite = np.concatenate(finite) if finite else np.array([])
+    limits = (float(finite.min()), float(finite.max())) if finite.size else (1.0, 1.0)
     for ax, (name, records) in zip(axes, runs.items()):
-        _heatmap_panel(fig, ax, name, spike_steps(records, runs), *matrices[name])
+        _heatmap_panel(fig, ax, name, spike_steps(records, runs), *matrices[name], limits)
     all_steps = [s for m in matrices.values() for s in m[2]]
     if all_steps:  # imshow sets each panel's limits; the shared axis needs every run's
         axes[-1].set_xlim(min(all_steps) - 0.5, max(all_steps) + 0.5)
@@ -389,7 +393,7 @@ def imbalance_heatmap(runs: Runs) -> Figure:
     return fig
 
 
-def _heatmap_panel(fig, ax, name, spikes, matrix, labels, steps, what) -> None:
+def _heatmap_panel(fig, ax, name, spikes, matrix, labels, steps, what, limits) -> None:
     ax.set_title(f"{name}: {what}" if what else name, loc="left", fontsize=10)
     ax.set_facecolor("#d9d9d9")  # steps with no completed record (crashed, skipped)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -398,8 +402,7 @@ def _heatmap_panel(fig, ax, name, spikes, matrix, labels, steps, what) -> None:
                 ha="center", va="center", color="grey")
         ax.set_yticks([])
         return
-    finite = matrix[np.isfinite(matrix)]
-    low, high = (float(finite.min()), float(finite.max())) if finite.size else (1.0, 1.0)
+    low, high = limits
     if low < 1.0 < high:  # under and over the fair share: diverge at 1.0
         norm, cmap = TwoSlopeNorm(vcenter=1.0, vmin=low, vmax=high), "RdBu_r"
     else:

@@ -157,6 +157,9 @@ def test_imbalance_heatmap_rows_are_layer_by_rank_and_columns_steps():
     assert single.shape == (LAYERS, 4) and single[1, 0] == pytest.approx(1.6)
     with pytest.raises(NothingToPlot):
         plots.imbalance_heatmap({"a": [{"step": 1, "rank_imbalance": "garbage"}]})
+    # One colour scale for every panel (a crashed spike must not rescale one run's colours).
+    norms = [ax.get_images()[0].norm for ax in (ep_ax, single_ax)]
+    assert norms[0].vmin == norms[1].vmin and norms[0].vmax == norms[1].vmax
     far = _records(steps=2, ep=False)
     far[1]["step"] = 10 ** 9
     with pytest.raises(NothingToPlot, match="span"):
