@@ -55,17 +55,37 @@ def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fractio
     budget = int(fraction * ceiling_peak)
     guards = {p: spikeguard.attach(models[p], budget=budget, policy=p) for p in ("full", "adaptive")}
 
-    times = {p: [] for p in POLICIES}
-    for rep in range(reps + 1):  # the first round warms up and is dropped
-        for p in POLICIES:
-            seconds = _step(models[p], batches) if p == "ceiling" else \
-                _guarded_step(models[p], guards[p], batches)
+    times = time_interleaved(models, guards, batches, reps, POLICIES)
+    tokens = batch_size * micro_batches * cfg.seq_len
+    return summarize_ratios(times, guards, tokens, ceiling_peak, budget, preset)
+
+
+def time_interleaved(models: dict, guards: dict, batches, reps: int, policies,
+                     step=None) -> dict:
+    """Seconds per step of each policy, the policies taking turns every step so that
+    machine noise hits all alike; the first round warms up and is dropped. A policy
+    without a guard (the ceiling) runs plainly. `step(model, batches) -> seconds` runs
+    one step's forwards and backwards (default: the built-in model's)."""
+    step = step or _step
+    times = {p: [] for p in policies}
+    for rep in range(reps + 1):
+        for p in policies:
+            if p in guards:
+                with guards[p].step():
+                    seconds = step(models[p], batches)
+            else:
+                seconds = step(models[p], batches)
             if rep:
                 times[p].append(seconds)
-    tokens = batch_size * micro_batches * cfg.seq_len
+    return times
+
+
+def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, budget: int,
+                     preset: str) -> dict:
+    """Medians, memory and decisions per policy, and the ratios to the ceiling."""
     result = {"preset": preset, "tokens_per_step": tokens, "ceiling_peak_bytes": ceiling_peak,
               "budget_bytes": budget, "policies": {}}
-    for p in POLICIES:
+    for p in times:
         med = statistics.median(times[p])
         hist = guards[p].history[1:] if p in guards else []
         result["policies"][p] = {
@@ -75,7 +95,7 @@ def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fractio
             "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
             "decisions": hist[-1]["decisions"] if hist else {},
         }
-    tps = {p: result["policies"][p]["tokens_per_s"] for p in POLICIES}
+    tps = {p: result["policies"][p]["tokens_per_s"] for p in times}
     result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
     result["full_over_ceiling"] = tps["full"] / tps["ceiling"]
     gap = tps["ceiling"] - tps["full"]

@@ -13,14 +13,13 @@ ledger's byte budget: these are CPU figures, not GPU ones.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
 
 import spikeguard
-from spikeguard.bench.runtime_ratios import print_table
+from spikeguard.bench.runtime_ratios import print_table, summarize_ratios, time_interleaved
 from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import UsageError
 from spikeguard.integrations.hf_models import HFSizes, build_hf_model
@@ -59,32 +58,10 @@ def measure(source: str, sizes: HFSizes, batch_size: int, micro_batches: int, re
     budget = int(fraction * ceiling_peak)
     guards = {p: spikeguard.attach(models[p], budget=UNLIMITED if p == "none" else budget,
                                    policy=p) for p in POLICIES if p != "ceiling"}
-    times = {p: [] for p in POLICIES}
-    for rep in range(reps + 1):  # the first round warms up and is dropped
-        for p in POLICIES:
-            seconds = _step(models[p], windows) if p == "ceiling" else \
-                _guarded_step(models[p], guards[p], windows)
-            if rep:
-                times[p].append(seconds)
+    times = time_interleaved(models, guards, windows, reps, POLICIES, step=_step)
     tokens = batch_size * micro_batches * (sizes.seq_len + 1)
-    result = {"preset": f"{source} (transformers)", "tokens_per_step": tokens,
-              "ceiling_peak_bytes": ceiling_peak, "budget_bytes": budget, "policies": {}}
-    for p in POLICIES:
-        med = statistics.median(times[p])
-        hist = guards[p].history[1:] if p in guards else []
-        result["policies"][p] = {
-            "median_s": med, "tokens_per_s": tokens / med,
-            "peak_bytes": max((h["peak_bytes"] for h in hist), default=ceiling_peak),
-            "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
-            "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
-            "decisions": hist[-1]["decisions"] if hist else {},
-        }
-    tps = {p: result["policies"][p]["tokens_per_s"] for p in POLICIES}
-    result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
-    result["full_over_ceiling"] = tps["full"] / tps["ceiling"]
-    gap = tps["ceiling"] - tps["full"]
-    result["gap_closed"] = (tps["adaptive"] - tps["full"]) / gap if gap > 0 else float("nan")
-    return result
+    return summarize_ratios(times, guards, tokens, ceiling_peak, budget,
+                            f"{source} (transformers)")
 
 
 def main(argv=None) -> int:
