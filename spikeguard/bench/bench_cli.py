@@ -106,6 +106,9 @@ def _validate(args) -> list[str]:
         raise UsageError(f"--plots {args.plots} is a file")
     if args.work is not None and Path(args.work).is_file():
         raise UsageError(f"--work {args.work} is a file")
+    if args.work is not None and Path(args.work).is_dir() and any(Path(args.work).iterdir()):
+        # Its checkpoints would be resumed and its logs overwritten: never reuse one.
+        raise UsageError(f"--work {args.work} is not empty; give a new or empty folder")
     return policies
 
 

@@ -32,10 +32,12 @@ pytestmark = pytest.mark.timeout(400)
     (["--preset", "huge"], "unknown preset"),
     (["--json", "{tmp}/no/such/dir/x.json"], "existing folder"),
     (["--plots", "{tmp}/afile"], "is a file"),
+    (["--work", "{tmp}"], "not empty"),
 ])
 def test_bad_input_is_one_line_exit_2_before_any_job(tmp_path, capsys, extra, match):
     (tmp_path / "afile").write_text("keep me")
     argv = ["bench", "--work", str(tmp_path / "w")] + [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    # (a later --work wins over the first)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0], err
