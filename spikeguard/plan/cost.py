@@ -58,16 +58,25 @@ class CostModel:
         old = getattr(self, name)
         setattr(self, name, (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds / num_bytes)
 
-    def recompute_s_per_token(self, plan: LayerPlan) -> float:
+    @staticmethod
+    def recompute_stages(plan: LayerPlan) -> tuple[str, ...]:
+        """The stages a plan runs again in backward: its region, less a saved silu (served
+        from SAC's cache). Fixed per plan, so the planner computes it once."""
         region = plan.region()
-        total = sum(self.stage_s_per_token[s] for s in region)
         if "silu" in region and plan.action("silu") is Action.SAVE:
-            total -= self.stage_s_per_token["silu"]  # served from SAC's cache
-        return total
+            return tuple(s for s in region if s != "silu")
+        return region
+
+    def recompute_s_per_token(self, plan: LayerPlan) -> float:
+        return sum(self.stage_s_per_token[s] for s in self.recompute_stages(plan))
 
     def offload_s_per_token(self, plan: LayerPlan, shape: ExpertShape) -> float:
         per_token = shape.bytes_per_token()
         off_bytes = sum(per_token[op] for op, a in zip(OPS, plan.actions) if a is Action.OFFLOAD)
+        return self.offload_s_for_bytes(off_bytes)
+
+    def offload_s_for_bytes(self, off_bytes: float) -> float:
+        """Seconds the round trip of `off_bytes` adds (what does not hide under compute)."""
         copy_s = off_bytes * (self.d2h_s_per_byte + self.h2d_s_per_byte)
         if not self.copies_overlap:
             return copy_s

@@ -57,6 +57,7 @@ class Planner:
         self._per_token = shape.bytes_per_token()
         self.min_bytes_per_token = min(self.device_bytes_per_token(p) for p in self.menu)
         self._ranked: list[Ranked] = []
+        self._per_plan: dict[LayerPlan, tuple[int, int, tuple[str, ...]]] = {}
         self.refresh()
 
     def device_bytes_per_token(self, plan: LayerPlan) -> int:
@@ -68,11 +69,23 @@ class Planner:
 
     def refresh(self) -> None:
         """Rank the plans by added seconds per token with the cost model as it is now;
-        among equally cheap plans, the one keeping the most first (fewest round trips)."""
-        self._ranked = sorted(
-            (Ranked(self.added_s(p, 1), self.device_bytes_per_token(p),
-                    self.offload_bytes_per_token(p), p) for p in self.menu),
-            key=lambda r: (r.s_per_token, -r.device_bytes_per_token))
+        among equally cheap plans, the one keeping the most first (fewest round trips).
+        Runs once per micro-batch: what is fixed per plan (bytes, recomputed stages) is
+        computed once, so this is a few dozen additions per plan."""
+        stage_s = self.cost.stage_s_per_token
+        ranked = []
+        for p in self.menu:
+            device, offload, stages = self._fixed_per_plan(p)
+            s = sum(stage_s[x] for x in stages) + self.cost.offload_s_for_bytes(offload)
+            ranked.append(Ranked(s, device, offload, p))
+        self._ranked = sorted(ranked, key=lambda r: (r.s_per_token, -r.device_bytes_per_token))
+
+    def _fixed_per_plan(self, plan: LayerPlan) -> tuple[int, int, tuple[str, ...]]:
+        if plan not in self._per_plan:
+            self._per_plan[plan] = (self.device_bytes_per_token(plan),
+                                    self.offload_bytes_per_token(plan),
+                                    self.cost.recompute_stages(plan))
+        return self._per_plan[plan]
 
     def ranked(self) -> list[Ranked]:
         return self._ranked

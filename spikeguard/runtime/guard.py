@@ -263,7 +263,8 @@ class Guard(DecisionWindow):
         self._mb_tokens = _num_tokens(args, kwargs)
         if self._step is not None:
             self._step.begin_attempt()
-        self.planner.refresh()
+        if self.policy == "adaptive":  # static policies never rank plans
+            self.planner.refresh()
         self._in_forward = True
         try:
             with self.tracker.hooks():

@@ -155,3 +155,22 @@ def test_backward_room_rules_out_plans_whose_reload_would_not_fit(planner):
     assert constrained.plan != unconstrained.plan
     assert constrained.device_bytes + planner.offload_bytes_per_token(constrained.plan) \
         * NUM_ROUTED <= room
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_ranking_prices_every_plan_as_added_s_does(overlap):
+    """refresh() caches what is fixed per plan; its seconds must still be added_s's, also
+    after the cost model moves (online corrections) and with copies that overlap."""
+    cost = CostModel(stage_s_per_token={"gate_up": 3e-8, "silu": 1e-9, "act": 2e-9, "down": 2e-8},
+                     copies_overlap=overlap)
+    planner = Planner(SHAPE, cost)
+    for scale in (1.0, 7.0):
+        cost.stage_s_per_token["gate_up"] *= scale
+        cost.d2h_s_per_byte *= scale
+        planner.refresh()
+        ranked = planner.ranked()
+        assert len(ranked) == len(valid_plans())
+        for r in ranked:
+            assert r.s_per_token == pytest.approx(planner.added_s(r.plan, 1), rel=1e-12, abs=0)
+            assert r.device_bytes_per_token == _device_bytes(r.plan, 1)
+        assert [r.s_per_token for r in ranked] == sorted(r.s_per_token for r in ranked)
