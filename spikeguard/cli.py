@@ -139,8 +139,13 @@ def _run_train(args: argparse.Namespace) -> int:
         return run_from_cli(args)
     from spikeguard.memory.budget import parse_bytes
     from spikeguard.model.config import model_config
+    from spikeguard.parallel.launch import under_torchrun
     from spikeguard.train.loop import TrainConfig
 
+    if under_torchrun():
+        # Started by torchrun (by us, or by hand on several nodes): the world is the
+        # layout's process count, whatever --nproc (processes on this machine) says.
+        args.nproc = int(os.environ["WORLD_SIZE"])
     model_cfg = model_config(
         args.preset, seq_len=args.seq_len, num_experts=args.num_experts, top_k=args.top_k,
         d_model=args.d_model, num_layers=args.num_layers, d_expert=args.d_expert)
@@ -156,7 +161,7 @@ def _run_train(args: argparse.Namespace) -> int:
         from spikeguard.parallel.pipeline_cli import run_pipeline_train
         return run_pipeline_train(args, model_cfg, train_cfg)
     if args.nproc != 1 or args.ep not in (None, 1) or args.skew is not None:
-        from spikeguard.parallel.launch import check_layout, launch_job, under_torchrun
+        from spikeguard.parallel.launch import check_layout, launch_job
 
         ep = args.ep if args.ep is not None else args.nproc
         check_layout(args.nproc, ep, model_cfg.num_experts)

@@ -118,3 +118,19 @@ def test_a_rank_that_dies_stops_the_job_with_a_clear_message(tmp_path):
     assert proc.returncode == 3
     assert "spikeguard: a rank failed (torchrun exit" in err
     assert took < 60, f"the job took {took:.0f} s to stop after a rank died"
+
+
+def test_torchrun_by_hand_with_the_arguments_in_the_environment():
+    """The README's several-machines form, on one node: torchrun started by hand, the
+    arguments in SPIKEGUARD_ARGV, no --nproc: the world size is torchrun's."""
+    import json
+    import os
+
+    argv = ["train", "--preset", "tiny", "--num-experts", "8", "--ep", "2", "--steps", "2",
+            "--batch-size", "8", "--threads", "1"]
+    env = dict(os.environ, SPIKEGUARD_ARGV=json.dumps(argv), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "spikeguard"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "expert parallel: 2 ranks" in proc.stdout and "done: 2 steps" in proc.stdout
