@@ -45,9 +45,11 @@ class Planner:
     """Chooses among the valid plans of one layer; pure arithmetic, microseconds.
 
     Bytes and seconds are both linear in the routed tokens, so the ranking of plans by
-    added time does not depend on the count: it is computed once per micro-batch
-    (`refresh`, which picks up the cost model's online corrections), and a decision walks
-    it to the first plan whose bytes fit.
+    added time does not depend on the count: it is computed at most once per micro-batch
+    (`refresh` marks it stale, picking up the cost model's online corrections), and a
+    decision walks it to the first plan whose bytes fit. The first plan of any ranking is
+    the one that keeps everything (it adds no time and keeps the most): when it fits, as on
+    every calm step, the decision needs no ranking at all.
     """
 
     def __init__(self, shape: ExpertShape, cost: CostModel):
@@ -57,8 +59,8 @@ class Planner:
         self._per_token = shape.bytes_per_token()
         self.min_bytes_per_token = min(self.device_bytes_per_token(p) for p in self.menu)
         self._ranked: list[Ranked] = []
+        self._stale = True
         self._per_plan: dict[LayerPlan, tuple[int, int, tuple[str, ...]]] = {}
-        self.refresh()
 
     def device_bytes_per_token(self, plan: LayerPlan) -> int:
         return self._per_token["combine"] + sum(
@@ -68,10 +70,14 @@ class Planner:
         return sum(self._per_token[op] for op, a in zip(OPS, plan.actions) if a is Action.OFFLOAD)
 
     def refresh(self) -> None:
+        """The cost model may have moved: rank again before the next decision that needs it."""
+        self._stale = True
+
+    def _rank(self) -> None:
         """Rank the plans by added seconds per token with the cost model as it is now;
         among equally cheap plans, the one keeping the most first (fewest round trips).
-        Runs once per micro-batch: what is fixed per plan (bytes, recomputed stages) is
-        computed once, so this is a few dozen additions per plan."""
+        What is fixed per plan (bytes, recomputed stages) is computed once, so this is a
+        few additions per plan."""
         stage_s = self.cost.stage_s_per_token
         ranked = []
         for p in self.menu:
@@ -79,6 +85,7 @@ class Planner:
             s = sum(stage_s[x] for x in stages) + self.cost.offload_s_for_bytes(offload)
             ranked.append(Ranked(s, device, offload, p))
         self._ranked = sorted(ranked, key=lambda r: (r.s_per_token, -r.device_bytes_per_token))
+        self._stale = False
 
     def _fixed_per_plan(self, plan: LayerPlan) -> tuple[int, int, tuple[str, ...]]:
         if plan not in self._per_plan:
@@ -88,7 +95,14 @@ class Planner:
         return self._per_plan[plan]
 
     def ranked(self) -> list[Ranked]:
+        if self._stale:
+            self._rank()
         return self._ranked
+
+    def _keep_all(self) -> Optional[LayerPlan]:
+        """The menu's plan that neither recomputes nor offloads (first in every ranking)."""
+        return next((p for p in self.menu if not any(
+            a is not Action.SAVE for a in p.actions)), None)
 
     def added_s(self, plan: LayerPlan, num_routed: int) -> float:
         return num_routed * (self.cost.recompute_s_per_token(plan)
@@ -98,7 +112,12 @@ class Planner:
                backward_room: Optional[int] = None) -> Decision:
         """Least added time within `headroom_bytes` (and `backward_room`, when given);
         evicts or raises when nothing fits."""
-        for r in self._ranked:
+        keep_all = self._keep_all()
+        if keep_all is not None:
+            need = self._fixed_per_plan(keep_all)[0] * num_routed
+            if need <= headroom_bytes and (backward_room is None or need <= backward_room):
+                return Decision(keep_all, need, 0.0)
+        for r in self.ranked():
             need = r.device_bytes_per_token * num_routed
             if need > headroom_bytes:
                 continue
@@ -115,7 +134,7 @@ class Planner:
                 short = max(short, need + r.offload_bytes_per_token * num_routed - backward_room)
             return short
 
-        smallest = min(self._ranked, key=lambda r: (shortfall_of(r), r.s_per_token))
+        smallest = min(self.ranked(), key=lambda r: (shortfall_of(r), r.s_per_token))
         need = smallest.device_bytes_per_token * num_routed
         shortfall = shortfall_of(smallest)
         if shortfall <= evictable_bytes:
@@ -133,7 +152,7 @@ class Planner:
     def least(self, num_routed: int) -> Decision:
         """The plan keeping the least on the device (when nothing fits and the forward must
         still finish, as on an expert-parallel rank)."""
-        r = min(self._ranked, key=lambda r: (r.device_bytes_per_token, r.s_per_token))
+        r = min(self.ranked(), key=lambda r: (r.device_bytes_per_token, r.s_per_token))
         return Decision(r.plan, r.device_bytes_per_token * num_routed, r.s_per_token * num_routed)
 
     def fixed(self, plan: LayerPlan, num_routed: int) -> Decision:

@@ -174,3 +174,20 @@ def test_the_ranking_prices_every_plan_as_added_s_does(overlap):
             assert r.s_per_token == pytest.approx(planner.added_s(r.plan, 1), rel=1e-12, abs=0)
             assert r.device_bytes_per_token == _device_bytes(r.plan, 1)
         assert [r.s_per_token for r in ranked] == sorted(r.s_per_token for r in ranked)
+
+
+def test_the_keep_all_shortcut_decides_as_the_ranking_would():
+    """When everything fits, decide answers without ranking; the answer must be what a walk
+    of the full ranking gives, at the fitting edge and one byte short of it."""
+    planner = Planner(SHAPE, _cost())
+    need = _all_save_bytes(NUM_ROUTED)
+    for headroom, room in ((need, None), (need, need), (need - 1, None), (need, need - 1),
+                           (10 * need, 10 * need)):
+        fast = planner.decide(NUM_ROUTED, headroom, 0, room)
+        walk = next((r for r in planner.ranked()
+                     if r.device_bytes_per_token * NUM_ROUTED <= headroom and
+                     (room is None or (r.device_bytes_per_token + r.offload_bytes_per_token)
+                      * NUM_ROUTED <= room)), None)
+        assert walk is not None and fast.plan == walk.plan, (headroom, room)
+        assert fast.device_bytes == walk.device_bytes_per_token * NUM_ROUTED
+    assert planner.ranked()[0].plan == ALL_SAVE and planner.ranked()[0].s_per_token == 0
