@@ -112,21 +112,23 @@ def _validate(args) -> list[str]:
     return policies
 
 
-def _common(args, trace: Path) -> list[str]:
+def _workload(args) -> list[str]:
+    """The `train` arguments every job of the bench shares (model, layout, data)."""
     return ["--preset", args.preset, "--nproc", str(args.ep), "--batch-size", str(args.batch_size),
             "--micro-batches", str(args.micro_batches), "--seed", str(args.seed),
-            "--threads", "1", "--eval-every", str(args.steps), "--eval-batches", "1",
-            "--trace", str(trace), "--checkpoint-every", str(args.checkpoint_every)]
+            "--threads", "1", "--eval-every", str(args.steps), "--eval-batches", "1"]
+
+
+def _common(args, trace: Path) -> list[str]:
+    return _workload(args) + ["--trace", str(trace),
+                              "--checkpoint-every", str(args.checkpoint_every)]
 
 
 def _measure(args, work: Path, echo) -> tuple[Path, list[dict]]:
     """The measurement pass: records (or replays) the trace with everything saved."""
     from spikeguard.bench.runner import JobRunner
 
-    base = ["--preset", args.preset, "--nproc", str(args.ep), "--batch-size",
-            str(args.batch_size), "--micro-batches", str(args.micro_batches), "--seed",
-            str(args.seed), "--threads", "1", "--eval-every", str(args.steps),
-            "--eval-batches", "1", "--policy", "none", "--budget", NO_LIMIT]
+    base = _workload(args) + ["--policy", "none", "--budget", NO_LIMIT]
     if args.trace is not None:
         trace = Path(args.trace)
         extra = ["--trace", str(trace)]

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from spikeguard.integrations.hf_window import tensors_in
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, EXPERT_STAGES
 from spikeguard.plan.planner import Planner
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
@@ -193,7 +194,7 @@ def _cached_bytes(experts: nn.Module, inputs) -> int:
 
     def policy(ctx, op, *args, **kwargs):
         if op in ALWAYS_SAVED_OPS:
-            for t in _tensors(ctx.op_output):
+            for t in tensors_in(ctx.op_output):
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -202,14 +203,6 @@ def _cached_bytes(experts: nn.Module, inputs) -> int:
                      context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
     del out
     return sum(seen.values())
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _now(device) -> float:

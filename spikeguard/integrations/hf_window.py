@@ -110,7 +110,7 @@ def _recompute(guard, call, inputs):
     def policy(sac_ctx, op, *args, **kwargs):
         if op in ALWAYS_SAVED_OPS:
             if not sac_ctx.is_recompute:
-                for t in _tensors(sac_ctx.op_output):
+                for t in tensors_in(sac_ctx.op_output):
                     ledger.acquire(storage_key(t), storage_bytes(t), where)
                     cached.append(storage_key(t))
             return CheckpointPolicy.MUST_SAVE
@@ -147,11 +147,12 @@ def _offload(guard, call, inputs):
             ctx.untag(t)
 
 
-def _tensors(value):
+def tensors_in(value) -> list:
+    """The tensors of an op's output (a tensor, or tuples and lists of them)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_in(v)]
     return []
 
 
