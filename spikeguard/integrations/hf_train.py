@@ -125,13 +125,19 @@ def train_hf(source: str, sizes: HFSizes, train_cfg, *, corpus, budget: Optional
 def _step(model, optimizer, guard, corpus, cfg, seq_len: int, gen) -> dict[str, Any]:
     start_s = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = 0.0
-    with guard.step():
-        for _ in range(cfg.micro_batches):
-            w_BT = _window(corpus, "train", cfg.batch_size, seq_len, gen)
+    # Drawn before the step: a re-run by the guard's safety net sees the same data.
+    windows = [_window(corpus, "train", cfg.batch_size, seq_len, gen)
+               for _ in range(cfg.micro_batches)]
+
+    def micro_batches() -> float:
+        total = 0.0
+        for w_BT in windows:
             loss = model(input_ids=w_BT, labels=w_BT).loss
             (loss / cfg.micro_batches).backward()
-            loss_sum += loss.item()
+            total += loss.item()
+        return total
+
+    loss_sum = guard.run_step(micro_batches)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     seconds = time.perf_counter() - start_s

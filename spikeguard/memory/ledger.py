@@ -1,22 +1,14 @@
-"""The memory ledger: bytes in use on the device, attributed, and (on CPU) enforced.
+"""The ledger: the device's bytes in use and peak, and their attribution.
 
-What the budget counts, precisely:
-  * static bytes: parameters, their gradients (counted from the start, as the first
-    backward allocates them), and optimizer state (AdamW: two moments per parameter)
-    when the guard is given the optimizer;
-  * activation bytes: every tensor the autograd graph keeps for backward on the device,
-    deduplicated by storage (two views of one storage count once), attributed to
-    (micro-batch, layer, operator), from the moment it is saved until autograd frees it;
-    plus tensors that selective checkpointing caches, and tensors brought back from host
-    memory during backward;
-  * not counted: forward temporaries that nothing keeps for backward, gradients of
-    activations during backward, and the allocator's fragmentation. Offloaded bytes are
-    counted separately, as host bytes.
-
-On CPU the device is emulated: the ledger raises `DeviceOutOfMemory` when saving a tensor
-would take the activation bytes over the budget. On CUDA the allocator is the truth:
-`in_use()` reads `torch.cuda.memory_allocated`, and the real `torch.cuda.OutOfMemoryError`
-is what a static policy dies of.
+The figure is the device's (spikeguard.memory.device): what an allocator counts, every
+live storage on the device, read from the CPU allocator that emulates the device, or from
+CUDA's. The ledger adds the explanation of that figure: the saved activations of the
+expert path and the layers around it, by (micro-batch, layer, operator), deduplicated by
+storage, from the moment autograd saves them until it frees them (plus tensors selective
+checkpointing caches, and reloads from host memory in backward). The planner reads the
+attribution (what a layer's attention part keeps, what can be evicted); the budget is
+checked against the device's figure, by the device itself, at every allocation.
+Offloaded bytes are counted separately, as host bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ from typing import Optional
 import torch
 
 from spikeguard.errors import DeviceOutOfMemory
-from spikeguard.memory.budget import format_bytes
+from spikeguard.memory.device import make_device
 
 StorageKey = tuple[object, int]
 
@@ -51,61 +43,46 @@ class _Entry:
 
 @dataclass
 class Ledger:
-    """Live device bytes, by storage, with a peak; enforces the budget on CPU."""
+    """The device's live bytes and peak, with the saved tensors attributed."""
 
     budget_bytes: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    enforce: bool = True
-    static_bytes: int = 0
-    activation_bytes: int = 0
+    static_bytes: int = 0      # parameters, gradients, optimizer state (for the record)
+    activation_bytes: int = 0  # attributed saved bytes
     host_bytes: int = 0
-    peak_bytes: int = 0
     _entries: dict[StorageKey, _Entry] = field(default_factory=dict)
     _by_where: dict[tuple[int, int, str], int] = field(default_factory=lambda: defaultdict(int))
 
     def __post_init__(self) -> None:
-        # Read on every saved tensor: a plain attribute, not a property.
         self.is_cuda = self.device.type == "cuda"
+        self.meter = make_device(self.device, self.budget_bytes)
         # Under expert parallelism a rank must not stop mid-forward (the others would wait
-        # in the next all-to-all): it records the first overflow and carries on, and the
-        # group decides together once the forward is done.
+        # in the next all-to-all): a plan found infeasible is recorded here, and the group
+        # decides together once the forward is done.
         self.defer_overflow = False
         self.overflow: Optional[DeviceOutOfMemory] = None
 
     def in_use(self) -> int:
-        """Bytes in use on the device now: the allocator's figure on CUDA, ours on CPU."""
-        if self.is_cuda:
-            return torch.cuda.memory_allocated(self.device)
-        return self.static_bytes + self.activation_bytes
+        """Bytes in use on the device now, as its allocator counts them."""
+        return self.meter.allocated()
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.meter.peak()
 
     def set_static(self, num_bytes: int) -> None:
         self.static_bytes = num_bytes
-        self._note_peak()
 
     def acquire(self, key: StorageKey, num_bytes: int, where: tuple[int, int, str],
                 check: bool = True) -> None:
-        """One more holder of a storage; the first one adds its bytes (and may raise)."""
+        """One more holder of a storage; the first one attributes its bytes."""
         entry = self._entries.get(key)
         if entry is not None:
             entry.refs += 1
             return
-        if check and self.enforce and not self.is_cuda:
-            after = self.static_bytes + self.activation_bytes + num_bytes
-            if after > self.budget_bytes:
-                err = DeviceOutOfMemory(
-                    f"saving {format_bytes(num_bytes)} for {_where_str(where)} would put "
-                    f"{format_bytes(after)} on a device of {format_bytes(self.budget_bytes)}",
-                    needed_bytes=after, budget_bytes=self.budget_bytes)
-                if not self.defer_overflow:
-                    raise err
-                self.overflow = self.overflow or err
         self._entries[key] = _Entry(num_bytes, 1, where)
         self.activation_bytes += num_bytes
         self._by_where[where] += num_bytes
-        if self.is_cuda:
-            self._note_peak()
-        elif self.static_bytes + self.activation_bytes > self.peak_bytes:
-            self.peak_bytes = self.static_bytes + self.activation_bytes
 
     def release(self, key: StorageKey) -> None:
         entry = self._entries.get(key)
@@ -138,13 +115,16 @@ class Ledger:
         self.host_bytes += num_bytes
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.in_use()
+        self.meter.reset_peak()
 
-    def _note_peak(self) -> None:
-        if self.is_cuda:
-            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device))
-        else:
-            self.peak_bytes = max(self.peak_bytes, self.in_use())
+    def entries_of(self, micro_batch: int) -> list[StorageKey]:
+        return [k for k, e in self._entries.items() if e.where[0] == micro_batch]
+
+    def clear(self) -> None:
+        """Forget every attribution (an abandoned step: its storages are being freed)."""
+        self._entries.clear()
+        self._by_where.clear()
+        self.activation_bytes = 0
 
 
 def _where_str(where: tuple[int, int, str]) -> str:

@@ -18,10 +18,14 @@ def static_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     params = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    state_bytes = 0
-    if optimizer is not None:
-        measured = sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                       for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        per_param = OPTIMIZER_STATES.get(type(optimizer).__name__, 2)
-        state_bytes = max(measured, per_param * grad_bytes)
+    state_bytes = optimizer_state_bytes(model, optimizer)[0] if optimizer is not None else 0
     return param_bytes + grad_bytes + state_bytes
+
+
+def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(bytes the optimizer's state will hold from its first step on, bytes it holds now)."""
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    measured = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                   for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    per_param = OPTIMIZER_STATES.get(type(optimizer).__name__, 2)
+    return max(measured, per_param * grad_bytes), measured

@@ -1,6 +1,6 @@
 """The automatic budget of an emulated device: what calm steps need, plus a margin.
 
-On a CPU there is no device memory to read. For a demo or a benchmark the interesting
+The peak is the device's true one (every live storage, backward included). For a demo or a benchmark the interesting
 budget is the one an engineer would have tuned by hand on calm steps: everything saved
 fits, a large routing spike does not. `calm_peak_bytes` measures that peak with one probe step
 (policy "none", no limit) on micro-batches the caller draws apart from the training data,
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from spikeguard.errors import UsageError
+from spikeguard.memory.static import optimizer_state_bytes
 
 # The margin is a fraction of the activation bytes (the peak less parameters, gradients
 # and optimizer state), not of the whole peak: static bytes do not move with routing, and a
@@ -43,7 +44,14 @@ def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         guard.detach()
         model.zero_grad(set_to_none=True)
     record = guard.history[-1]
-    both = torch.tensor([record["peak_bytes"], record["static_bytes"]], dtype=torch.int64)
+    # The optimizer's state exists on the device from its first step on; a probe before
+    # that step peaks without it, so it is added (it is resident through every later step).
+    to_come = 0
+    if optimizer is not None:
+        expected, present = optimizer_state_bytes(model, optimizer)
+        to_come = expected - present
+    both = torch.tensor([record["peak_bytes"] + to_come, record["static_bytes"]],
+                        dtype=torch.int64)
     if group is not None:
         import torch.distributed as dist
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)

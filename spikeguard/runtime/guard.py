@@ -19,7 +19,7 @@ import functools
 import gc
 import inspect
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,14 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast, head_bytes_estimate, shared_bytes_estimate
+from spikeguard.runtime.device_state import (PHASE_BACKWARD, PHASE_FORWARD, PHASE_IDLE,
+                                             PHASE_NAMES, PHASE_OPTIMIZER, GradSnapshot,
+                                             decode_where, move_state_to_device, oom_text,
+                                             place_text, where_code)
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
+from spikeguard.runtime.layer_room import LayerRoom
 from spikeguard.runtime.offload import OffloadEngine
 from spikeguard.runtime.policies import POLICIES
 from spikeguard.runtime.window import DecisionWindow
@@ -84,6 +89,10 @@ class Guard(DecisionWindow):
         self.group = self.adapter.group()
         self.budget_bytes = self._resolve_budget(budget)
         self.ledger = Ledger(self.budget_bytes, self.device)
+        self.meter = self.ledger.meter   # the device: its figure is the truth
+        self.optimizer = optimizer
+        self._phase = PHASE_IDLE
+        self._move_state_to_device()
         self.ctx = Context()
         self.cost = CostModel()
         self.engine = OffloadEngine(self.ledger, self.device, self.cost.observe_copy)
@@ -102,7 +111,6 @@ class Guard(DecisionWindow):
             b = self.shape.elem_bytes
             self.forecast.combine_bytes_per_token = top_k * (2 * self.shape.d_model * b + b)
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
-        self.optimizer = optimizer
         self.history: list[dict] = []
         self._step: Optional[StepRecorder] = None
         self._full_recompute = policy == "full"   # new layers start fully recomputed
@@ -113,6 +121,9 @@ class Guard(DecisionWindow):
         self._layer_bytes_per_token = 0.0           # attention part, measured (max seen)
         self._routed_per_token = 0.0                # routed copies per token (max seen)
         self._handles: list = []
+        self._trained = [p for p in model.parameters() if p.requires_grad]
+        self._grads_to_come = 0
+        self.layer_room = LayerRoom.from_shape(self.shape.bytes_per_token())
         self._install()
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self._recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
@@ -131,6 +142,9 @@ class Guard(DecisionWindow):
     def _static_bytes(self) -> int:
         self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
         return static_bytes(self.model, self.optimizer)
+
+    def _move_state_to_device(self) -> None:
+        move_state_to_device(self.model, self.optimizer, self.meter)
 
     def _install(self) -> None:
         self.model._spikeguard = self
@@ -151,6 +165,11 @@ class Guard(DecisionWindow):
             self._handles.append(block.register_forward_hook(self._leave_moe))
         last = self._wrapped_layers[-1]
         self._handles.append(last.register_forward_hook(self._enter_head))
+        if self.optimizer is not None:
+            # The optimizer step runs on the device too (its state, foreach temporaries).
+            self._orig_opt_step = self.optimizer.step
+            self.optimizer.step = functools.wraps(self._orig_opt_step)(
+                functools.partial(self._optimizer_step, self._orig_opt_step))
 
     def detach(self) -> None:
         """Remove every hook and wrapper: the model computes exactly as before attach."""
@@ -163,35 +182,174 @@ class Guard(DecisionWindow):
         for module in self._wrapped_layers + self._recomputed_modules:
             del module.forward
         del self.model.forward
+        if self.optimizer is not None:
+            del self.optimizer.step
         self.model._spikeguard = None
+        self.meter.close()
 
     @contextlib.contextmanager
     def step(self):
-        """One optimizer step: all micro-batches' forward and backward run inside."""
-        self.ledger.set_static(self._static_bytes())
-        self.ledger.reset_peak()
-        self._step = StepRecorder(self.engine.offloaded_bytes_total)
+        """One optimizer step: all micro-batches' forward and backward run inside.
+
+        The safety net of this form reaches forward only (a context manager cannot re-run
+        its own body): an out-of-memory error in backward ends the step. `run_step(fn)`
+        owns the step's body and re-runs it whole when anything in it runs out."""
+        if self._step is not None:
+            raise UsageError("guard.step() is already open: steps do not nest")
+        if getattr(self.model, "_spikeguard", None) is not self:
+            raise UsageError("this guard is detached: attach a new one to guard a step")
         try:
-            yield self
+            with self._step_scope():
+                try:
+                    yield self
+                except torch.OutOfMemoryError as err:
+                    raise self._device_oom(err) from None
         finally:
-            self.history.append(self._step.finish(
-                step=len(self.history), policy=self.policy,
-                layers=[self.adapter.layer_index(b) for b in self.moe_blocks], peak_bytes=self.ledger.peak_bytes,
-                budget_bytes=self.budget_bytes, static_bytes=self.ledger.static_bytes,
-                offloaded_bytes_now=self.engine.offloaded_bytes_total))
-            self._step = None
+            self._finish_step()
+
+    def run_step(self, fn: Callable[[], object]):
+        """Run `fn()` (every micro-batch's forward and backward) as one guarded step.
+
+        Under "adaptive", if the device runs out of memory anywhere in it (forward or
+        backward), the step's graph and saved tensors are freed, the gradients restored to
+        what they were before, and `fn` runs again with every layer recomputed: the data
+        is the same, so the gradients are bitwise those of an uninterrupted run. Under
+        expert parallelism on the emulated device an overflow is deferred to the end of
+        the step and the group agrees in one all-reduce, so every rank re-runs together
+        and none is left waiting in a collective. Returns what `fn` returns."""
+        if not callable(fn):
+            raise UsageError(f"run_step() needs a callable, got {type(fn).__name__}")
+        if self._step is not None:
+            raise UsageError("guard.run_step() inside an open step: steps do not nest")
+        if getattr(self.model, "_spikeguard", None) is not self:
+            raise UsageError("this guard is detached: attach a new one to guard a step")
+        snapshot = GradSnapshot(self.model) if self.policy == "adaptive" else None
+        failure = None
+        try:
+            with self._step_scope(defer=self._defers_step()):
+                try:
+                    result = fn()
+                    failure = self._group_overflow()
+                except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+                    if snapshot is None or self._full_recompute:
+                        raise self._device_oom(err) from None
+                    failure = str(self._device_oom(err))
+                if failure is not None:
+                    self._abandon_step(snapshot)
+            if failure is None:
+                return result
+            log.warning("step %d ran out of memory (%s); re-running it with full recompute",
+                        len(self.history), failure)
+            self._step.restart("step", failure)
+            with self._step_scope(recorder=self._step):
+                self._full_recompute = True
+                try:
+                    return fn()
+                except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+                    raise BudgetInfeasible(
+                        f"even full recompute does not fit: {self._device_oom(err)}",
+                        budget_bytes=self.budget_bytes) from None
+                finally:
+                    self._full_recompute = False
+        finally:
+            self._finish_step()
+
+    def _defers_step(self) -> bool:
+        """Under a process group, an adaptive rank finishes the step before it fails."""
+        return (self.policy == "adaptive" and not self.meter.is_cuda and dist.is_available()
+                and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def _group_overflow(self) -> Optional[str]:
+        """After a deferred step: did this rank, or any rank, go past the device?"""
+        if not self._defers_step():
+            return None
+        over = self.meter.take_overflow()
+        flag = torch.tensor([1 if over else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        if over:
+            return (f"the step reached {format_bytes(over)} on a device of "
+                    f"{format_bytes(self.budget_bytes)}")
+        return "another rank of the job ran out of memory in this step"
+
+    @contextlib.contextmanager
+    def _step_scope(self, defer: bool = False, recorder=None):
+        """The device is active and enforcing; the step's recorder is open."""
+        self.ledger.set_static(self._static_bytes())
+        self._step = recorder or StepRecorder(self.engine.offloaded_bytes_total)
+        with self.meter.active(), self.meter.enforcing(), self.meter.deferred(defer):
+            self.meter.reset_peak()
+            self._set_where(PHASE_FORWARD, -1)
+            try:
+                yield
+            finally:
+                self._set_where(PHASE_IDLE, -1)
+                self._step.note_peak(self.meter.peak(), self.meter.peak_where())
+
+    def _finish_step(self) -> None:
+        if self.policy == "adaptive" and not self._step.reruns:
+            self.layer_room.calibrate(self.meter)
+        peak, where = self._step.peak_bytes, self._step.peak_where
+        phase, layer = decode_where(where)
+        self.history.append(self._step.finish(
+            step=len(self.history), policy=self.policy,
+            layers=[self.adapter.layer_index(b) for b in self.moe_blocks], peak_bytes=peak,
+            budget_bytes=self.budget_bytes, static_bytes=self.ledger.static_bytes,
+            offloaded_bytes_now=self.engine.offloaded_bytes_total,
+            peak_phase=PHASE_NAMES[phase], peak_layer=layer,
+            reserved_bytes=self.meter.reserved()))
+        self._step = None
+
+    def _abandon_step(self, snapshot: "GradSnapshot") -> None:
+        """Free everything the failed step holds on the device and put the gradients back."""
+        self.ctx.tags.clear()
+        gc.collect()   # the failed step's graph (and its saved tensors) go with it
+        self.ledger.clear()
+        self.tracker.holders.clear()
+        self.engine.end_forward()
+        snapshot.restore()
+        self.meter.reset_peak()
+
+    def _optimizer_step(self, orig_step, *args, **kwargs):
+        """The optimizer step on the device; an out-of-memory here is not re-runnable (the
+        update may be half applied), so it is reported, never retried."""
+        with self.meter.active(), self.meter.enforcing():
+            previous = self._set_where(PHASE_OPTIMIZER, -1)
+            try:
+                return orig_step(*args, **kwargs)
+            except torch.OutOfMemoryError as err:
+                raise self._device_oom(err) from None
+            finally:
+                self.meter.set_where(previous)
+
+    def _set_where(self, phase: int, layer: int) -> int:
+        self._phase = phase
+        return self.meter.set_where(where_code(phase, layer))
+
+    def _device_oom(self, err: BaseException) -> DeviceOutOfMemory:
+        if isinstance(err, DeviceOutOfMemory):
+            return err
+        place = place_text(self._phase, self.ctx.micro_batch, self.ctx.layer, self.ctx.op,
+                           len(self.moe_blocks))
+        return DeviceOutOfMemory(oom_text(place, self.meter, err),
+                                 budget_bytes=self.budget_bytes)
 
     # ---- forward: one call is one micro-batch -----------------------------------------
     def _guarded_forward(self, orig_forward, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            return orig_forward(*args, **kwargs)
+        with self.meter.active():
+            if not torch.is_grad_enabled():
+                return orig_forward(*args, **kwargs)
+            return self._guarded_micro_batch(orig_forward, args, kwargs)
+
+    def _guarded_micro_batch(self, orig_forward, args, kwargs):
         mb = self._step.micro_batches if self._step else 0
         try:
             return self._attempt(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             if self.policy != "adaptive" or self._full_recompute:
-                raise _as_device_oom(err) from None
-            message = str(err)
+                raise self._device_oom(err) from None
+            message = str(self._device_oom(err))
         # Safety net: free this micro-batch and run it again with everything recomputed.
         self._abandon(mb)
         if self._step:
@@ -202,7 +360,7 @@ class Guard(DecisionWindow):
         try:
             return self._attempt(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-            failure = str(err)
+            failure = str(self._device_oom(err))
         finally:
             self._full_recompute = False
         self._abandon(mb)
@@ -220,12 +378,20 @@ class Guard(DecisionWindow):
         overflows raises at once: that is the crash a real job would have.)"""
         if self.group is None:
             return self._forward_micro_batch(orig_forward, mb, args, kwargs)
-        self.ledger.overflow, self.ledger.defer_overflow = None, self.policy == "adaptive"
+        adaptive = self.policy == "adaptive"
+        self.ledger.overflow, self.ledger.defer_overflow = None, adaptive
+        if self._step is not None:   # what the step reached before this attempt stands
+            self._step.note_peak(self.meter.peak(), self.meter.peak_where())
         try:
-            out = self._forward_micro_batch(orig_forward, mb, args, kwargs)
+            with self.meter.deferred(adaptive):
+                out = self._forward_micro_batch(orig_forward, mb, args, kwargs)
         finally:
             self.ledger.defer_overflow = False
-        mine = self.ledger.overflow
+        over = self.meter.take_overflow() if adaptive else 0
+        mine = self.ledger.overflow or (DeviceOutOfMemory(
+            f"forward of micro-batch {mb} reached {format_bytes(over)} on a device of "
+            f"{format_bytes(self.budget_bytes)}", needed_bytes=over,
+            budget_bytes=self.budget_bytes) if over else None)
         flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if flag.item():
@@ -236,6 +402,8 @@ class Guard(DecisionWindow):
                 # pipeline's residency would read the wrong schedule position).
                 self._step.micro_batches -= 1
                 self._step.decisions.subtract(self._step.attempt)
+            gc.collect()
+            self.meter.reset_peak()   # the refused attempt's figure is not a peak survived
             raise mine or DeviceOutOfMemory(
                 "another rank of the expert-parallel group ran out of memory")
         return out
@@ -245,21 +413,22 @@ class Guard(DecisionWindow):
         budget lifted (CPU); on CUDA, where that cannot be tried, a quarter more than now."""
         if self.device.type == "cuda":
             return int(self.budget_bytes * 1.25)
-        saved_peak, self.ledger.enforce = self.ledger.peak_bytes, False
-        self.ledger.peak_bytes = self.ledger.in_use()
         self._full_recompute = True
         try:
-            self._forward_micro_batch(orig_forward, mb, args, kwargs)
-            return self.ledger.peak_bytes
+            with self.meter.unlimited():
+                self.meter.reset_peak()
+                self._forward_micro_batch(orig_forward, mb, args, kwargs)
+                return self.meter.peak()
         finally:
-            self._full_recompute, self.ledger.enforce = False, True
+            self._full_recompute = False
             self._abandon(mb)
-            self.ledger.peak_bytes = saved_peak
 
     def _forward_micro_batch(self, orig_forward, mb, args, kwargs):
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
         self._max_routed = 0
+        self._grads_to_come = sum(p.numel() * p.element_size() for p in self._trained
+                                  if p.grad is None)
         self._mb_tokens = _num_tokens(args, kwargs)
         if self._step is not None:
             self._step.begin_attempt()
@@ -273,6 +442,9 @@ class Guard(DecisionWindow):
             self._in_forward = False
         self.engine.end_forward()
         self.ctx.tags.clear()
+        # What runs next on this micro-batch is the head's backward.
+        self.ctx.layer, self.ctx.op = len(self.moe_blocks), "head"
+        self._set_where(PHASE_BACKWARD, len(self.moe_blocks))
         num_tokens = _num_tokens(args, kwargs)
         post = max(self.ledger.bytes_by(mb, self.adapter.layer_index(b), "shared")
                    for b in self.moe_blocks)
@@ -285,13 +457,31 @@ class Guard(DecisionWindow):
     def _abandon(self, mb: int) -> None:
         self.ctx.tags.clear()
         gc.collect()  # the failed forward's graph holds ledger entries until collected
-        for key in [k for k, e in self.ledger._entries.items() if e.where[0] == mb]:
+        for key in self.ledger.entries_of(mb):
             self.ledger.drop(key)
         self.tracker.forget_micro_batch(mb)
 
     def _layer_forward(self, layer, orig_forward, layer_idx, *args, **kwargs):
-        if self._in_forward:
-            self.ctx.layer, self.ctx.op = layer_idx, "attn"
+        if not self._in_forward:
+            return self._layer_forward_body(layer, orig_forward, layer_idx, args, kwargs)
+        self.ctx.layer, self.ctx.op = layer_idx, "attn"
+        self._set_where(PHASE_FORWARD, layer_idx)
+        out = self._layer_forward_body(layer, orig_forward, layer_idx, args, kwargs)
+        self._mark_backward(out, layer_idx, "combine")
+        return out
+
+    def _mark_backward(self, t, layer: int, op: str) -> None:
+        """When backward reaches `t`, the device's position becomes (backward, layer, op)."""
+        t = t[0] if isinstance(t, (tuple, list)) else t
+        if torch.is_tensor(t) and t.requires_grad:
+            t.register_hook(functools.partial(self._enter_backward, self.ctx.micro_batch,
+                                              layer, op))
+
+    def _enter_backward(self, mb: int, layer: int, op: str, grad) -> None:
+        self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, layer, op
+        self._set_where(PHASE_BACKWARD, layer)
+
+    def _layer_forward_body(self, layer, orig_forward, layer_idx, args, kwargs):
         if torch.is_grad_enabled() and (self._full_recompute or self._layer_cannot_fit(layer_idx)):
             # The flag is set inside the checkpointed function, so backward's recompute
             # takes the same path as the forward did.
@@ -322,10 +512,15 @@ class Guard(DecisionWindow):
         if self._in_forward:
             self.ctx.tags.clear()
             self.ctx.op = "attn"
+        elif getattr(block, "last_aux_loss", None) is not None and torch.is_grad_enabled():
+            # A recompute in backward re-ran the block: its aux loss would keep the
+            # recomputed graph alive past backward (nothing reads it there).
+            block.last_aux_loss = None
 
     def _enter_head(self, module, args, output) -> None:
         if self._in_forward:
             self.ctx.layer, self.ctx.op = len(self.moe_blocks), "head"
+            self._set_where(PHASE_FORWARD, len(self.moe_blocks))
 
     # ---- the decision window ----------------------------------------------------------
     def _run_experts(self, block: MoEBlock, dispatched) -> torch.Tensor:
@@ -336,17 +531,39 @@ class Guard(DecisionWindow):
         if self._in_full_region:
             self._record(block.layer_idx, counts, FULL_RECOMPUTE)
             return block.experts(dispatched.x_ND, counts)
+        self._fit_layer(block.layer_idx, num_routed)
         decision = self.decide(block.layer_idx, num_routed)
         self._record(block.layer_idx, counts, decision.plan)
         self.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
         self.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
         y_ND = self.executor.run(block.experts, dispatched.x_ND, counts, decision.plan)
         self.ctx.op = "combine"
+        self._mark_backward(y_ND, block.layer_idx, "experts")
+        self._mark_backward(dispatched.x_ND, block.layer_idx, "dispatch")
         if dispatched.x_ND.requires_grad and block.layer_idx > 0:
             # When backward has passed this layer's experts, bring the layer below back.
             dispatched.x_ND.register_hook(functools.partial(
                 _prefetch, self.engine, self.ctx.micro_batch, block.layer_idx - 1))
         return y_ND
+
+    def _fit_layer(self, layer: int, num_routed: int) -> None:
+        """The layer's own forward and backward peaks, which no plan of its own changes
+        (spikeguard.runtime.layer_room): what would not fit is evicted from the layers
+        below to host memory now; what eviction cannot cover is the safety net's."""
+        mb, in_use = self.ctx.micro_batch, self.ledger.in_use()
+        self.layer_room.record(mb, layer, in_use, num_routed, self._grads_to_come)
+        if self.policy != "adaptive":
+            return
+        forward, backward = self.layer_room.needs(in_use, num_routed, self._grads_to_come)
+        short = max(forward, backward) - self.budget_bytes
+        if short <= 0:
+            return
+        freed = self.tracker.evict(mb, layer, short)
+        residency = self.forecast.residency
+        if residency is not None and freed < short:
+            freed += residency.evict(self.tracker, short - freed)
+        if self._step is not None:
+            self._step.evicted_bytes += freed
 
     def _record(self, layer: int, counts: list[int], plan: LayerPlan) -> None:
         if self._step is not None:
@@ -367,9 +584,3 @@ def _num_tokens(args, kwargs) -> int:
                 return value.numel() // value.shape[-1]
             return value.numel()
     return 0
-
-
-def _as_device_oom(err: BaseException) -> DeviceOutOfMemory:
-    if isinstance(err, DeviceOutOfMemory):
-        return err
-    return DeviceOutOfMemory(f"CUDA out of memory: {str(err).splitlines()[0]}")

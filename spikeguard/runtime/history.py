@@ -28,6 +28,25 @@ class StepRecorder:
         self.evicted_bytes = 0
         self.plan_us: list[float] = []
         self.offloaded_bytes_before = offloaded_bytes_before
+        self.peak_bytes = 0       # the device's true peak over the step's attempts that stood
+        self.peak_where = 0
+        self.reruns: list[dict] = []   # step-level re-runs: scope and reason
+
+    def note_peak(self, peak_bytes: int, where: int) -> None:
+        if peak_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_where = int(peak_bytes), where
+
+    def restart(self, scope: str, reason: str) -> None:
+        """The step is abandoned and runs again from its start: what it counted goes, except
+        the re-runs themselves and the time (the failed attempt's time was spent)."""
+        self.micro_batches = 0
+        self.decisions = Counter()
+        self.imbalance = {}
+        self.full_layers = 0
+        self.evicted_bytes = 0
+        self.peak_bytes, self.peak_where = 0, 0
+        self.safety_net_reruns += 1
+        self.reruns.append({"scope": scope, "reason": reason})
 
     def begin_attempt(self) -> None:
         self.attempt = Counter()
@@ -44,11 +63,14 @@ class StepRecorder:
         self.imbalance[layer] = max(self.imbalance.get(layer, 0.0), imb)
 
     def finish(self, *, step: int, policy: str, layers: list[int], peak_bytes: int,
-               budget_bytes: int, static_bytes: int, offloaded_bytes_now: int) -> dict:
+               budget_bytes: int, static_bytes: int, offloaded_bytes_now: int,
+               peak_phase: str = "", peak_layer: int = -1, reserved_bytes: int = 0) -> dict:
         imbalance = [self.imbalance.get(layer, 1.0) for layer in layers]
         return {
             "step": step, "policy": policy,
             "peak_bytes": int(peak_bytes), "budget_bytes": budget_bytes,
+            "peak_phase": peak_phase, "peak_layer": peak_layer,
+            "reserved_bytes": int(reserved_bytes), "safety_net": list(self.reruns),
             "static_bytes": static_bytes,
             "decisions": {a: self.decisions.get(a, 0) for a in ACTIONS},
             "layer_imbalance": imbalance, "max_imbalance": max(imbalance),

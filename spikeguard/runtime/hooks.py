@@ -30,7 +30,11 @@ EVICTABLE_MIN_BYTES = 16 << 10
 
 
 class Packed:
-    """What autograd holds instead of a tensor: the tensor itself, or its host copy."""
+    """What autograd holds instead of a tensor: an alias of it, or its host copy.
+
+    The alias is `t.detach()`, never `t`: a tensor saved by the op that produced it would
+    otherwise hold its own grad_fn through this object, a reference cycle that keeps the
+    tensor alive until the garbage collector runs (torch/autograd/graph.py warns of it)."""
 
     __slots__ = ("tensor", "key", "ledger", "stored", "meta", "__weakref__")
 
@@ -117,6 +121,7 @@ class SavedTensorTracker:
             return t
         op, action, serial = self.ctx.lookup(key)
         where = (self.ctx.micro_batch, self.ctx.layer, op)
+        t = t.detach()
         if action is Action.OFFLOAD:
             packed = Packed(t, key, None)
             packed.to_host(self.engine.offload(t, where, serial))

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from spikeguard.memory import device as device_memory
 from spikeguard.memory.ledger import Ledger, StorageKey, storage_key
 
 
@@ -42,7 +43,8 @@ class HostPool:
         if self._free[size]:
             return self._free[size].pop()
         self.allocated_bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        with device_memory.host():
+            return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def give_back(self, buf: torch.Tensor) -> None:
         self._free[buf.numel()].append(buf)

@@ -5,7 +5,8 @@
 B = sequences per micro-batch, T = sequence length, E = experts per MoE layer.
 
 The memory guard (spikeguard.runtime) is applied from outside through one seam: all
-micro-batches of a step run forward and backward inside `with guard.step():`, and the
+micro-batches of a step run forward and backward inside `guard.run_step(fn)` (which
+re-runs the step whole if the device runs out of memory anywhere in it), and the
 guard's record of that step (`guard.history[-1]`: peak bytes, budget, decisions) is merged
 into the step record. The optimizer is built before the guard because the guard may need
 it (to count optimizer state against the budget), hence `guard_factory(model, optimizer)`.
@@ -231,14 +232,18 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainCo
     imbalance_per_layer = [1.0] * len(moe_blocks)
     received_per_layer = [0] * len(moe_blocks)  # routed copies this process's experts got
     scale = parallel.loss_scale if parallel is not None else 1.0
-    loss_sum = torch.zeros(())
-    ce_sum = torch.zeros(())
-    aux_sum = torch.zeros(())
     start_s = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    with guard.step() if guard is not None else contextlib.nullcontext():
-        for _ in range(cfg.micro_batches):
-            idx_BT, targets_BT = corpus.get_batch("train", cfg.batch_size, seq_len, generator)
+    # Drawn before the step, so that a re-run of the step (the guard's safety net) sees the
+    # same data and produces bitwise the same gradients.
+    batches = [corpus.get_batch("train", cfg.batch_size, seq_len, generator)
+               for _ in range(cfg.micro_batches)]
+
+    def micro_batches() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss_sum, ce_sum, aux_sum = torch.zeros(()), torch.zeros(()), torch.zeros(())
+        for i in range(len(moe_blocks)):
+            imbalance_per_layer[i], received_per_layer[i] = 1.0, 0
+        for idx_BT, targets_BT in batches:
             out = model(idx_BT, targets_BT)
             # Divide before backward so accumulated gradients equal the mean over
             # micro-batches, i.e. the gradient of one big batch.
@@ -253,6 +258,15 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainCo
                                              expert_imbalance(block.last_tokens_per_expert))
                 received_per_layer[i] = max(received_per_layer[i],
                                             sum(block.last_tokens_per_expert))
+        return loss_sum, ce_sum, aux_sum
+
+    if guard is None:
+        loss_sum, ce_sum, aux_sum = micro_batches()
+    elif hasattr(guard, "run_step"):
+        loss_sum, ce_sum, aux_sum = guard.run_step(micro_batches)
+    else:
+        with guard.step():
+            loss_sum, ce_sum, aux_sum = micro_batches()
     if parallel is not None:
         parallel.after_backward(model)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

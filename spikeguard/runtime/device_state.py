@@ -1,0 +1,116 @@
+"""What the guard does with the device around a step: where the step is, what it holds.
+
+* Where: a position code (phase, layer) the device keeps a peak for, and the words an
+  out-of-memory message uses ("backward of micro-batch 0, layer 2 (experts)").
+* What: the model's parameters, gradients and optimizer state are moved onto the device
+  at attach, as `model.to("cuda")` would (on CPU: re-allocated while the emulated device
+  is active, bit for bit the same values), so that the device's figure counts them.
+* Before a step: the gradients as they were, kept on the host, so that a step abandoned
+  mid-backward can be re-run from exactly where it started.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from spikeguard.memory import device as device_memory
+from spikeguard.memory.budget import format_bytes
+
+PHASE_IDLE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
+PHASE_NAMES = ("outside a step", "forward", "backward", "optimizer step")
+_LAYER_CODES = 256
+
+
+def where_code(phase: int, layer: int) -> int:
+    """One small integer per (phase, layer); layer -1 is the embedding."""
+    return phase * _LAYER_CODES + min(max(layer + 1, 0), _LAYER_CODES - 1)
+
+
+def decode_where(code: int) -> tuple[int, int]:
+    return code // _LAYER_CODES, code % _LAYER_CODES - 1
+
+
+def place_text(phase: int, micro_batch: int, layer: int, op: str, num_layers: int) -> str:
+    """'backward of micro-batch 0, layer 2, op experts' (the embedding and the head by name)."""
+    if phase == PHASE_OPTIMIZER:
+        return "the optimizer step"
+    if layer < 0:
+        part = "the embedding"
+    elif layer >= num_layers:
+        part = "the output head"
+    else:
+        part = f"layer {layer}, op {op}"
+    return f"{PHASE_NAMES[phase]} of micro-batch {micro_batch}, {part}"
+
+
+def oom_text(place: str, meter, err: BaseException) -> str:
+    """The one line an out-of-memory error becomes, with the device's own figures."""
+    asked, after = meter.last_refusal()
+    if not meter.is_cuda and asked:
+        return (f"{place}: allocating {format_bytes(asked)} would put {format_bytes(after)} "
+                f"on a device of {format_bytes(meter.capacity_bytes)}")
+    first = (str(err).splitlines() or ["out of memory"])[0]
+    return f"{place}: {first}"
+
+
+def state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+    """(owner, key, tensor) of every parameter, gradient and optimizer-state tensor."""
+    for p in model.parameters():
+        yield p, "data", p.data
+        if p.grad is not None:
+            yield p, "grad", p.grad
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    yield state, key, value
+
+
+def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
+    """Re-allocate the model's state while the emulated device is active (CPU only): the
+    device then counts it, as it counts what a CUDA device holds after `.to("cuda")`.
+    Storages shared by two tensors (tied weights) are moved once and stay shared."""
+    if meter.is_cuda:
+        return
+    moved: dict[int, torch.Tensor] = {}
+    with meter.active():
+        for owner, key, t in list(state_tensors(model, optimizer)):
+            if t.device.type != "cpu" or type(t) is not torch.Tensor:
+                continue   # DTensor and other subclasses keep their own storage
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in moved:
+                # A tensor clone, not `UntypedStorage.clone()`: a storage keeps the allocator
+                # it was made with, a new tensor takes the CPU allocator installed now.
+                moved[ptr] = torch.empty(0, dtype=torch.uint8).set_(
+                    t.untyped_storage()).clone()
+            storage = moved[ptr].untyped_storage()
+            new = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(),
+                                                     t.size(), t.stride())
+            if key == "data":
+                owner.data = new
+            elif key == "grad":
+                owner.grad = new
+            else:
+                owner[key] = new
+
+
+class GradSnapshot:
+    """The gradients before a step: None where there were none, else a host copy."""
+
+    def __init__(self, model: nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        with device_memory.host():
+            self.grads = [None if p.grad is None else p.grad.detach().clone()
+                          for p in self.params]
+
+    def restore(self) -> None:
+        for p, g in zip(self.params, self.grads):
+            if g is None:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)

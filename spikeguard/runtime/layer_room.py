@@ -1,0 +1,78 @@
+"""The two peaks of a MoE layer that no plan of its own changes, calibrated on the device.
+
+Inside a layer's forward the expert path holds all its tensors at once, whatever the plan
+(a recomputed or offloaded tensor is still computed, and lives until its consumer ran):
+the per-expert GEMM outputs before their concatenation, the hidden activations, the
+output. In the layer's backward every tensor of the path is back on the device (saved,
+recomputed, or reloaded) while its activation gradients are made, beside what the layers
+below still keep, and the gradients of the parameters not yet allocated. A plan only
+decides what stays *between* the two; these two peaks can only be made to fit by taking
+bytes of the layers below off the device (eviction to host), which is what the window
+asks for when they would not fit.
+
+Both are modelled as bytes in use at the decision + a per-routed-token slope (+ the
+gradients still to come, in backward). The slopes start from the shapes (conservative:
+every tensor of the path at once, its gradient as large again) and are then set, after
+every step, from the peak the device really reached in that layer and phase, with a 5%
+margin: the runtime's figure is corrected by the allocator's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
+
+MARGIN = 1.05
+
+
+@dataclass
+class _Probe:
+    in_use: int
+    num_routed: int
+    grads_to_come: int
+
+
+@dataclass
+class LayerRoom:
+    forward_per_token: float
+    backward_per_token: float
+    observed: bool = False
+    _probes: dict[tuple[int, int], _Probe] = field(default_factory=dict)
+
+    @staticmethod
+    def from_shape(bytes_per_token: dict[str, int]) -> "LayerRoom":
+        path = sum(v for op, v in bytes_per_token.items() if op != "dispatch")
+        # Forward: the GEMM pieces before their `cat` double the largest output.
+        largest = max(bytes_per_token.values())
+        return LayerRoom(forward_per_token=float(path + largest),
+                         backward_per_token=float(2 * path))
+
+    def needs(self, in_use: int, num_routed: int, grads_to_come: int) -> tuple[int, int]:
+        """(forward peak, backward peak) of the layer about to run, in device bytes."""
+        forward = in_use + int(self.forward_per_token * num_routed)
+        backward = in_use + grads_to_come + int(self.backward_per_token * num_routed)
+        return forward, backward
+
+    def record(self, micro_batch: int, layer: int, in_use: int, num_routed: int,
+               grads_to_come: int) -> None:
+        self._probes[(micro_batch, layer)] = _Probe(in_use, num_routed, grads_to_come)
+
+    def calibrate(self, meter) -> None:
+        """Slopes from what the device reached in each probed layer (max over layers and
+        micro-batches: one micro-batch's peak may be read against another's probe, which
+        only errs high)."""
+        fwd = bwd = 0.0
+        for (mb, layer), p in self._probes.items():
+            if p.num_routed <= 0:
+                continue
+            f_peak = meter.where_peak(where_code(PHASE_FORWARD, layer))
+            b_peak = meter.where_peak(where_code(PHASE_BACKWARD, layer))
+            if f_peak:
+                fwd = max(fwd, (f_peak - p.in_use) / p.num_routed)
+            if b_peak:
+                bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come) / p.num_routed)
+        self._probes.clear()
+        if fwd > 0 and bwd > 0:
+            self.forward_per_token, self.backward_per_token = fwd * MARGIN, bwd * MARGIN
+            self.observed = True
