@@ -12,6 +12,9 @@ Under pipeline parallelism (`residency`, spikeguard/parallel/pipeline_residency.
 also reserves, for every forward the schedule will run on this stage before the next
 backward frees memory, one whole micro-batch at the least it can keep (same estimates).
 Micro-batches already resident need no forecast: their saved bytes are in the ledger.
+It also gives the backward side of that reservation (`backward_reserve`): what the other
+micro-batches will hold on this stage while this one's backward runs. Both methods return
+figures and change nothing; spikeguard.plan.room turns them into the planner's inputs.
 """
 
 from __future__ import annotations
@@ -34,24 +37,49 @@ class Forecast:
     combine_bytes_per_token: float = 0.0
     resident_bytes: int = 0  # reserved for other micro-batches, fixed
     # Pipeline schedule: `reserve(layer, whole_micro_batch_bytes) -> bytes` for the
-    # micro-batches it will add before the next backward (None outside a pipeline).
+    # micro-batches it will add before the next backward, and then `backward_reserve`, the
+    # bytes they will hold on this stage while this one's backward runs (None outside a
+    # pipeline).
     residency: Optional[object] = None
-    # Set with the reservation: bytes other micro-batches will hold on this stage while
-    # this one's backward runs (its reloads must fit beside them); the window reads it.
-    backward_reserved_bytes: int = 0
 
-    def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: int,
-                      min_expert_bytes_per_token: int, num_tokens: int) -> int:
-        remaining = self.num_layers - layer - 1
+    def _micro_batch(self, layer_part_bytes: int, max_routed_seen: float,
+                     min_expert_bytes_per_token: int, num_tokens: int) -> tuple[float, float, int]:
+        """(post-expert bytes of a layer, bytes of each later layer, one whole micro-batch)."""
         future_routed = max_routed_seen * (1 + self.load_margin)
         post = (self.post_bytes_per_token + self.combine_bytes_per_token) * num_tokens
         per_layer = layer_part_bytes + post + min_expert_bytes_per_token * future_routed
         head = self.head_bytes_per_token * num_tokens
-        resident = self.resident_bytes
-        if self.residency is not None:
-            resident += self.residency.reserve(layer, int(self.num_layers * per_layer + head))
-            self.backward_reserved_bytes = self.residency.backward_reserve
+        return post, per_layer, int(self.num_layers * per_layer + head)
+
+    def _pipeline(self, layer: int, whole_micro_batch_bytes: int) -> tuple[int, int]:
+        """(forward reserve, backward reserve) of the schedule at this decision."""
+        if self.residency is None:
+            return 0, 0
+        forward = self.residency.reserve(layer, whole_micro_batch_bytes)
+        # Residency.reserve sets its backward figure with the forward one; read at once.
+        return forward, self.residency.backward_reserve
+
+    def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
+                      min_expert_bytes_per_token: int, num_tokens: int) -> int:
+        """Bytes still to come before this micro-batch's forward ends, on top of what is in
+        use: the rest of this layer and the later ones, the head, and the pipeline's
+        forward reserve (and `resident_bytes`)."""
+        post, per_layer, whole = self._micro_batch(layer_part_bytes, max_routed_seen,
+                                                   min_expert_bytes_per_token, num_tokens)
+        remaining = self.num_layers - layer - 1
+        head = self.head_bytes_per_token * num_tokens
+        resident = self.resident_bytes + self._pipeline(layer, whole)[0]
         return int(post + remaining * per_layer + head + resident)
+
+    def backward_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
+                         min_expert_bytes_per_token: int, num_tokens: int) -> int:
+        """Bytes the other micro-batches of the pipeline will hold on this stage while this
+        one's backward runs (its reloads must fit beside them); 0 outside a pipeline."""
+        if self.residency is None:
+            return 0
+        whole = self._micro_batch(layer_part_bytes, max_routed_seen,
+                                  min_expert_bytes_per_token, num_tokens)[2]
+        return self._pipeline(layer, whole)[1]
 
     def observe(self, head_bytes: int, post_bytes: int, num_tokens: int) -> None:
         """Per-token bytes measured on a finished micro-batch replace the estimates."""

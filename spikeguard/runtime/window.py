@@ -2,7 +2,9 @@
 
 A mixin of `Guard` (spikeguard.runtime.guard), kept in its own file because it is the one
 place where memory is decided: `decide` runs in every MoE layer of every micro-batch right
-after routing; `_layer_cannot_fit` runs at a layer's entry, before its attention.
+after routing; `_layer_cannot_fit` runs at a layer's entry, before its attention. The
+arithmetic of both is spikeguard.plan.room's, which the simulator (spikeguard/sim/walk.py)
+calls too: here the guard only reads what it knows into room's plain-number states.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from spikeguard.errors import BudgetInfeasible
 from spikeguard.memory.budget import format_bytes
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE
 from spikeguard.plan.planner import Decision
+from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs,
+                                  forward_transient_bytes_per_routed, layer_cannot_fit)
 
 STATIC_PLANS = {"none": ALL_SAVE, "full": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
                 "offload": ALL_OFFLOAD}
@@ -27,33 +31,25 @@ class DecisionWindow:
             decision = self.planner.fixed(STATIC_PLANS[self.policy], num_routed)
         else:
             mb = self.ctx.micro_batch
-            self._max_routed = max(self._max_routed, num_routed)
             layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
-            if self._mb_tokens:
-                self._layer_bytes_per_token = max(self._layer_bytes_per_token,
-                                                  layer_part / self._mb_tokens)
-                self._routed_per_token = max(self._routed_per_token, num_routed / self._mb_tokens)
-            to_come = self.forecast.still_to_come(
-                layer, layer_part, self._max_routed, self.planner.min_bytes_per_token,
-                self._mb_tokens or num_routed)
-            headroom = self.budget_bytes - self.ledger.in_use() - to_come
-            if self.device.type == "cuda":
-                # The allocator also holds the stage temporaries (per-expert GEMM outputs
-                # before their concatenation): leave room for the largest of them.
-                headroom -= num_routed * self.shape.bytes_per_token()["gate_up"]
-            # In backward this layer's offloaded tensors come back while what is in use now
-            # is still alive; a prefetch by the layer above also finds that layer's
-            # attention part alive (about this layer's).
-            prefetch_margin = layer_part if (self.engine.prefetch_enabled
-                                             and layer < len(self.moe_blocks) - 1) else 0
-            backward_room = (self.budget_bytes - self.ledger.in_use() - prefetch_margin
-                             - self.forecast.backward_reserved_bytes)  # pipeline: others resident
+            seen = self._seen().after(num_routed, layer_part, self._mb_tokens)
+            self._max_routed = seen.max_routed
+            self._layer_bytes_per_token = seen.layer_bytes_per_token
+            self._routed_per_token = seen.routed_per_token
             evictable = self.tracker.evictable(mb, layer)
             residency = self.forecast.residency  # pipeline: resident micro-batches may go too
             if residency is not None:
                 evictable += residency.evictable(self.tracker)
+            room = decision_inputs(WindowState(
+                layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=self.ledger.in_use(),
+                num_routed=num_routed, layer_part_bytes=layer_part, max_routed=seen.max_routed,
+                num_tokens=self._mb_tokens, min_bytes_per_token=self.planner.min_bytes_per_token,
+                transient_bytes_per_routed=forward_transient_bytes_per_routed(
+                    self.shape, self.device.type == "cuda"),
+                prefetch=self.engine.prefetch_enabled, last_layer=layer >= len(self.moe_blocks) - 1,
+                evictable_bytes=evictable), self.forecast)
             try:
-                decision = self.planner.decide(num_routed, headroom, evictable, backward_room)
+                decision = self.planner.decide(*room.planner_args())
             except BudgetInfeasible as err:
                 if self.ledger.defer_overflow:  # finish the forward; the group decides after
                     self.ledger.overflow = self.ledger.overflow or err
@@ -79,16 +75,17 @@ class DecisionWindow:
         the planner can keep? Then recompute the whole layer (attention included) rather
         than discover it mid-layer and pay the safety net's re-run. Needs the attention
         part's bytes per token, measured on earlier layers; never on the first ones."""
-        if self.policy != "adaptive" or not self._in_forward or self._layer_bytes_per_token <= 0:
+        if self.policy != "adaptive" or not self._in_forward:
             return False
-        tokens = self._mb_tokens
-        layer_part = int(self._layer_bytes_per_token * tokens)
-        routed = max(self._max_routed, self._routed_per_token * tokens)
-        least = layer_part + self.planner.min_bytes_per_token * routed
-        to_come = self.forecast.still_to_come(layer, layer_part, routed,
-                                              self.planner.min_bytes_per_token, tokens)
-        if self.ledger.in_use() + least + to_come <= self.budget_bytes:
+        entry = EntryState(layer, self.budget_bytes, self.ledger.in_use(), self._mb_tokens,
+                           self.planner.min_bytes_per_token, self._seen())
+        if not layer_cannot_fit(entry, self.forecast):
             return False
         if self._step is not None:
             self._step.full_layers += 1
         return True
+
+    def _seen(self) -> Seen:
+        """The guard's memory of earlier decisions (its `_max_routed` is reset per
+        micro-batch by the guard; the per-token maxima live as long as the guard)."""
+        return Seen(self._max_routed, self._layer_bytes_per_token, self._routed_per_token)

@@ -3,16 +3,22 @@
 The walk follows the stage's schedule (spikeguard.sim.schedule): a forward adds what the
 micro-batch chunk keeps for backward, its backward frees it. Every expert-path decision
 is the runtime's own: `Planner.fixed` for the static policies, and for `adaptive`
-`Planner.decide` with the inputs the runtime's decision window gathers
-(spikeguard/runtime/window.py): headroom = capacity - in use - `Forecast.still_to_come`
-(the same Forecast, with the schedule's residency reserve), backward room, and what is
-evictable from earlier layers of the micro-batch; whole-layer recompute when even the
-least would not fit at the layer's entry, and the safety net (the micro-batch re-run
-with full recompute) when the planner raises. Nothing here decides memory.
+`Planner.decide` with the inputs that spikeguard.plan.room computes for the runtime's
+decision window too (`decision_inputs`, `layer_cannot_fit`: the same functions, the same
+Forecast with the schedule's residency): whole-layer recompute when even the least would
+not fit at the layer's entry, and the safety net (the micro-batch re-run with full
+recompute) when the planner raises. Nothing here decides memory; the walk only says what
+the window would know (bytes in use, the attention part, what earlier layers routed).
 
-Decisions are pure functions of (chunk, loads, bytes in use, reserve), so one forward is
-memoised on exactly that key: in the steady state of 1F1B the same in-use figure recurs,
-and a spike-free step repeats across steps.
+The window's memory of earlier decisions (`room.Seen`) is carried from forward to forward
+within a walk as the guard carries it. A walk starts from the guard's steady state: the
+attention part measured, routed copies per token at the mean (top-k). The guard keeps its
+largest routed copies per token for its whole life, which a walk cannot (the engine walks
+one load once for every rank and step that share it, spikeguard/sim/engine.py).
+
+Decisions are pure functions of (chunk, loads, bytes in use, reserve, that memory), so one
+forward is memoised on exactly that key: in the steady state of 1F1B the same in-use
+figure recurs, and a spike-free step repeats across steps.
 
 Time of a micro-batch on this rank: forward FLOPs at the device's achieved rate plus the
 all-to-all (dispatch and combine), backward `backward_ratio` (2) times the forward's
@@ -26,14 +32,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 
 from spikeguard.errors import BudgetInfeasible
-from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE
+from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.planner import Planner
+from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs,
+                                  forward_transient_bytes_per_routed, layer_cannot_fit)
 from spikeguard.sim.config import SimConfig
 from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
@@ -55,6 +64,7 @@ class Forward:
     # bytes it evicted from older resident micro-batches: (index in the newest-first order
     # of the older ones, bytes), relative so that the memoised forward applies anywhere
     resident_evictions: tuple = ()
+    seen: Optional[Seen] = None   # adaptive: the window's memory after this forward
 
     @property
     def resident_freed(self) -> int:
@@ -124,6 +134,9 @@ class StageWalker:
         lay, dev = cfg.layout, cfg.device
         self.capacity = float("inf") if policy == "ceiling" else dev.capacity_bytes
         self.cuda = dev.kind == "cuda"
+        # The runtime's offload engine prefetches on CUDA only (runtime/offload.py).
+        self.prefetch = self.cuda
+        self.transient = forward_transient_bytes_per_routed(dm.expert_shape, self.cuda)
         self.flop_rate = dev.peak_flops * dev.efficiency
         self.planner = Planner(dm.expert_shape, cost)
         self.ops: list[Op] = stage_ops(stage.stage, lay.pp, lay.micro_batches, lay.virtual_stages)
@@ -144,6 +157,7 @@ class StageWalker:
         device: dict = {}   # forward ordinal -> bytes it keeps on the device
         host: dict = {}     # (forward ordinal, layer) -> bytes it has on the host
         decisions: Counter = Counter()
+        seen = self._first_seen()
         k = 0
         for op in self.ops:
             if op.kind == "B":
@@ -153,7 +167,8 @@ class StageWalker:
                     del host[key]
                 continue
             counts = self._counts(load, op)
-            fwd = self.forward(op.chunk, counts, in_use, k, host, device)
+            fwd = self.forward(op.chunk, counts, in_use, k, host, device, seen)
+            seen = fwd.seen or seen
             top = in_use - fwd.resident_freed + fwd.peak
             peak = max(peak, top)
             decisions.update(fwd.decisions)
@@ -196,11 +211,17 @@ class StageWalker:
             return (int(load),) * len(chunk)
         return tuple(int(c) for c in load[op.micro_batch, list(chunk)])
 
+    def _first_seen(self) -> Seen:
+        """The guard's steady state (module doc): attention part measured, mean load."""
+        return Seen(0, self.dm.layer_part() / self.dm.tokens, float(self.cfg.model.top_k))
+
     def forward(self, chunk: int, counts: tuple[int, ...], in_use: int, k: int = 0,
-                host: dict | None = None, device: dict | None = None) -> Forward:
-        """The k-th forward of the stage. Adaptive decisions depend on the bytes in use
-        and, through the residency forecast, on the schedule position and what the older
-        resident micro-batches hold on the device and host: all of it is the memo key."""
+                host: dict | None = None, device: dict | None = None,
+                seen: Optional[Seen] = None) -> Forward:
+        """The k-th forward of the stage. Adaptive decisions depend on the bytes in use,
+        the window's memory of earlier forwards (`seen`) and, through the residency
+        forecast, on the schedule position and what the older resident micro-batches hold
+        on the device and host: all of it is the memo key."""
         if self.policy != "adaptive":
             key = (chunk, counts)
             hit = self._memo.get(key)
@@ -208,15 +229,16 @@ class StageWalker:
                 hit = self._memo[key] = self._static(chunk, counts)
             return hit
         host, device = host or {}, device or {}
+        seen = (seen or self._first_seen()).next_micro_batch()
         pos = self.positions[k]
         older = set(pos.older)
         reload = max((n for (o, _), n in host.items() if o in older), default=0)
         key = (chunk, counts, in_use, pos.to_add, pos.at_backward, reload,
-               tuple(device.get(o, 0) for o in sorted(older, reverse=True)))
+               tuple(device.get(o, 0) for o in sorted(older, reverse=True)), seen)
         hit = self._memo.get(key)
         if hit is None:
             residency = _residency(self.positions, k, host, device)
-            hit = self._memo[key] = self._adaptive(chunk, counts, in_use, residency, device)
+            hit = self._memo[key] = self._adaptive(chunk, counts, in_use, residency, device, seen)
         return hit
 
     # ---- pieces shared by every policy -------------------------------------------------
@@ -267,7 +289,7 @@ class StageWalker:
         seconds = self._base_s(counts, head_flops)
         if self.policy == "full":
             kept, added = self._full_chunk(chunk, counts)
-            return Forward(kept, kept, seconds + added, Counter(recompute=5 * len(counts)))
+            return Forward(kept, kept, seconds + added, Counter(recompute=len(OPS) * len(counts)))
         plan = FIXED_PLANS[self.policy]
         kept, decisions = embed, Counter()
         for count in counts:
@@ -279,8 +301,9 @@ class StageWalker:
 
     # ---- adaptive: Planner.decide with the runtime's inputs -----------------------------
     def _adaptive(self, chunk: int, counts: tuple[int, ...], in_use: int, residency,
-                  device: dict) -> Forward:
-        dm, planner, cap, T = self.dm, self.planner, self.capacity, self.dm.tokens
+                  device: dict, seen: Seen) -> Forward:
+        dm, planner, T = self.dm, self.planner, self.dm.tokens
+        cap = int(self.capacity)
         embed, head, head_flops = self._ends(chunk)
         forecast = Forecast(num_layers=len(counts), head_bytes_per_token=head / T,
                             post_bytes_per_token=dm.shared_bytes_per_token,
@@ -292,40 +315,35 @@ class StageWalker:
         kept_by_layer: list[int] = []
         host_by_layer: list[int] = []
         decisions: Counter = Counter()
-        max_routed = 0
-        mean_routed = T * self.cfg.model.top_k
         residents = _ResidentTracker(device)
         start_in_use = in_use
         for i, count in enumerate(counts):
             in_use = start_in_use - sum(residents.evicted.values())
             held = embed + sum(kept_by_layer)
-            # Layer entry (window.py `_layer_cannot_fit`): the load is not known yet.
-            routed = max(max_routed, mean_routed)
-            to_come = forecast.still_to_come(i, layer_part, routed, min_bpt, T)
-            if in_use + held + layer_part + min_bpt * routed + to_come > cap:
+            # The runtime's ledger at the layer's entry holds in_use + held.
+            if layer_cannot_fit(EntryState(i, cap, in_use + held, T, min_bpt, seen), forecast):
+                # The layer runs whole under a checkpoint: no decision, nothing seen.
                 kept_by_layer.append(int(dm.input_bytes_per_token * T))
                 host_by_layer.append(0)
                 seconds += self._layer_compute_s(count)
                 decisions["full_layer"] += 1
-                decisions["recompute"] += 5   # the runtime records it as every op recomputed
-                max_routed = max(max_routed, count)
+                decisions["recompute"] += len(OPS)  # the runtime records every op recomputed
                 continue
-            # The decision window (window.py `decide`).
-            max_routed = max(max_routed, count)
-            now = in_use + held + layer_part
-            to_come = forecast.still_to_come(i, layer_part, max_routed, min_bpt, T)
-            headroom = cap - now - to_come
-            if self.cuda:
-                headroom -= count * dm.expert_shape.bytes_per_token()["gate_up"]
-            margin = layer_part if self.cuda and i < len(counts) - 1 else 0
-            backward_room = cap - now - margin - getattr(forecast, "backward_reserved_bytes", 0)
-            # pipeline: older resident micro-batches may go to host too (window.py)
-            evictable = held + residency.evictable(residents)
+            seen = seen.after(count, layer_part, T)
+            room = decision_inputs(WindowState(
+                layer=i, budget_bytes=cap, in_use_bytes=in_use + held + layer_part,
+                num_routed=count, layer_part_bytes=layer_part, max_routed=seen.max_routed,
+                num_tokens=T, min_bytes_per_token=min_bpt,
+                transient_bytes_per_routed=self.transient, prefetch=self.prefetch,
+                last_layer=i == len(counts) - 1,
+                # earlier layers of the micro-batch, and older resident ones (window.py)
+                evictable_bytes=held + residency.evictable(residents)), forecast)
             try:
-                d = planner.decide(count, int(headroom), int(evictable), int(backward_room))
+                d = planner.decide(*room.planner_args())
             except BudgetInfeasible:
                 net = self._safety_net(chunk, counts, in_use, i, head_flops)
                 net.resident_evictions = _relative(residency, residents)
+                net.seen = seen
                 return net
             if d.evict_bytes:
                 own = min(d.evict_bytes, held)
@@ -341,7 +359,7 @@ class StageWalker:
             decisions.update(a.value for a in d.plan.actions)
         kept = embed + sum(kept_by_layer) + head
         return Forward(kept, kept, seconds, decisions, host=tuple(host_by_layer),
-                       resident_evictions=_relative(residency, residents))
+                       resident_evictions=_relative(residency, residents), seen=seen)
 
     def _evict(self, kept_by_layer: list[int], host_by_layer: list[int], evict: int) -> float:
         """Earlier layers go to host, oldest first; their copies cost what the planner's
@@ -365,7 +383,7 @@ class StageWalker:
         the re-run's decisions count (as in the runtime's history)."""
         kept, added = self._full_chunk(chunk, counts)
         wasted = sum(self._layer_compute_s(c) + 2 * self._a2a_s(c) for c in counts[:layer + 1])
-        decisions = Counter(recompute=5 * len(counts), safety_net=1)
+        decisions = Counter(recompute=len(OPS) * len(counts), safety_net=1)
         failed = in_use + kept > self.capacity
         return Forward(kept, kept, self._base_s(counts, head_flops) + added + wasted, decisions,
                        failed=failed)

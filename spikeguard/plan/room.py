@@ -1,0 +1,212 @@
+"""The planner's inputs, from what the decision window knows: one pure function for all.
+
+The runtime's decision window (spikeguard/runtime/window.py) and the simulator's walk
+(spikeguard/sim/walk.py) both turn plain numbers into the arguments of
+`Planner.decide(num_routed, headroom, evictable, backward_room)` here, so the two cannot
+drift apart. Nothing here holds torch tensors, a guard or a ledger: frozen dataclasses of
+numbers in, a frozen dataclass out. The one collaborator is the forecast (plan/forecast.py),
+whose two methods read the rest of the micro-batch and the pipeline's reservations and
+change nothing.
+
+    forward headroom = budget - in use - still to come - forward transient
+    backward room    = budget - in use - prefetch margin - backward reserve - backward extra
+
+    .venv/bin/python -m spikeguard.plan.room      # microseconds per decision, 8 x 64
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Protocol
+
+from spikeguard.plan.catalogue import ExpertShape
+
+
+class ToCome(Protocol):
+    """What the window asks the forecast (spikeguard.plan.forecast.Forecast)."""
+
+    def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
+                      min_expert_bytes_per_token: int, num_tokens: int) -> int: ...
+
+    def backward_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
+                         min_expert_bytes_per_token: int, num_tokens: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the window remembers of the decisions before this one: the largest routed count
+    of this micro-batch, and the largest attention part and routed copies per token
+    measured so far (the runtime's guard keeps the last two for its whole life; they make
+    the layer-entry estimate, before a layer's counts are known)."""
+
+    max_routed: int = 0
+    layer_bytes_per_token: float = 0.0
+    routed_per_token: float = 0.0
+
+    def after(self, num_routed: int, layer_part_bytes: int, num_tokens: int) -> "Seen":
+        """The memory once a layer has decided on `num_routed` copies."""
+        if not num_tokens:
+            return replace(self, max_routed=max(self.max_routed, num_routed))
+        return Seen(max(self.max_routed, num_routed),
+                    max(self.layer_bytes_per_token, layer_part_bytes / num_tokens),
+                    max(self.routed_per_token, num_routed / num_tokens))
+
+    def next_micro_batch(self) -> "Seen":
+        return replace(self, max_routed=0)
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """What the window knows in layer `layer`, right after routing."""
+
+    layer: int
+    budget_bytes: int
+    in_use_bytes: int          # on the device now, this layer's attention part included
+    num_routed: int            # routed copies this layer's local experts received
+    layer_part_bytes: int      # this layer's attention + router part, measured
+    max_routed: int            # largest routed count of this micro-batch, this one included
+    num_tokens: int            # tokens of the micro-batch (0: unknown, use num_routed)
+    min_bytes_per_token: int   # Planner.min_bytes_per_token: the least plan, per routed copy
+    # Stage temporaries the allocator holds during the expert forward, per routed copy
+    # (CUDA: the per-expert GEMM outputs before their concatenation); see
+    # `forward_transient_bytes_per_routed`.
+    transient_bytes_per_routed: int = 0
+    # In backward this layer's offloaded tensors come back while what is in use now is
+    # still alive; a prefetch by the layer above also finds that layer's attention part
+    # alive (about this layer's): the margin, unless prefetch is off or nothing is above.
+    prefetch: bool = False
+    last_layer: bool = False
+    evictable_bytes: int = 0   # earlier layers of this micro-batch, and older residents
+    # Backward working set that is not in use now and not in the forecast (activation
+    # gradients of this layer in backward, bytes recompute rematerialises, gradients not
+    # yet allocated): subtracted from the backward room. 0 until the byte model has it.
+    backward_extra_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Room:
+    """The planner's arguments for one decision, and the figures they came from."""
+
+    num_routed: int
+    headroom_bytes: int
+    evictable_bytes: int
+    backward_room_bytes: int
+    to_come_bytes: int
+    prefetch_margin_bytes: int
+    backward_reserve_bytes: int
+
+    def planner_args(self) -> tuple[int, int, int, int]:
+        """`Planner.decide(*room.planner_args())`."""
+        return self.num_routed, self.headroom_bytes, self.evictable_bytes, self.backward_room_bytes
+
+
+def forward_transient_bytes_per_routed(shape: ExpertShape, on_cuda: bool) -> int:
+    """The largest stage temporary of the expert forward, per routed copy: the gate/up
+    output, which the CUDA allocator holds beside the saved tensors until the stage ends.
+    The emulated CPU device counts only what stays alive, so there it is 0."""
+    return shape.bytes_per_token()["gate_up"] if on_cuda else 0
+
+
+def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
+    """Forward headroom and backward room of one decision (see the module doc)."""
+    s = state
+    args = (s.layer, s.layer_part_bytes, s.max_routed, s.min_bytes_per_token,
+            s.num_tokens or s.num_routed)
+    to_come = forecast.still_to_come(*args)
+    transient = s.num_routed * s.transient_bytes_per_routed
+    headroom = s.budget_bytes - s.in_use_bytes - to_come - transient
+    margin = s.layer_part_bytes if s.prefetch and not s.last_layer else 0
+    reserve = forecast.backward_reserve(*args)
+    backward_room = s.budget_bytes - s.in_use_bytes - margin - reserve - s.backward_extra_bytes
+    return Room(s.num_routed, headroom, s.evictable_bytes, backward_room, to_come, margin, reserve)
+
+
+@dataclass(frozen=True)
+class EntryState:
+    """What the window knows at a layer's entry, before its attention runs: no counts yet."""
+
+    layer: int
+    budget_bytes: int
+    in_use_bytes: int
+    num_tokens: int
+    min_bytes_per_token: int
+    seen: Seen
+
+
+def entry_estimate(state: EntryState) -> Optional[tuple[int, float]]:
+    """(attention part bytes, routed copies) a layer is expected to bring, from what earlier
+    layers measured; None before any layer measured its attention part."""
+    seen, tokens = state.seen, state.num_tokens
+    if seen.layer_bytes_per_token <= 0:
+        return None
+    return (int(seen.layer_bytes_per_token * tokens),
+            max(seen.max_routed, seen.routed_per_token * tokens))
+
+
+def layer_cannot_fit(state: EntryState, forecast: ToCome) -> bool:
+    """Would the layer overflow even with its expert path at the least the planner can
+    keep? (Then it is recomputed whole rather than discovered mid-layer.) Never before an
+    attention part was measured."""
+    estimate = entry_estimate(state)
+    if estimate is None:
+        return False
+    layer_part, routed = estimate
+    least = layer_part + state.min_bytes_per_token * routed
+    to_come = forecast.still_to_come(state.layer, layer_part, routed, state.min_bytes_per_token,
+                                     state.num_tokens)
+    return state.in_use_bytes + least + to_come > state.budget_bytes
+
+
+def _measure(reps: int = 300) -> None:
+    """Times the window of one micro-batch of 8 layers x 64 experts: per layer the entry
+    check, the inputs and the planner's decision (the ranking is refreshed per micro-batch,
+    as the guard does), calm (everything saved fits) and tight (0.6x what saving everything
+    needs: mixed plans, evictions on the last layers). A measurement, never asserted."""
+    import statistics
+    import time
+
+    from spikeguard.plan.cost import CostModel
+    from spikeguard.plan.forecast import Forecast
+    from spikeguard.plan.planner import Planner
+
+    layers, experts, tokens, top_k = 8, 64, 4096, 2
+    shape = ExpertShape(d_model=256, d_expert=128)
+    planner = Planner(shape, CostModel())
+    forecast = Forecast(num_layers=layers, head_bytes_per_token=1564.0)
+    tokens_per_expert_LE = [[tokens * top_k // experts] * experts for _ in range(layers)]
+    attn_bytes_per_token = 2400
+    layer_part = attn_bytes_per_token * tokens
+    whole = layers * (layer_part + sum(shape.predict(tokens * top_k).values())) + 1564 * tokens
+    print(f"window of {layers} layers x {experts} experts, N={tokens * top_k} per layer "
+          f"(CPU, this machine; median of {reps} micro-batches):")
+    for label, budget in (("calm", 4 * whole), ("tight (0.6x)", int(0.6 * whole))):
+        for with_planner in (False, True):
+            samples = []
+            for _ in range(reps):
+                planner.refresh()
+                start = time.perf_counter()
+                seen, in_use, plans = Seen(0, float(attn_bytes_per_token), float(top_k)), 0, set()
+                for layer, tokens_per_expert_E in enumerate(tokens_per_expert_LE):
+                    layer_cannot_fit(EntryState(layer, budget, in_use, tokens,
+                                                planner.min_bytes_per_token, seen), forecast)
+                    num_routed = sum(tokens_per_expert_E)
+                    seen = seen.after(num_routed, layer_part, tokens)
+                    room = decision_inputs(WindowState(
+                        layer, budget, in_use + layer_part, num_routed, layer_part,
+                        seen.max_routed, tokens, planner.min_bytes_per_token,
+                        last_layer=layer == layers - 1, evictable_bytes=in_use), forecast)
+                    if with_planner:
+                        d = planner.decide(*room.planner_args())
+                        in_use += layer_part + d.device_bytes - d.evict_bytes
+                        plans.add(d.plan)
+                    else:
+                        in_use += layer_part
+                samples.append((time.perf_counter() - start) * 1e6 / layers)
+            what = "inputs + planner" if with_planner else "inputs only     "
+            extra = f", {len(plans)} distinct plans" if with_planner else ""
+            print(f"  {label:13s} {what} {statistics.median(samples):6.1f} us per decision "
+                  f"(p90 {sorted(samples)[int(0.9 * reps)]:.1f}{extra})")
+
+
+if __name__ == "__main__":
+    _measure()
