@@ -1,36 +1,137 @@
-"""GPU check of the runtime: bitwise gradients, a real OOM for "none", ratios. < 5 minutes.
+"""GPU check of the runtime, the one short script for a lent accelerator (< 4 minutes).
 
-    .venv/bin/python scripts/gpu_check.py            # on a CUDA machine
-    .venv/bin/python scripts/gpu_check.py --device cpu   # same logic, emulated budget
+    .venv/bin/python scripts/gpu_check.py                # on a CUDA machine
+    .venv/bin/python scripts/gpu_check.py --device cpu   # dry run of the same logic
 
-On CUDA it makes a smaller device with `torch.cuda.set_per_process_memory_fraction` so
-that calm micro-batches fit with everything saved and a spike micro-batch (twice the
-tokens) does not; "none" must then die of a real `torch.cuda.OutOfMemoryError`, and
-"adaptive" must finish under the limit. Prints one line per check and the throughput
-ratios adaptive/ceiling and full/ceiling (medians of interleaved runs).
+Checks, one model on the device at a time (built, measured, deleted, the cache emptied,
+`memory_allocated` checked back near its start before the next):
+  1. bitwise: gradients of the `small` model (tiny on CPU) under every policy are
+     `torch.equal` to the plain model's, itself checked reproducible (strict
+     deterministic algorithms on CUDA: index_add and attention's backward use atomics);
+  2. none: under a cap between the calm and the spike step's true peaks, "none" fits
+     calm and dies of a real `torch.OutOfMemoryError` on the spike (a micro-batch of
+     twice the tokens), the guard given a budget it never reaches;
+  3. adaptive: calm and spike steps finish with the true peak under the cap; says whether
+     they also stayed under the guard's budget, cap - max(5%, 256 MiB) on CUDA;
+  4. throughput ratios adaptive/ceiling and full/ceiling, interleaved, medians and
+     min-max over rounds: reported, never PASS/FAIL.
+Per step: `reset_peak_memory_stats` before, `max_memory_allocated` after (the true peak),
+next to the guard's own `history[-1]['peak_bytes']`. Every check runs in try/except; the
+last line is `gpu_check: PASS` or `gpu_check: FAIL (<reasons>)`, exit code 0 or 1. After
+--time-limit the remaining checks are skipped (a FAIL); a watchdog ends a hung run 60 s
+later with the same line. On CPU the memory figures are the guard's ledger (there is no
+allocator to read) and the cap is the emulated device the guard is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
 
-import spikeguard
-from spikeguard.model import build_model, model_config
+try:  # a broken working tree must still end in the one line, not a traceback
+    import spikeguard
+    from spikeguard.errors import DeviceOutOfMemory
+    from spikeguard.model import build_model, model_config
+    from spikeguard.runtime.guard import Guard
+    IMPORT_ERROR = None
+except Exception as _err:  # noqa: BLE001
+    IMPORT_ERROR = f"{type(_err).__name__}: {_err}"
 
+MiB = 1 << 20
 POLICIES = ("none", "full", "experts", "offload", "adaptive")
+HUGE = 1 << 50                      # a budget nothing reaches: the guard never constrains
+LEAK_BYTES = 32 * MiB               # allowed above the start between models (cuBLAS etc.)
+MARGIN_FRACTION, MARGIN_FLOOR_BYTES = 0.05, 256 * MiB   # guard budget = cap - margin
+WATCHDOG_GRACE_S = 60
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class CheckFailed(Exception):
+    """A check's condition did not hold: the message is the FAIL reason."""
 
 
-def batches(cfg, device, sizes, seed=0):
+class TimeUp(Exception):
+    """The global time limit passed inside a check."""
+
+
+def mib(num_bytes) -> str:
+    return "n/a" if num_bytes is None else f"{num_bytes / MiB:.1f} MiB"
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)  # flushed: the order must survive a hard stop
+
+
+def first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+
+
+class Run:
+    """What the checks share: the device, the deadline, the results, the memory start."""
+
+    def __init__(self, args, device: torch.device):
+        self.args, self.device = args, device
+        self.cuda = device.type == "cuda"
+        self.start_s = time.perf_counter()
+        self.results: list[tuple[str, str, str]] = []   # (check, PASS/FAIL/REPORT, reason)
+        self.current = "start"
+        self.baseline_bytes = 0
+        self.sizes: dict | None = None
+
+    def time_left_s(self) -> float:
+        return self.args.time_limit - (time.perf_counter() - self.start_s)
+
+    def check_time(self, what: str) -> None:
+        if self.time_left_s() <= 0:
+            raise TimeUp(f"time limit {self.args.time_limit:.0f} s: skipped {what}")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def warm_up(self) -> None:
+        """Start cuBLAS and attention once, so their workspaces are in the baseline."""
+        if not self.cuda:
+            return
+        x = torch.randn(64, 64, 64, device=self.device, requires_grad=True)
+        y = torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None])
+        (y.sum() + (x @ x).sum()).backward()
+        del x, y
+        self.sync()
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.baseline_bytes = torch.cuda.memory_allocated(self.device)
+
+    def release(self, tag: str) -> None:
+        """After `del model, guard`: collect, empty the cache, check nothing stayed."""
+        gc.collect()
+        if not self.cuda:
+            return
+        torch.cuda.empty_cache()
+        over = torch.cuda.memory_allocated(self.device) - self.baseline_bytes
+        say(f"    released {tag}: allocated {mib(over)} over the start, "
+            f"reserved {mib(torch.cuda.memory_reserved(self.device))}")
+        if over > LEAK_BYTES:
+            raise CheckFailed(f"{mib(over)} still allocated after {tag} (> {mib(LEAK_BYTES)})")
+
+    def set_cap(self, cap_bytes: int | None) -> None:
+        """The device limit: `cap_bytes` of the allocator, or the whole device (None)."""
+        if not self.cuda:
+            return
+        gc.collect()
+        torch.cuda.empty_cache()  # cached blocks above a lowered cap would still count
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        fraction = 1.0 if cap_bytes is None else cap_bytes / total
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+
+
+def batches(cfg, device, sizes, seed):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for b in sizes:
@@ -39,124 +140,404 @@ def batches(cfg, device, sizes, seed=0):
     return out
 
 
-def run_step(model, data, guard=None):
+def run_guarded(guard, fn) -> None:
+    """One step: `guard.run_step(fn)` where the guard has it (its safety net reaches
+    backward), else `with guard.step(): fn()`."""
+    if guard is None:
+        fn()
+    elif hasattr(guard, "run_step"):
+        guard.run_step(fn)
+    else:
+        with guard.step():
+            fn()
+
+
+def measured_step(run: Run, model, data, guard=None, where=None) -> dict:
+    """One step of all micro-batches' forward+backward, with its true peak."""
+    where = where if where is not None else {}
+
+    def fn():
+        for mb, (idx, tgt) in enumerate(data):
+            where.update(phase="forward", micro_batch=mb)
+            loss = model(idx, tgt).loss
+            where.update(phase="backward")
+            loss.backward()
+            del loss
+
     model.zero_grad(set_to_none=True)
-    sync(next(model.parameters()).device)
+    run.sync()
+    start_bytes = None
+    if run.cuda:
+        start_bytes = torch.cuda.memory_allocated(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
     start = time.perf_counter()
-    ctx = guard.step() if guard else _null()
-    with ctx:
-        for idx, tgt in data:
-            model(idx, tgt).loss.backward()
-    sync(next(model.parameters()).device)
-    return time.perf_counter() - start
+    run_guarded(guard, fn)
+    run.sync()
+    out = {"seconds": time.perf_counter() - start, "start": start_bytes, "true": None,
+           "reserved": None, "frag": None,
+           "record": guard.history[-1] if guard is not None else None}
+    out["guard"] = out["record"]["peak_bytes"] if guard is not None else None
+    if run.cuda:
+        out["true"] = torch.cuda.max_memory_allocated(run.device)
+        out["reserved"] = torch.cuda.memory_reserved(run.device)
+        # Fragmentation at the peak: what the allocator held beyond what was in use.
+        out["frag"] = torch.cuda.max_memory_reserved(run.device) - out["true"]
+    out["peak"] = out["true"] if run.cuda else out["guard"]
+    return out
 
 
-class _null:
-    def __enter__(self):
-        return self
+def peaks_line(m: dict) -> str:
+    if m["true"] is None:  # cpu: only the guard's ledger has a figure
+        return "no figure (cpu, no guard)" if m["guard"] is None else \
+            f"guard peak {mib(m['guard'])} (ledger)"
+    ratio = f"{m['guard'] / m['true']:.3f}" if m["true"] and m["guard"] is not None else "n/a"
+    return (f"true peak {mib(m['true']):>10s} | guard peak {mib(m['guard']):>10s} | "
+            f"guard/true {ratio} | reserved {mib(m['reserved'])} | frag at peak {mib(m['frag'])}")
 
-    def __exit__(self, *exc):
-        return False
+
+def grads_cpu(model) -> dict:
+    return {n: None if p.grad is None else p.grad.detach().cpu()
+            for n, p in model.named_parameters()}
 
 
-def check_bitwise(cfg, device, data) -> bool:
-    ref = build_model(cfg, seed=1).to(device)
-    run_step(ref, data)
-    ok = True
-    for policy in POLICIES:
-        model = build_model(cfg, seed=1).to(device)
-        guard = spikeguard.attach(model, budget=1 << 50, policy=policy)
-        run_step(model, data, guard)
-        same = all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
-        print(f"bitwise gradients {policy:9s}: {'equal' if same else 'DIFFERENT'}")
-        ok &= same
+def differing(ref: dict, got: dict) -> list[str]:
+    return [n for n in ref if (ref[n] is None) != (got[n] is None)
+            or (ref[n] is not None and not torch.equal(ref[n], got[n]))]
+
+
+# ---- the checks ------------------------------------------------------------------------
+def check_bitwise(run: Run) -> str:
+    cfg = model_config(run.args.bitwise_preset)
+    data = batches(cfg, run.device, [run.args.bitwise_batch] * 2, seed=11)
+    what = f"preset {run.args.bitwise_preset}, 2 x {run.args.bitwise_batch} sequences"
+    if not run.cuda:
+        return bitwise(run, cfg, data) + f" ({what})"
+    # index_add (combine) and its backward use atomics on CUDA, and memory-efficient
+    # attention splits its backward unless deterministic mode is strict (warn_only=False).
+    try:
+        torch.use_deterministic_algorithms(True)
+        return bitwise(run, cfg, data) + f" ({what}, deterministic algorithms)"
+    except RuntimeError as err:
+        if "deterministic" not in str(err):
+            raise
+        say(f"  strict deterministic mode refused an op ({first_line(err)}); again warn-only")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return bitwise(run, cfg, data) + f" ({what}, deterministic algorithms, warn-only)"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def bitwise(run: Run, cfg, data) -> str:
+    def plain():
+        model = build_model(cfg, seed=1).to(run.device)
+        m = measured_step(run, model, data)
+        grads = grads_cpu(model)
+        del model
+        run.release("plain model")
+        return m, grads
+
+    m, ref = plain()
+    say(f"  plain      : {peaks_line(m)}")
+    num_unstable = len(differing(ref, plain()[1]))
+    if num_unstable:
+        raise CheckFailed(f"the plain model is not bitwise reproducible here "
+                          f"({num_unstable} gradients differ run to run)")
+    param_bytes = sum(p.numel() * p.element_size() for p in build_model(cfg).parameters())
+    fixed, peak, failures = 0, 0, []
+    for i, policy in enumerate(POLICIES):
+        run.check_time(f"bitwise for {', '.join(POLICIES[i:])}")
+        # adaptive: 3/4 of the activation bytes, so that all-save does not fit.
+        budget = HUGE if policy != "adaptive" else fixed + int(0.75 * (peak - fixed))
+        model = build_model(cfg, seed=1).to(run.device)
+        guard = spikeguard.attach(model, budget=budget, policy=policy)
+        m = measured_step(run, model, data, guard)
+        diff = differing(ref, grads_cpu(model))
         guard.detach()
-    return ok
+        del model, guard
+        run.release(f"{policy} model")
+        if policy == "none":
+            # Bytes that are not activations: on CUDA what was allocated before the step
+            # (parameters, cuBLAS workspace, data) and the gradients to come.
+            fixed = m["start"] + param_bytes if run.cuda else m["record"]["static_bytes"]
+            peak = m["record"]["peak_bytes"]
+        dec = m["record"]["decisions"]
+        say(f"  {policy:11s}: {'equal' if not diff else 'DIFFERENT'} | {peaks_line(m)} | "
+            f"save {dec['save']} rec {dec['recompute']} off {dec['offload']}")
+        if diff:
+            failures.append(f"{policy}: {len(diff)} gradients differ ({diff[0]}, ...)")
+        elif policy == "adaptive" and dec["recompute"] + dec["offload"] == 0:
+            failures.append("adaptive saved everything under 3/4 of the bytes: "
+                            "nothing was compared")
+    if failures:
+        raise CheckFailed("; ".join(failures))
+    return f"{len(POLICIES)} policies bitwise equal to the plain model"
 
 
-def peak_of(cfg, device, data) -> int:
-    model = build_model(cfg, seed=1).to(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        run_step(model, data)
-        return torch.cuda.max_memory_allocated(device)
-    guard = spikeguard.attach(model, budget=1 << 50, policy="none")
-    run_step(model, data, guard)
-    return guard.history[-1]["peak_bytes"]
+def check_sizes(run: Run) -> str:
+    """The cap (between calm and spike peaks) and the guard's budget under it."""
+    cfg, b = model_config(run.args.preset), run.args.batch
+    calm, spike = batches(cfg, run.device, [b, b], 0), batches(cfg, run.device, [b, 2 * b], 1)
+    peaks = {}
+    for policy, name, data in (("none", "calm", calm), ("none", "spike", spike),
+                               ("full", "spike", spike)):
+        model = build_model(cfg, seed=1).to(run.device)
+        guard = spikeguard.attach(model, budget=HUGE, policy=policy)
+        m = measured_step(run, model, data, guard)
+        guard.detach()
+        del model, guard
+        run.release(f"{policy} model")
+        peaks[policy, name] = m["peak"]
+        say(f"  {policy:4s} {name:5s} (no limit): {peaks_line(m)}")
+    calm_b, spike_b, full_b = peaks["none", "calm"], peaks["none", "spike"], peaks["full", "spike"]
+    cap = calm_b + (spike_b - calm_b) // 2
+    floor = MARGIN_FLOOR_BYTES if run.cuda else 0  # the floor is for the CUDA allocator
+    margin = max(int(MARGIN_FRACTION * cap), floor)
+    budget = cap - margin
+    where = ""
+    if run.cuda:
+        total = torch.cuda.get_device_properties(run.device).total_memory
+        where = f" (fraction {cap / total:.5f} of {total / 2**30:.1f} GiB)"
+    say(f"  cap {mib(cap)}{where}; guard budget = cap - max({MARGIN_FRACTION:.0%}, "
+        f"{mib(floor)}) = {mib(cap)} - {mib(margin)} = {mib(budget)}")
+    if spike_b <= calm_b * 1.05:
+        raise CheckFailed(f"the spike ({mib(spike_b)}) is not above calm ({mib(calm_b)})")
+    if full_b >= budget:
+        raise CheckFailed(f"full recompute of the spike needs {mib(full_b)}, over the "
+                          f"budget {mib(budget)}: raise --batch")
+    run.sizes = {"cfg": cfg, "calm": calm, "spike": spike, "cap": cap, "budget": budget}
+    return f"calm {mib(calm_b)}, spike {mib(spike_b)}, full {mib(full_b)} -> cap {mib(cap)}"
+
+
+def is_real_oom(err: BaseException) -> bool:
+    """The allocator's own error, possibly re-raised by the guard as DeviceOutOfMemory."""
+    for _ in range(16):  # the chain of causes, bounded
+        if err is None:
+            return False
+        if isinstance(err, torch.OutOfMemoryError) or "CUDA out of memory" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def check_none(run: Run) -> str:
+    s = run.sizes
+    run.set_cap(s["cap"])
+    model = build_model(s["cfg"], seed=1).to(run.device)
+    # On CUDA the allocator under the cap is the device: a budget the guard never reaches,
+    # so whatever kills "none" is the real limit. On CPU the budget is the emulated device.
+    guard = spikeguard.attach(model, budget=HUGE if run.cuda else s["cap"], policy="none")
+    where, died = {}, None
+    try:
+        m = measured_step(run, model, s["calm"], guard, where)
+    except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
+        raise CheckFailed(f"calm did not fit under the cap {mib(s['cap'])}: out of memory "
+                          f"in {where.get('phase')}: {first_line(err)}") from None
+    say(f"  none calm : fits | {peaks_line(m)}")
+    try:
+        m = measured_step(run, model, s["spike"], guard, where)
+        say(f"  none spike: finished | {peaks_line(m)}")
+    except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
+        real = is_real_oom(err)
+        died = (f"{'real ' if real and run.cuda else ''}{type(err).__name__} in "
+                f"{where.get('phase')} of "
+                f"micro-batch {where.get('micro_batch')}", real)
+        say(f"  none spike: out of memory: {died[0]}: {first_line(err)}")
+    guard.detach()
+    del model, guard
+    run.release("none model")
+    if died is None:
+        raise CheckFailed(f"none finished the spike under the cap {mib(s['cap'])}: no OOM seen")
+    if run.cuda and not died[1]:
+        raise CheckFailed(f"none died of the guard's own check, not the allocator: {died[0]}")
+    return f"none: calm fits, spike dies ({died[0]}{'' if run.cuda else ', emulated on cpu'})"
+
+
+def check_adaptive(run: Run) -> str:
+    s = run.sizes
+    run.set_cap(s["cap"])
+    model = build_model(s["cfg"], seed=1).to(run.device)
+    guard = spikeguard.attach(model, budget=s["budget"], policy="adaptive")
+    over_cap, over_budget, where = [], [], {}
+    try:
+        for name in ("calm", "spike", "calm", "spike"):
+            try:
+                m = measured_step(run, model, s[name], guard, where)
+            except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
+                raise CheckFailed(f"adaptive died on a {name} step, in {where.get('phase')} "
+                                  f"of micro-batch {where.get('micro_batch')}: "
+                                  f"{first_line(err)}") from None
+            rec = m["record"]
+            under = m["peak"] <= s["budget"]
+            say(f"  adaptive {name:5s}: {peaks_line(m)} | under budget {under} | "
+                f"reruns {rec['safety_net_reruns']} | {rec['decisions']}")
+            if m["peak"] > s["cap"]:
+                over_cap.append(f"{name} {mib(m['peak'])}")
+            if not under:
+                over_budget.append(name)
+    finally:
+        guard.detach()
+        del model, guard
+    run.release("adaptive model")
+    if over_cap:
+        raise CheckFailed(f"adaptive over the cap {mib(s['cap'])}: {', '.join(over_cap)}")
+    budget_note = ("under the budget too" if not over_budget else
+                   f"over the budget {mib(s['budget'])} (not the cap) in {', '.join(over_budget)}")
+    return f"adaptive finished calm and spike under the cap, {budget_note}"
+
+
+def check_throughput(run: Run) -> str:
+    s = run.sizes
+    model = build_model(s["cfg"], seed=1).to(run.device)
+    seconds = {p: [] for p in ("ceiling", "full", "adaptive")}
+    rounds = 0
+    try:
+        for _ in range(run.args.reps):
+            if run.time_left_s() <= 0:
+                break
+            for policy in seconds:  # interleaved: each round times all three in turn
+                run.set_cap(None if policy == "ceiling" else s["cap"])
+                guard = None if policy == "ceiling" else spikeguard.attach(
+                    model, budget=s["budget"], policy=policy)
+                measured_step(run, model, s["calm"], guard)   # warm-up, not timed
+                seconds[policy].append(measured_step(run, model, s["calm"], guard)["seconds"]
+                                       + measured_step(run, model, s["spike"], guard)["seconds"])
+                if guard is not None:
+                    guard.detach()
+                del guard
+            rounds += 1
+    finally:
+        model.zero_grad(set_to_none=True)
+        del model
+        run.set_cap(None)
+    run.release("throughput model")
+    if rounds == 0:
+        raise TimeUp(f"time limit {run.args.time_limit:.0f} s: skipped every throughput round")
+    parts = []
+    for policy in ("adaptive", "full"):
+        ratios = [c / t for c, t in zip(seconds["ceiling"][:rounds], seconds[policy][:rounds])]
+        parts.append(f"{policy}/ceiling {statistics.median(ratios):.3f} "
+                     f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    cut = "" if rounds == run.args.reps else f", cut to {rounds} by the time limit"
+    ms = statistics.median(seconds["ceiling"][:rounds]) * 1e3
+    return (f"{', '.join(parts)}; medians of {rounds} interleaved rounds{cut} "
+            f"(calm + spike step, ceiling {ms:.0f} ms, no limit)")
+
+
+CHECKS = (("bitwise", check_bitwise, True), ("sizes", check_sizes, True),
+          ("none", check_none, True), ("adaptive", check_adaptive, True),
+          ("throughput", check_throughput, False))   # the last is reported, never asserted
+
+
+def run_checks(run: Run) -> None:
+    for name, fn, asserted in CHECKS:
+        run.current = name
+        if name != "bitwise" and name != "sizes" and run.sizes is None:
+            run.results.append((name, "FAIL", f"{name}: not run, it needs the sizes check"))
+            say(f"[{name}] NOT RUN (the sizes check did not pass)")
+            continue
+        if run.time_left_s() <= 0:
+            run.results.append((name, "FAIL", f"time limit {run.args.time_limit:.0f} s: "
+                                              f"skipped {name}"))
+            say(f"[{name}] SKIPPED (time limit)")
+            continue
+        say(f"[{name}]")
+        t0 = time.perf_counter()
+        try:
+            detail = fn(run)
+            status = "PASS" if asserted else "REPORT"
+        except TimeUp as err:
+            status, detail = "FAIL", str(err)
+        except CheckFailed as err:
+            status, detail = "FAIL", f"{name}: {err}"
+        except Exception as err:  # noqa: BLE001 - torch.OutOfMemoryError too: a FAIL line
+            status, detail = "FAIL", f"{name}: {first_line(err)}"
+        if status == "FAIL":
+            try:  # the failed check's tensors went with its exception: free them
+                run.set_cap(None)
+                run.release(f"failed {name}")
+            except Exception as err:  # noqa: BLE001
+                detail += f"; then {first_line(err)}"
+        run.results.append((name, status, detail))
+        say(f"[{name}] {status} ({time.perf_counter() - t0:.1f} s): {detail}")
+
+
+def final_line(run: Run) -> str:
+    reasons = [r.replace("\n", " ")[:300] for _, status, r in run.results if status == "FAIL"]
+    return "gpu_check: PASS" if not reasons else f"gpu_check: FAIL ({'; '.join(reasons)})"
+
+
+def start_watchdog(run: Run) -> threading.Timer:
+    """A check stuck in a device call never returns to the time checks: end the process."""
+    def stop():
+        say(f"gpu_check: FAIL (hung in {run.current}: past the time limit "
+            f"{run.args.time_limit:.0f} s + {WATCHDOG_GRACE_S} s)")
+        os._exit(1)
+    timer = threading.Timer(run.args.time_limit + WATCHDOG_GRACE_S, stop)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="spikeguard GPU check")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--preset", default="medium")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--preset", default=None, help="checks 2-4 (medium; tiny on cpu)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per calm "
+                        "micro-batch (16; 8 on cpu); the spike has twice as many")
+    parser.add_argument("--bitwise-preset", default=None, help="check 1 (small; tiny on cpu)")
+    parser.add_argument("--bitwise-batch", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3, help="throughput rounds")
+    parser.add_argument("--time-limit", type=float, default=240.0, help="seconds")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; run it on a CUDA machine (or --device cpu)")
-        return 0
+    cpu = args.device == "cpu"
+    args.preset = args.preset or ("tiny" if cpu else "medium")
+    args.bitwise_preset = args.bitwise_preset or ("tiny" if cpu else "small")
+    args.batch = args.batch or (8 if cpu else 16)
+    if IMPORT_ERROR:
+        say(f"gpu_check: FAIL (spikeguard does not import: {IMPORT_ERROR})")
+        return 1
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        say("gpu_check: FAIL (no CUDA device here; --device cpu is the dry run)")
+        return 1
+    # cuBLAS is bitwise reproducible only with a fixed workspace: set before its first use.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = torch.device(args.device)
-    cfg = model_config(args.preset)
-    calm = batches(cfg, device, [args.batch, args.batch])
-    spike = batches(cfg, device, [args.batch, 2 * args.batch], seed=1)
-    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-          f"preset {args.preset}, torch {torch.__version__}")
-    ok = check_bitwise(cfg, device, calm)
-
-    calm_peak, spike_peak = peak_of(cfg, device, calm), peak_of(cfg, device, spike)
-    limit = int(calm_peak + 0.5 * (spike_peak - calm_peak))  # calm fits, the spike does not
-    print(f"peak calm {calm_peak / 2**20:.1f} MiB, spike {spike_peak / 2**20:.1f} MiB, "
-          f"limit {limit / 2**20:.1f} MiB")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(limit / total, device)
-    budget = limit
-
-    model = build_model(cfg, seed=1).to(device)
-    guard = spikeguard.attach(model, budget=budget, policy="none")
+    if cpu:
+        torch.set_num_threads(1)  # tiny models; two threads on shared cores stall each other
+    run = Run(args, device)
+    watchdog = start_watchdog(run)
     try:
-        run_step(model, spike, guard)
-        print("none on the spike: no out-of-memory (UNEXPECTED)")
-        ok = False
-    except (spikeguard.DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-        print(f"none on the spike: out of memory, as a real job would die ({type(err).__name__})")
-    guard.detach()
-    del model, guard
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-    models = {p: build_model(cfg, seed=1).to(device) for p in ("ceiling", "full", "adaptive")}
-    guards = {p: spikeguard.attach(models[p], budget=budget, policy=p) for p in ("full", "adaptive")}
-    times = {p: [] for p in models}
-    for rep in range(args.reps + 1):
-        for p, m in models.items():
-            if p == "ceiling" and device.type == "cuda":
-                continue  # the ceiling has no limit: timed after lifting it
-            seconds = run_step(m, spike, guards.get(p))
-            if rep:
-                times[p].append(seconds)
-    adaptive_hist = guards["adaptive"].history
-    worst = max(h["peak_bytes"] for h in adaptive_hist)
-    under = worst <= limit
-    print(f"adaptive on the spike: peak {worst / 2**20:.1f} MiB <= limit: {under}, "
-          f"decisions {adaptive_hist[-1]['decisions']}, "
-          f"safety-net reruns {sum(h['safety_net_reruns'] for h in adaptive_hist)}")
-    ok &= under
-    if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        for rep in range(args.reps + 1):
-            seconds = run_step(models["ceiling"], spike)
-            if rep:
-                times["ceiling"].append(seconds)
-    med = {p: statistics.median(t) for p, t in times.items()}
-    print(f"throughput vs ceiling: adaptive {med['ceiling'] / med['adaptive']:.3f}, "
-          f"full {med['ceiling'] / med['full']:.3f} (medians of {args.reps})")
-    print("gpu_check: PASS" if ok else "gpu_check: FAIL")
-    return 0 if ok else 1
+        name = torch.cuda.get_device_name(device) if run.cuda else "cpu"
+        step_api = ("guard.run_step(fn)" if hasattr(Guard, "run_step")
+                    else "with guard.step() (no run_step yet)")
+        say(f"device {name}, torch {torch.__version__}, preset {args.preset} "
+            f"(bitwise {args.bitwise_preset}), batch {args.batch}, steps by {step_api}, "
+            f"time limit {args.time_limit:.0f} s")
+        if not run.cuda:
+            say("cpu dry run: memory figures are the guard's ledger (no allocator to read); "
+                "the cap is the emulated device the guard is given; fractions skipped")
+        run.warm_up()
+        run_checks(run)
+    except BaseException as err:  # noqa: BLE001 - even Ctrl-C ends in the one line
+        run.results.append((run.current, "FAIL", f"{run.current}: {first_line(err)}"))
+    finally:
+        # Joined, not only cancelled: a timer thread still alive at interpreter exit made
+        # 1 run in 5 abort after its last line (torch 2.13, CPU, "terminate called").
+        watchdog.cancel()
+        watchdog.join(timeout=5)
+    say(f"total {time.perf_counter() - run.start_s:.1f} s")
+    line = final_line(run)
+    say(line)
+    return 0 if line == "gpu_check: PASS" else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The verdict is the last line and this code: interpreter teardown (thread pools, the
+    # CUDA context) checks nothing, and must not turn a 0 or 1 into an abort's 134.
+    os._exit(code)

@@ -1,0 +1,73 @@
+"""scripts/gpu_check.py: its CPU dry run passes, and a broken guard or a spent time limit
+ends in `gpu_check: FAIL (...)` with exit code 1, never a traceback or a silent PASS.
+
+    .venv/bin/python -m pytest tests/test_gpu_check.py -q
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spikeguard.runtime.guard import Guard
+
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_dry_run_passes_and_ends_in_the_one_line():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=240)
+    lines = done.stdout.strip().splitlines()
+    assert lines and lines[-1] == "gpu_check: PASS", done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0
+    assert sum(line.startswith("gpu_check:") for line in lines) == 1
+    for check in ("bitwise", "sizes", "none", "adaptive"):
+        assert f"[{check}] PASS" in done.stdout
+    assert "[throughput] REPORT" in done.stdout
+
+
+def test_different_gradients_are_a_fail(monkeypatch, capsys):
+    gpu_check = _load()
+    run_experts = Guard._run_experts
+
+    def off_by_a_bit(self, block, dispatched):
+        return run_experts(self, block, dispatched) * (1 + 2**-20)
+
+    monkeypatch.setattr(Guard, "_run_experts", off_by_a_bit)
+    assert gpu_check.main(["--device", "cpu", "--reps", "1"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("gpu_check: FAIL (bitwise: none: "), last
+
+
+def test_spent_time_limit_skips_every_check_and_fails(capsys):
+    gpu_check = _load()
+    assert gpu_check.main(["--device", "cpu", "--time-limit", "0"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("gpu_check: FAIL (time limit 0 s: skipped bitwise;"), last
+    assert "skipped sizes; none: not run, it needs the sizes check" in last
+
+
+def test_run_step_is_used_when_the_guard_has_it():
+    gpu_check = _load()
+    calls = []
+
+    class WithRunStep:
+        def run_step(self, fn):
+            calls.append("run_step")
+            fn()
+
+    gpu_check.run_guarded(WithRunStep(), lambda: calls.append("fn"))
+    assert calls == ["run_step", "fn"]
