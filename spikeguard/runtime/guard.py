@@ -43,7 +43,7 @@ from spikeguard.runtime.device_state import (PHASE_BACKWARD, PHASE_FORWARD, PHAS
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
-from spikeguard.runtime.layer_room import LayerRoom
+from spikeguard.runtime.layer_room import LayerRoom, head_logit_bytes
 from spikeguard.runtime.offload import OffloadEngine
 from spikeguard.runtime.policies import POLICIES
 from spikeguard.runtime.window import DecisionWindow
@@ -102,7 +102,9 @@ class Guard(DecisionWindow):
         self.planner = self.adapter.planner(self.shape, self.cost)
         shared = self.adapter.shared_modules(self.moe_blocks[0])
         self.forecast = Forecast(num_layers=len(self.moe_blocks),
-                                 head_bytes_per_token=head_bytes_estimate(model),
+                                 # what the head keeps, and its backward's gradient
+                                 head_bytes_per_token=head_bytes_estimate(model)
+                                 + 2 * head_logit_bytes(model),
                                  post_bytes_per_token=shared_bytes_estimate(
                                      shared[0] if shared else None))
         if self.group is not None:
@@ -123,7 +125,8 @@ class Guard(DecisionWindow):
         self._handles: list = []
         self._trained = [p for p in model.parameters() if p.requires_grad]
         self._grads_to_come = 0
-        self.layer_room = LayerRoom.from_shape(self.shape.bytes_per_token())
+        self.layer_room = LayerRoom.from_shape(self.shape.bytes_per_token(),
+                                               head_logit_bytes(model), len(self.moe_blocks))
         self._install()
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self._recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
@@ -199,11 +202,15 @@ class Guard(DecisionWindow):
         if getattr(self.model, "_spikeguard", None) is not self:
             raise UsageError("this guard is detached: attach a new one to guard a step")
         try:
-            with self._step_scope():
+            with self._step_scope(defer=self._defers_step()):
                 try:
                     yield self
                 except torch.OutOfMemoryError as err:
                     raise self._device_oom(err) from None
+                failure = self._group_overflow()
+                if failure is not None:   # every rank raises together: none is left waiting
+                    raise DeviceOutOfMemory(f"step {len(self.history)}: {failure}",
+                                            budget_bytes=self.budget_bytes)
         finally:
             self._finish_step()
 
@@ -254,14 +261,20 @@ class Guard(DecisionWindow):
         finally:
             self._finish_step()
 
+    def _agrees_per_step(self) -> bool:
+        """Under a process group on the emulated device, every guard of every rank agrees
+        at the end of each step (one all-reduce, whatever its policy: collectives must
+        match) on whether any rank went past its device."""
+        return (not self.meter.is_cuda and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1)
+
     def _defers_step(self) -> bool:
-        """Under a process group, an adaptive rank finishes the step before it fails."""
-        return (self.policy == "adaptive" and not self.meter.is_cuda and dist.is_available()
-                and dist.is_initialized() and dist.get_world_size() > 1)
+        """An adaptive rank finishes the step before it fails, so no peer is left waiting."""
+        return self.policy == "adaptive" and self._agrees_per_step()
 
     def _group_overflow(self) -> Optional[str]:
         """After a deferred step: did this rank, or any rank, go past the device?"""
-        if not self._defers_step():
+        if not self._agrees_per_step():
             return None
         over = self.meter.take_overflow()
         flag = torch.tensor([1 if over else 0], dtype=torch.int32)
@@ -332,12 +345,13 @@ class Guard(DecisionWindow):
             return err
         place = place_text(self._phase, self.ctx.micro_batch, self.ctx.layer, self.ctx.op,
                            len(self.moe_blocks))
-        return DeviceOutOfMemory(oom_text(place, self.meter, err),
+        asked, after = self.meter.last_refusal()
+        return DeviceOutOfMemory(oom_text(place, self.meter, err), needed_bytes=after,
                                  budget_bytes=self.budget_bytes)
 
     # ---- forward: one call is one micro-batch -----------------------------------------
     def _guarded_forward(self, orig_forward, *args, **kwargs):
-        with self.meter.active():
+        with self.meter.active(), self.meter.enforcing():
             if not torch.is_grad_enabled():
                 return orig_forward(*args, **kwargs)
             return self._guarded_micro_batch(orig_forward, args, kwargs)
@@ -410,18 +424,32 @@ class Guard(DecisionWindow):
 
     def _full_recompute_need(self, orig_forward, mb, args, kwargs) -> int:
         """The peak this micro-batch reaches under full recompute, measured with the emulated
-        budget lifted (CPU); on CUDA, where that cannot be tried, a quarter more than now."""
+        budget lifted (CPU): its forward, and its backward when the output carries its loss
+        (gradients restored afterwards); else the head's backward is estimated. On CUDA,
+        where that cannot be tried, a quarter more than now."""
         if self.device.type == "cuda":
             return int(self.budget_bytes * 1.25)
+        snapshot = GradSnapshot(self.model)
         self._full_recompute = True
         try:
             with self.meter.unlimited():
                 self.meter.reset_peak()
-                self._forward_micro_batch(orig_forward, mb, args, kwargs)
+                # Twice: the second backward accumulates into gradients that exist, the
+                # peak of every micro-batch after a step's first.
+                for _ in range(2):
+                    out = self._forward_micro_batch(orig_forward, mb, args, kwargs)
+                    loss = getattr(out, "loss", None)
+                    if not (torch.is_tensor(loss) and loss.requires_grad):
+                        head = self.layer_room.head_backward_per_token * _num_tokens(args, kwargs)
+                        return max(self.meter.peak(), self.ledger.in_use() + int(head))
+                    del out
+                    loss.backward()
+                    del loss
                 return self.meter.peak()
         finally:
             self._full_recompute = False
             self._abandon(mb)
+            snapshot.restore()
 
     def _forward_micro_batch(self, orig_forward, mb, args, kwargs):
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
@@ -448,8 +476,12 @@ class Guard(DecisionWindow):
         num_tokens = _num_tokens(args, kwargs)
         post = max(self.ledger.bytes_by(mb, self.adapter.layer_index(b), "shared")
                    for b in self.moe_blocks)
-        self.forecast.observe(self.ledger.bytes_by(mb, len(self.moe_blocks), "head"), post,
-                              num_tokens)
+        # The head keeps its saved bytes until backward starts, and its backward adds the
+        # logits' gradient and the softmax beside them: both are reserved as the head's.
+        head = self.ledger.bytes_by(mb, len(self.moe_blocks), "head")
+        self.forecast.observe(head + int(self.layer_room.head_backward_per_token * num_tokens),
+                              post, num_tokens)
+        self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
         if self._step is not None:
             self._step.end_attempt()
         return out

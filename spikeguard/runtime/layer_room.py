@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
 
 MARGIN = 1.05
@@ -33,20 +35,39 @@ class _Probe:
     grads_to_come: int
 
 
+def head_logit_bytes(model: nn.Module) -> float:
+    """Bytes of one token's logits (the last Linear's output): the head's backward starts
+    by making their gradient, beside the logits and log-probabilities still alive."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return 0.0
+    head = linears[-1]
+    return float(head.out_features * head.weight.element_size())
+
+
 @dataclass
 class LayerRoom:
     forward_per_token: float
     backward_per_token: float
+    # The head's backward, beyond what the head keeps, per token of the micro-batch.
+    head_backward_per_token: float = 0.0
+    num_layers: int = 0            # the head's position code is layer `num_layers`
     observed: bool = False
     _probes: dict[tuple[int, int], _Probe] = field(default_factory=dict)
+    _head_probes: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @staticmethod
-    def from_shape(bytes_per_token: dict[str, int]) -> "LayerRoom":
+    def from_shape(bytes_per_token: dict[str, int], logit_bytes: float = 0.0,
+                   num_layers: int = 0) -> "LayerRoom":
         path = sum(v for op, v in bytes_per_token.items() if op != "dispatch")
         # Forward: the GEMM pieces before their `cat` double the largest output.
         largest = max(bytes_per_token.values())
         return LayerRoom(forward_per_token=float(path + largest),
-                         backward_per_token=float(2 * path))
+                         backward_per_token=float(2 * path),
+                         head_backward_per_token=2 * logit_bytes, num_layers=num_layers)
+
+    def record_head(self, micro_batch: int, in_use_after_forward: int, num_tokens: int) -> None:
+        self._head_probes[micro_batch] = (in_use_after_forward, num_tokens)
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int) -> tuple[int, int]:
         """(forward peak, backward peak) of the layer about to run, in device bytes."""
@@ -73,6 +94,15 @@ class LayerRoom:
             if b_peak:
                 bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come) / p.num_routed)
         self._probes.clear()
+        head_code = where_code(PHASE_BACKWARD, self.num_layers)
+        head = 0.0
+        for in_use, num_tokens in self._head_probes.values():
+            peak = meter.where_peak(head_code)
+            if peak and num_tokens:
+                head = max(head, (peak - in_use) / num_tokens)
+        self._head_probes.clear()
+        if head > 0:
+            self.head_backward_per_token = head * MARGIN
         if fwd > 0 and bwd > 0:
             self.forward_per_token, self.backward_per_token = fwd * MARGIN, bwd * MARGIN
             self.observed = True

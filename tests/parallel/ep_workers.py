@@ -79,9 +79,13 @@ def _run_scenarios(rank: int, world_size: int, group, out_dir: str, cfg_override
         guard = None
         if policy != "plain":
             guard = spikeguard.attach(model, budget=_resolve_budget(budget, peaks), policy=policy)
-        with guard.step() if guard else contextlib.nullcontext():
+        def micro_batch():
             loss = model(tokens_BT[:, :-1], tokens_BT[:, 1:]).loss / world_size
             loss.backward()
+            return loss
+
+        # run_step: its safety net reaches backward, and re-runs on every rank together.
+        loss = guard.run_step(micro_batch) if guard else micro_batch()
         allreduce_replicated_grads(model, group)
         record = guard.history[-1] if guard else None
         if record is not None and budget == HUGE:

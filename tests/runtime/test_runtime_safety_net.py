@@ -101,6 +101,10 @@ def test_decisions_count_only_what_ran(reference):
     _blind(guard)
     _step(model, guard)
     record = guard.history[-1]
-    assert record["safety_net_reruns"] == 2
-    # Both micro-batches ended up fully recomputed: that is all that ran.
-    assert record["decisions"] == {"save": 0, "recompute": 2 * CFG.num_layers * 5, "offload": 0}
+    reruns = record["safety_net_reruns"]
+    assert reruns >= 1
+    # The re-run micro-batches ran fully recomputed, the others kept everything (the
+    # forecast is blind): that is all that ran; the abandoned attempts' plans are gone.
+    per_mb = CFG.num_layers * 5
+    assert record["decisions"] == {"save": (2 - reruns) * per_mb, "recompute": reruns * per_mb,
+                                   "offload": 0}

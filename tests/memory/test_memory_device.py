@@ -1,0 +1,113 @@
+"""The emulated device: the CPU allocator counts what an allocator counts, checked against
+the tests' own meter (tests/meter.py: a dispatch mode over op outputs, nothing of
+spikeguard), and refuses the allocation that passes its capacity.
+
+    .venv/bin/python -m pytest tests/memory/test_memory_device.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meter import LiveMeter
+from spikeguard.memory.device import EmulatedDevice, host
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _mlp_step(w1, w2, x):
+    h = torch.relu(x @ w1)
+    loss = (h @ w2).square().mean()
+    loss.backward()
+
+
+def _weights():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(64, 256, generator=gen).requires_grad_(),
+            torch.randn(256, 64, generator=gen).requires_grad_())
+
+
+def test_device_peak_and_live_bytes_agree_with_the_meter_through_backward():
+    device = EmulatedDevice(1 << 40)
+    with device.active():
+        w1, w2 = _weights()
+        x = torch.randn(512, 64)
+        device.reset_peak()
+        with LiveMeter(baseline_tensors=[w1, w2, x]) as meter:
+            _mlp_step(w1, w2, x)
+        # Same storages, counted twice independently: live bytes agree exactly, peaks
+        # within 2% (the meter cannot see scratch freed inside one op; the device can).
+        assert device.allocated() == meter.live_bytes
+        assert meter.peak_bytes <= device.peak() <= 1.02 * meter.peak_bytes
+        # Backward holds the gradients beside what forward kept: above forward's end.
+        assert device.peak() >= 4 * (x.numel() + 2 * w1.numel() + 512 * 256)
+    device.close()
+
+
+def test_host_scope_and_inactive_allocations_are_not_the_devices():
+    device = EmulatedDevice(1 << 40)
+    outside = torch.empty(1000)
+    with device.active():
+        before = device.allocated()
+        with host():
+            pool = torch.empty(10_000, dtype=torch.uint8)
+        assert device.allocated() == before
+        kept = torch.empty(250)          # 1000 bytes on the device
+        assert device.allocated() == before + 1000
+    del kept, outside, pool              # freed outside the scope: given back where taken
+    assert device.allocated() == before
+    device.close()
+
+
+def test_two_devices_count_apart():
+    a, b = EmulatedDevice(1 << 40), EmulatedDevice(1 << 40)
+    with a.active():
+        ta = torch.empty(100)
+        with b.active():
+            tb = torch.empty(200)
+    assert (a.allocated(), b.allocated()) == (400, 800)
+    del ta, tb
+    assert (a.allocated(), b.allocated()) == (0, 0)
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_the_allocation_past_the_capacity_raises_out_of_memory(phase):
+    w1, w2 = _weights()
+    x = torch.randn(512, 64)
+    probe = EmulatedDevice(1 << 40)
+    with probe.active():
+        probe.reset_peak()
+        h = torch.relu(x @ w1)
+        forward_peak = probe.peak()
+        loss = (h @ w2).square().mean()
+        loss.backward()
+        backward_peak = probe.peak()
+        del h, loss
+    probe.close()
+    assert backward_peak > forward_peak
+    w1.grad = w2.grad = None
+    # Forward: below its own peak. Backward: between the two peaks.
+    capacity = forward_peak - 1 if phase == "forward" else (forward_peak + backward_peak) // 2
+    device = EmulatedDevice(capacity)
+    with device.active(), device.enforcing():
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            h = torch.relu(x @ w1)
+            loss = (h @ w2).square().mean()
+            assert phase == "backward", "forward fitted under a capacity below its peak"
+            loss.backward()
+    asked, after = device.last_refusal()
+    assert asked > 0 and after > capacity
+    assert "would put" in str(info.value)
+    assert device.peak() <= capacity     # the refused allocation was never counted
+    device.close()
+
+
+def test_deferred_lets_it_through_and_says_how_far():
+    device = EmulatedDevice(1000)
+    with device.active(), device.enforcing(), device.deferred():
+        t = torch.empty(500)                          # 2000 bytes: past 1000
+    assert device.take_overflow() == 2000 and device.take_overflow() == 0
+    del t
+    device.close()
