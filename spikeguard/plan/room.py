@@ -10,6 +10,8 @@ change nothing.
 
     forward headroom = budget - in use - still to come - forward transient
     backward room    = budget - in use - prefetch margin - backward reserve - backward extra
+    layer shortfall  = max(layer's forward peak, layer's backward peak + backward reserve)
+                       - budget: to evict first, whatever the plan
 
     .venv/bin/python -m spikeguard.plan.room      # microseconds per decision, 8 x 64
 """
@@ -81,6 +83,11 @@ class WindowState:
     # gradients of this layer in backward, bytes recompute rematerialises, gradients not
     # yet allocated): subtracted from the backward room. 0 until the byte model has it.
     backward_extra_bytes: int = 0
+    # The layer's own peaks, which no plan of its own changes (the whole expert path is
+    # alive in its forward, and back with its gradients in its backward; see
+    # spikeguard/runtime/layer_room.py): device bytes, 0 when not modelled.
+    layer_forward_peak_bytes: int = 0
+    layer_backward_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,9 @@ class Room:
     to_come_bytes: int
     prefetch_margin_bytes: int
     backward_reserve_bytes: int
+    # What must leave the device (eviction of earlier layers) before the layer's own
+    # forward and backward peaks fit, beside the pipeline's backward reserve.
+    layer_shortfall_bytes: int = 0
 
     def planner_args(self) -> tuple[int, int, int, int]:
         """`Planner.decide(*room.planner_args())`."""
@@ -118,7 +128,11 @@ def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
     margin = s.layer_part_bytes if s.prefetch and not s.last_layer else 0
     reserve = forecast.backward_reserve(*args)
     backward_room = s.budget_bytes - s.in_use_bytes - margin - reserve - s.backward_extra_bytes
-    return Room(s.num_routed, headroom, s.evictable_bytes, backward_room, to_come, margin, reserve)
+    shortfall = max(0, s.layer_forward_peak_bytes - s.budget_bytes,
+                    (s.layer_backward_peak_bytes + reserve - s.budget_bytes)
+                    if s.layer_backward_peak_bytes else 0)
+    return Room(s.num_routed, headroom, s.evictable_bytes, backward_room, to_come, margin, reserve,
+                shortfall)
 
 
 @dataclass(frozen=True)

@@ -563,7 +563,6 @@ class Guard(DecisionWindow):
         if self._in_full_region:
             self._record(block.layer_idx, counts, FULL_RECOMPUTE)
             return block.experts(dispatched.x_ND, counts)
-        self._fit_layer(block.layer_idx, num_routed)
         decision = self.decide(block.layer_idx, num_routed)
         self._record(block.layer_idx, counts, decision.plan)
         self.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
@@ -577,25 +576,6 @@ class Guard(DecisionWindow):
             dispatched.x_ND.register_hook(functools.partial(
                 _prefetch, self.engine, self.ctx.micro_batch, block.layer_idx - 1))
         return y_ND
-
-    def _fit_layer(self, layer: int, num_routed: int) -> None:
-        """The layer's own forward and backward peaks, which no plan of its own changes
-        (spikeguard.runtime.layer_room): what would not fit is evicted from the layers
-        below to host memory now; what eviction cannot cover is the safety net's."""
-        mb, in_use = self.ctx.micro_batch, self.ledger.in_use()
-        self.layer_room.record(mb, layer, in_use, num_routed, self._grads_to_come)
-        if self.policy != "adaptive":
-            return
-        forward, backward = self.layer_room.needs(in_use, num_routed, self._grads_to_come)
-        short = max(forward, backward) - self.budget_bytes
-        if short <= 0:
-            return
-        freed = self.tracker.evict(mb, layer, short)
-        residency = self.forecast.residency
-        if residency is not None and freed < short:
-            freed += residency.evict(self.tracker, short - freed)
-        if self._step is not None:
-            self._step.evicted_bytes += freed
 
     def _record(self, layer: int, counts: list[int], plan: LayerPlan) -> None:
         if self._step is not None:

@@ -40,14 +40,18 @@ class DecisionWindow:
             residency = self.forecast.residency  # pipeline: resident micro-batches may go too
             if residency is not None:
                 evictable += residency.evictable(self.tracker)
-            room = decision_inputs(WindowState(
-                layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=self.ledger.in_use(),
-                num_routed=num_routed, layer_part_bytes=layer_part, max_routed=seen.max_routed,
-                num_tokens=self._mb_tokens, min_bytes_per_token=self.planner.min_bytes_per_token,
-                transient_bytes_per_routed=forward_transient_bytes_per_routed(
-                    self.shape, self.device.type == "cuda"),
-                prefetch=self.engine.prefetch_enabled, last_layer=layer >= len(self.moe_blocks) - 1,
-                evictable_bytes=evictable), self.forecast)
+            in_use = self.ledger.in_use()
+            self.layer_room.record(mb, layer, in_use, num_routed, self._grads_to_come)
+            room = decision_inputs(self._window_state(layer, num_routed, layer_part, seen,
+                                                      evictable, in_use), self.forecast)
+            if room.layer_shortfall_bytes > 0:
+                # The layer's own peaks do not fit beside the layers below, whatever its
+                # plan: move bytes of those to host first, then decide on what is left.
+                self._evict(mb, layer, room.layer_shortfall_bytes, residency)
+                before, in_use = in_use, self.ledger.in_use()
+                evictable = max(0, evictable - (before - in_use))
+                room = decision_inputs(self._window_state(layer, num_routed, layer_part, seen,
+                                                          evictable, in_use), self.forecast)
             try:
                 decision = self.planner.decide(*room.planner_args())
             except BudgetInfeasible as err:
@@ -61,14 +65,31 @@ class DecisionWindow:
                     needed_bytes=self.budget_bytes + err.needed_bytes,
                     budget_bytes=self.budget_bytes) from None
             if decision.evict_bytes:
-                freed = self.tracker.evict(mb, layer, decision.evict_bytes)
-                if residency is not None and freed < decision.evict_bytes:
-                    freed += residency.evict(self.tracker, decision.evict_bytes - freed)
-                if self._step:
-                    self._step.evicted_bytes += freed
+                self._evict(mb, layer, decision.evict_bytes, residency)
         if self._step is not None:
             self._step.plan_us.append((time.perf_counter() - start) * 1e6)
         return decision
+
+    def _window_state(self, layer: int, num_routed: int, layer_part: int, seen: Seen,
+                      evictable: int, in_use: int) -> WindowState:
+        forward_peak, backward_peak = self.layer_room.needs(in_use, num_routed,
+                                                            self._grads_to_come)
+        return WindowState(
+            layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=in_use,
+            num_routed=num_routed, layer_part_bytes=layer_part, max_routed=seen.max_routed,
+            num_tokens=self._mb_tokens, min_bytes_per_token=self.planner.min_bytes_per_token,
+            transient_bytes_per_routed=forward_transient_bytes_per_routed(
+                self.shape, self.device.type == "cuda"),
+            prefetch=self.engine.prefetch_enabled, last_layer=layer >= len(self.moe_blocks) - 1,
+            evictable_bytes=evictable, layer_forward_peak_bytes=forward_peak,
+            layer_backward_peak_bytes=backward_peak)
+
+    def _evict(self, mb: int, layer: int, num_bytes: int, residency) -> None:
+        freed = self.tracker.evict(mb, layer, num_bytes)
+        if residency is not None and freed < num_bytes:
+            freed += residency.evict(self.tracker, num_bytes - freed)
+        if self._step:
+            self._step.evicted_bytes += freed
 
     def _layer_cannot_fit(self, layer: int) -> bool:
         """Before a layer runs: would it overflow even with its expert path at the least
