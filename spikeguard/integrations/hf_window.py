@@ -145,6 +145,10 @@ def _offload(guard, call, inputs):
     finally:
         for t in tagged.values():  # the intermediates die with the call; their addresses get reused
             ctx.untag(t)
+        # Every saved tensor's hook object holds `pack`, so this dict would keep the call's
+        # intermediates on the device until backward (and forever after a failed forward:
+        # a cycle through autograd's C++ graph that the collector cannot see).
+        tagged.clear()
 
 
 def tensors_in(value) -> list:

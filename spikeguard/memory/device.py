@@ -215,6 +215,10 @@ class EmulatedDevice:
         """The largest figure reached past the capacity while deferred, then 0; 0 if none."""
         return int(self._lib.sg_take_overflow(self.slot))
 
+    def overflow_where(self) -> int:
+        """The position code (`set_where`) at which that largest figure was reached."""
+        return int(self._lib.sg_overflow_where(self.slot))
+
     # ---- figures ---------------------------------------------------------------------
     def allocated(self) -> int:
         return int(self._lib.sg_allocated(self.slot))
@@ -280,6 +284,9 @@ class CudaDevice:
         yield self   # a real allocator cannot let an allocation through
 
     def take_overflow(self) -> int:
+        return 0
+
+    def overflow_where(self) -> int:
         return 0
 
     def allocated(self) -> int:

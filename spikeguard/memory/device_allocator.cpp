@@ -50,6 +50,7 @@ struct Slot {
   std::atomic<int> enforce{0};
   std::atomic<int> defer{0};
   std::atomic<int64_t> overflow{0};    // largest figure reached past the limit while deferred
+  std::atomic<int> overflow_where{0};  // the position (set by the guard) where it was reached
   std::atomic<int64_t> oom_request{0};  // the refused allocation and what it would have made
   std::atomic<int64_t> oom_after{0};
   std::atomic<int> peak_where{0};
@@ -80,7 +81,10 @@ void take(uint32_t slot, int64_t n) {
       TORCH_CHECK_WITH(OutOfMemoryError, false, "spikeguard emulated device: allocating ", n,
                        " bytes would put ", after, " bytes on a device of ", limit, " bytes");
     }
-    raise_peak(s.overflow, after);
+    if (after > s.overflow.load(std::memory_order_relaxed)) {
+      raise_peak(s.overflow, after);
+      s.overflow_where.store(g_where.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    }
   }
   int64_t seen = s.peak.load(std::memory_order_relaxed);
   if (after > seen) {
@@ -179,6 +183,7 @@ void sg_configure(int slot, int64_t limit, int enforce, int defer) {
 }
 
 int64_t sg_take_overflow(int slot) { return valid(slot) ? g_slots[slot].overflow.exchange(0) : 0; }
+int sg_overflow_where(int slot) { return valid(slot) ? g_slots[slot].overflow_where.load() : 0; }
 int64_t sg_oom_request(int slot) { return valid(slot) ? g_slots[slot].oom_request.load() : 0; }
 int64_t sg_oom_after(int slot) { return valid(slot) ? g_slots[slot].oom_after.load() : 0; }
 

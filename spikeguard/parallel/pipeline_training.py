@@ -33,6 +33,7 @@ from spikeguard.parallel.expert_parallel import expert_parameters, parallelize_e
 from spikeguard.parallel.mesh import MeshGroups
 from spikeguard.parallel.pipeline_residency import Residency, attach_residency
 from spikeguard.parallel.pipeline_stages import pipeline_stage, stage_loss, stage_module
+from spikeguard.runtime.step import run_steps
 
 SCHEDULES = ("1f1b", "interleaved")
 
@@ -81,8 +82,9 @@ class PipelineRank:
             raise UsageError("attach the guards before the first step")
         self.guards = [attach(m) for m in self.modules.stages]
         for guard, module in zip(self.guards, self.modules.stages):
-            if not module.is_last:
-                guard.forecast.head_bytes_per_token = 0.0  # the head is on another stage
+            if not module.is_last:   # the head is on another stage
+                guard.forecast.head_bytes_per_token = 0.0
+                guard.layer_room.head_backward_per_token = 0.0
         return self.guards
 
     def _wrap(self, module: nn.Module) -> nn.Module:
@@ -120,9 +122,10 @@ class PipelineRank:
         if self.schedule is None:
             self._build()
         losses: list = []
-        with contextlib.ExitStack() as stack:
-            for guard, residency in zip(self.guards, self.residencies):
-                stack.enter_context(guard.step())
+
+        def micro_batches() -> None:
+            losses.clear()   # a re-run of the step by the guards' safety net starts afresh
+            for residency in self.residencies:
                 residency.begin_step()
             args = (idx_BT,) if self.has_first else ()
             kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
@@ -130,6 +133,10 @@ class PipelineRank:
                 # return_outputs=False: the last stage would otherwise keep every
                 # micro-batch's log-probabilities (B x T x V each) until the step ends.
                 self.schedule.step(*args, return_outputs=False, **kwargs)
+
+        # One step of every guard of this rank, with the net that reaches backward: every
+        # rank of the job agrees at its end and re-runs it together if any overflowed.
+        run_steps(self.guards, micro_batches)
         self._reduce_expert_grads()
         return losses
 
@@ -196,6 +203,6 @@ def _unwrapped_errors():
         yield
     except RuntimeError as err:
         cause = err.__cause__
-        if isinstance(cause, (DeviceOutOfMemory, UsageError)):
+        if isinstance(cause, (DeviceOutOfMemory, UsageError, torch.OutOfMemoryError)):
             raise cause from None
         raise

@@ -9,6 +9,7 @@ whose two methods read the rest of the micro-batch and the pipeline's reservatio
 change nothing.
 
     forward headroom = budget - in use - still to come - forward transient
+                       - the resident micro-batches' backward working set (pipeline)
     backward room    = budget - in use - prefetch margin - backward reserve - backward extra
     layer shortfall  = max(layer's forward peak, layer's backward peak + backward reserve)
                        - budget: to evict first, whatever the plan
@@ -88,6 +89,10 @@ class WindowState:
     # spikeguard/runtime/layer_room.py): device bytes, 0 when not modelled.
     layer_forward_peak_bytes: int = 0
     layer_backward_peak_bytes: int = 0
+    # Pipeline: the largest backward working set (beyond what they keep) of the other
+    # micro-batches resident now. Their backward runs while what this one keeps is
+    # still here, so it is room this one's plan must leave free.
+    resident_backward_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,9 @@ def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
             s.num_tokens or s.num_routed)
     to_come = forecast.still_to_come(*args)
     transient = s.num_routed * s.transient_bytes_per_routed
-    headroom = s.budget_bytes - s.in_use_bytes - to_come - transient
+    headroom = s.budget_bytes - s.in_use_bytes - to_come - transient - s.resident_backward_bytes
     margin = s.layer_part_bytes if s.prefetch and not s.last_layer else 0
-    reserve = forecast.backward_reserve(*args)
+    reserve = max(0, forecast.backward_reserve(*args))
     backward_room = s.budget_bytes - s.in_use_bytes - margin - reserve - s.backward_extra_bytes
     shortfall = max(0, s.layer_forward_peak_bytes - s.budget_bytes,
                     (s.layer_backward_peak_bytes + reserve - s.budget_bytes)
@@ -145,6 +150,7 @@ class EntryState:
     num_tokens: int
     min_bytes_per_token: int
     seen: Seen
+    resident_backward_bytes: int = 0   # as in WindowState
 
 
 def entry_estimate(state: EntryState) -> Optional[tuple[int, float]]:
@@ -168,7 +174,8 @@ def layer_cannot_fit(state: EntryState, forecast: ToCome) -> bool:
     least = layer_part + state.min_bytes_per_token * routed
     to_come = forecast.still_to_come(state.layer, layer_part, routed, state.min_bytes_per_token,
                                      state.num_tokens)
-    return state.in_use_bytes + least + to_come > state.budget_bytes
+    return (state.in_use_bytes + least + to_come + state.resident_backward_bytes
+            > state.budget_bytes)
 
 
 def _measure(reps: int = 300) -> None:

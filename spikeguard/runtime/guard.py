@@ -45,6 +45,7 @@ from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.layer_room import LayerRoom, head_logit_bytes
 from spikeguard.runtime.offload import OffloadEngine
+from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.policies import POLICIES
 from spikeguard.runtime.window import DecisionWindow
 
@@ -125,6 +126,10 @@ class Guard(DecisionWindow):
         self._handles: list = []
         self._trained = [p for p in model.parameters() if p.requires_grad]
         self._grads_to_come = 0
+        self._layer_entry_in_use = 0
+        # Micro-batch -> its predicted backward working set, until its backward is done
+        # (a pipeline holds several micro-batches; see plan/room.py).
+        self._pending_backward: dict[int, int] = {}
         self.layer_room = LayerRoom.from_shape(self.shape.bytes_per_token(),
                                                head_logit_bytes(model), len(self.moe_blocks))
         self._install()
@@ -190,104 +195,21 @@ class Guard(DecisionWindow):
         self.model._spikeguard = None
         self.meter.close()
 
-    @contextlib.contextmanager
     def step(self):
         """One optimizer step: all micro-batches' forward and backward run inside.
 
         The safety net of this form reaches forward only (a context manager cannot re-run
         its own body): an out-of-memory error in backward ends the step. `run_step(fn)`
         owns the step's body and re-runs it whole when anything in it runs out."""
-        if self._step is not None:
-            raise UsageError("guard.step() is already open: steps do not nest")
-        if getattr(self.model, "_spikeguard", None) is not self:
-            raise UsageError("this guard is detached: attach a new one to guard a step")
-        try:
-            with self._step_scope(defer=self._defers_step()):
-                try:
-                    yield self
-                except torch.OutOfMemoryError as err:
-                    raise self._device_oom(err) from None
-                failure = self._group_overflow()
-                if failure is not None:   # every rank raises together: none is left waiting
-                    raise DeviceOutOfMemory(f"step {len(self.history)}: {failure}",
-                                            budget_bytes=self.budget_bytes)
-        finally:
-            self._finish_step()
+        return step_context(self)
 
     def run_step(self, fn: Callable[[], object]):
-        """Run `fn()` (every micro-batch's forward and backward) as one guarded step.
-
-        Under "adaptive", if the device runs out of memory anywhere in it (forward or
-        backward), the step's graph and saved tensors are freed, the gradients restored to
-        what they were before, and `fn` runs again with every layer recomputed: the data
-        is the same, so the gradients are bitwise those of an uninterrupted run. Under
-        expert parallelism on the emulated device an overflow is deferred to the end of
-        the step and the group agrees in one all-reduce, so every rank re-runs together
-        and none is left waiting in a collective. Returns what `fn` returns."""
-        if not callable(fn):
-            raise UsageError(f"run_step() needs a callable, got {type(fn).__name__}")
-        if self._step is not None:
-            raise UsageError("guard.run_step() inside an open step: steps do not nest")
-        if getattr(self.model, "_spikeguard", None) is not self:
-            raise UsageError("this guard is detached: attach a new one to guard a step")
-        snapshot = GradSnapshot(self.model) if self.policy == "adaptive" else None
-        failure = None
-        try:
-            with self._step_scope(defer=self._defers_step()):
-                try:
-                    result = fn()
-                    failure = self._group_overflow()
-                except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-                    if snapshot is None or self._full_recompute:
-                        raise self._device_oom(err) from None
-                    failure = str(self._device_oom(err))
-                if failure is not None:
-                    self._abandon_step(snapshot)
-            if failure is None:
-                return result
-            log.warning("step %d ran out of memory (%s); re-running it with full recompute",
-                        len(self.history), failure)
-            self._step.restart("step", failure)
-            with self._step_scope(recorder=self._step):
-                self._full_recompute = True
-                try:
-                    return fn()
-                except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-                    raise BudgetInfeasible(
-                        f"even full recompute does not fit: {self._device_oom(err)}",
-                        budget_bytes=self.budget_bytes) from None
-                finally:
-                    self._full_recompute = False
-        finally:
-            self._finish_step()
-
-    def _agrees_per_step(self) -> bool:
-        """Under a process group on the emulated device, every guard of every rank agrees
-        at the end of each step (one all-reduce, whatever its policy: collectives must
-        match) on whether any rank went past its device."""
-        return (not self.meter.is_cuda and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() > 1)
-
-    def _defers_step(self) -> bool:
-        """An adaptive rank finishes the step before it fails, so no peer is left waiting."""
-        return self.policy == "adaptive" and self._agrees_per_step()
-
-    def _group_overflow(self) -> Optional[str]:
-        """After a deferred step: did this rank, or any rank, go past the device?"""
-        if not self._agrees_per_step():
-            return None
-        over = self.meter.take_overflow()
-        flag = torch.tensor([1 if over else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return None
-        if over:
-            return (f"the step reached {format_bytes(over)} on a device of "
-                    f"{format_bytes(self.budget_bytes)}")
-        return "another rank of the job ran out of memory in this step"
+        """Run `fn()` (every micro-batch's forward and backward) as one guarded step, with
+        the safety net that reaches backward (spikeguard.runtime.step). Returns fn's value."""
+        return run_steps([self], fn)
 
     @contextlib.contextmanager
-    def _step_scope(self, defer: bool = False, recorder=None):
+    def step_scope(self, defer: bool = False, recorder=None):
         """The device is active and enforcing; the step's recorder is open."""
         self.ledger.set_static(self._static_bytes())
         self._step = recorder or StepRecorder(self.engine.offloaded_bytes_total)
@@ -300,7 +222,7 @@ class Guard(DecisionWindow):
                 self._set_where(PHASE_IDLE, -1)
                 self._step.note_peak(self.meter.peak(), self.meter.peak_where())
 
-    def _finish_step(self) -> None:
+    def finish_step(self) -> None:
         if self.policy == "adaptive" and not self._step.reruns:
             self.layer_room.calibrate(self.meter)
         peak, where = self._step.peak_bytes, self._step.peak_where
@@ -314,7 +236,7 @@ class Guard(DecisionWindow):
             reserved_bytes=self.meter.reserved()))
         self._step = None
 
-    def _abandon_step(self, snapshot: "GradSnapshot") -> None:
+    def abandon_step(self, snapshot: GradSnapshot) -> None:
         """Free everything the failed step holds on the device and put the gradients back."""
         self.ctx.tags.clear()
         gc.collect()   # the failed step's graph (and its saved tensors) go with it
@@ -332,7 +254,7 @@ class Guard(DecisionWindow):
             try:
                 return orig_step(*args, **kwargs)
             except torch.OutOfMemoryError as err:
-                raise self._device_oom(err) from None
+                raise self.device_oom(err) from None
             finally:
                 self.meter.set_where(previous)
 
@@ -340,7 +262,7 @@ class Guard(DecisionWindow):
         self._phase = phase
         return self.meter.set_where(where_code(phase, layer))
 
-    def _device_oom(self, err: BaseException) -> DeviceOutOfMemory:
+    def device_oom(self, err: BaseException) -> DeviceOutOfMemory:
         if isinstance(err, DeviceOutOfMemory):
             return err
         place = place_text(self._phase, self.ctx.micro_batch, self.ctx.layer, self.ctx.op,
@@ -362,8 +284,8 @@ class Guard(DecisionWindow):
             return self._attempt(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             if self.policy != "adaptive" or self._full_recompute:
-                raise self._device_oom(err) from None
-            message = str(self._device_oom(err))
+                raise self.device_oom(err) from None
+            message = str(self.device_oom(err))
         # Safety net: free this micro-batch and run it again with everything recomputed.
         self._abandon(mb)
         if self._step:
@@ -374,7 +296,7 @@ class Guard(DecisionWindow):
         try:
             return self._attempt(orig_forward, mb, args, kwargs)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-            failure = str(self._device_oom(err))
+            failure = str(self.device_oom(err))
         finally:
             self._full_recompute = False
         self._abandon(mb)
@@ -498,6 +420,7 @@ class Guard(DecisionWindow):
             return self._layer_forward_body(layer, orig_forward, layer_idx, args, kwargs)
         self.ctx.layer, self.ctx.op = layer_idx, "attn"
         self._set_where(PHASE_FORWARD, layer_idx)
+        self._layer_entry_in_use = self.ledger.in_use()
         out = self._layer_forward_body(layer, orig_forward, layer_idx, args, kwargs)
         self._mark_backward(out, layer_idx, "combine")
         return out
@@ -512,6 +435,8 @@ class Guard(DecisionWindow):
     def _enter_backward(self, mb: int, layer: int, op: str, grad) -> None:
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, layer, op
         self._set_where(PHASE_BACKWARD, layer)
+        if layer == 0 and op == "dispatch":   # its expert paths' backward is behind it
+            self._pending_backward.pop(mb, None)
 
     def _layer_forward_body(self, layer, orig_forward, layer_idx, args, kwargs):
         if torch.is_grad_enabled() and (self._full_recompute or self._layer_cannot_fit(layer_idx)):

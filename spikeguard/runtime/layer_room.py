@@ -10,8 +10,9 @@ decides what stays *between* the two; these two peaks can only be made to fit by
 bytes of the layers below off the device (eviction to host), which is what the window
 asks for when they would not fit.
 
-Both are modelled as bytes in use at the decision + a per-routed-token slope (+ the
-gradients still to come, in backward). The slopes start from the shapes (conservative:
+Both are modelled as bytes in use at the decision + a per-routed-token slope (+ in
+backward the gradients still to come, and the attention part's gradients, taken as large
+as what that part keeps). The slopes start from the shapes (conservative:
 every tensor of the path at once, its gradient as large again) and are then set, after
 every step, from the peak the device really reached in that layer and phase, with a 5%
 margin: the runtime's figure is corrected by the allocator's.
@@ -33,6 +34,7 @@ class _Probe:
     in_use: int
     num_routed: int
     grads_to_come: int
+    layer_part: int
 
 
 def head_logit_bytes(model: nn.Module) -> float:
@@ -69,15 +71,20 @@ class LayerRoom:
     def record_head(self, micro_batch: int, in_use_after_forward: int, num_tokens: int) -> None:
         self._head_probes[micro_batch] = (in_use_after_forward, num_tokens)
 
-    def needs(self, in_use: int, num_routed: int, grads_to_come: int) -> tuple[int, int]:
-        """(forward peak, backward peak) of the layer about to run, in device bytes."""
+    def needs(self, in_use: int, num_routed: int, grads_to_come: int,
+              layer_part: int = 0) -> tuple[int, int]:
+        """(forward peak, backward peak) of the layer about to run, in device bytes. The
+        backward also makes the gradients of the layer's attention part, about as large
+        as what that part keeps (`layer_part`, measured)."""
         forward = in_use + int(self.forward_per_token * num_routed)
-        backward = in_use + grads_to_come + int(self.backward_per_token * num_routed)
+        backward = (in_use + grads_to_come + layer_part
+                    + int(self.backward_per_token * num_routed))
         return forward, backward
 
     def record(self, micro_batch: int, layer: int, in_use: int, num_routed: int,
-               grads_to_come: int) -> None:
-        self._probes[(micro_batch, layer)] = _Probe(in_use, num_routed, grads_to_come)
+               grads_to_come: int, layer_part: int = 0) -> None:
+        self._probes[(micro_batch, layer)] = _Probe(in_use, num_routed, grads_to_come,
+                                                    layer_part)
 
     def calibrate(self, meter) -> None:
         """Slopes from what the device reached in each probed layer (max over layers and
@@ -92,7 +99,8 @@ class LayerRoom:
             if f_peak:
                 fwd = max(fwd, (f_peak - p.in_use) / p.num_routed)
             if b_peak:
-                bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come) / p.num_routed)
+                bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come - p.layer_part)
+                          / p.num_routed)
         self._probes.clear()
         head_code = where_code(PHASE_BACKWARD, self.num_layers)
         head = 0.0

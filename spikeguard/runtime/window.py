@@ -32,7 +32,11 @@ class DecisionWindow:
         else:
             mb = self.ctx.micro_batch
             layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
-            seen = self._seen().after(num_routed, layer_part, self._mb_tokens)
+            # What the layer's entry check will expect of the next layers: the device's growth
+            # since this layer's entry (its saved part and the forward tensors still alive
+            # now, the dispatched rows among them), not only what its attention part saved.
+            growth = self.ledger.in_use() - self._layer_entry_in_use
+            seen = self._seen().after(num_routed, max(layer_part, growth), self._mb_tokens)
             self._max_routed = seen.max_routed
             self._layer_bytes_per_token = seen.layer_bytes_per_token
             self._routed_per_token = seen.routed_per_token
@@ -41,7 +45,8 @@ class DecisionWindow:
             if residency is not None:
                 evictable += residency.evictable(self.tracker)
             in_use = self.ledger.in_use()
-            self.layer_room.record(mb, layer, in_use, num_routed, self._grads_to_come)
+            self.layer_room.record(mb, layer, in_use, num_routed, self._grads_to_come,
+                                   layer_part)
             room = decision_inputs(self._window_state(layer, num_routed, layer_part, seen,
                                                       evictable, in_use), self.forecast)
             if room.layer_shortfall_bytes > 0:
@@ -73,7 +78,10 @@ class DecisionWindow:
     def _window_state(self, layer: int, num_routed: int, layer_part: int, seen: Seen,
                       evictable: int, in_use: int) -> WindowState:
         forward_peak, backward_peak = self.layer_room.needs(in_use, num_routed,
-                                                            self._grads_to_come)
+                                                            self._grads_to_come, layer_part)
+        mb = self.ctx.micro_batch
+        pending = self._pending_backward
+        pending[mb] = max(pending.get(mb, 0), backward_peak - in_use)
         return WindowState(
             layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=in_use,
             num_routed=num_routed, layer_part_bytes=layer_part, max_routed=seen.max_routed,
@@ -82,7 +90,8 @@ class DecisionWindow:
                 self.shape, self.device.type == "cuda"),
             prefetch=self.engine.prefetch_enabled, last_layer=layer >= len(self.moe_blocks) - 1,
             evictable_bytes=evictable, layer_forward_peak_bytes=forward_peak,
-            layer_backward_peak_bytes=backward_peak)
+            layer_backward_peak_bytes=backward_peak,
+            resident_backward_bytes=self._resident_backward())
 
     def _evict(self, mb: int, layer: int, num_bytes: int, residency) -> None:
         freed = self.tracker.evict(mb, layer, num_bytes)
@@ -99,12 +108,18 @@ class DecisionWindow:
         if self.policy != "adaptive" or not self._in_forward:
             return False
         entry = EntryState(layer, self.budget_bytes, self.ledger.in_use(), self._mb_tokens,
-                           self.planner.min_bytes_per_token, self._seen())
+                           self.planner.min_bytes_per_token, self._seen(),
+                           self._resident_backward())
         if not layer_cannot_fit(entry, self.forecast):
             return False
         if self._step is not None:
             self._step.full_layers += 1
         return True
+
+    def _resident_backward(self) -> int:
+        """The largest predicted backward working set of the other resident micro-batches."""
+        mb = self.ctx.micro_batch
+        return max((v for m, v in self._pending_backward.items() if m != mb), default=0)
 
     def _seen(self) -> Seen:
         """The guard's memory of earlier decisions (its `_max_routed` is reset per

@@ -8,7 +8,6 @@ expert slice plus the all-reduced replicated ones) and the guard's step record t
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch

@@ -34,7 +34,10 @@ def pp_worker(rank: int, world_size: int, store_path: str, out_dir: str, micro_b
               batch_size: int, runs: list) -> None:
     """runs: one per layout, dicts with prefix (of the saved files), pp, ep, cfg (model
     overrides) and scenarios: dicts with name, policy ("plain" = no guard), budget (bytes
-    spec, or "calm*F": F times this rank's peak in the scenario named "calm"), and
+    spec, or "calm*F": F times this rank's true peak in the scenario named "calm", or
+    "range*F": the peak of scenario "full" (or "i_full" under the interleaved schedule)
+    plus F of the way up to "calm"'s: a budget full recompute fits and keeping
+    everything does not, whatever the share of parameters in the peak), and
     optionally schedule, residency (bool), spike (micro-batch forced onto ep rank 0's
     experts on stage 0), calm (every micro-batch's routing left unbiased)."""
     init_gloo(rank, world_size, store_path)
@@ -54,9 +57,12 @@ def pp_worker(rank: int, world_size: int, store_path: str, out_dir: str, micro_b
     close_gloo()
 
 
-def _budget(spec, peaks: dict):
+def _budget(spec, peaks: dict, schedule: str = "1f1b"):
     if isinstance(spec, str) and spec.startswith("calm*"):
         return int(peaks["calm"] * float(spec[5:]))
+    if isinstance(spec, str) and spec.startswith("range*"):
+        full = peaks["i_full" if schedule == "interleaved" else "full"]
+        return int(full + (peaks["calm"] - full) * float(spec[6:]))
     return spec
 
 
@@ -71,7 +77,7 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
                          residency=scenario.get("residency", True))
     policy = scenario["policy"]
     if policy != "plain":
-        budget = _budget(scenario["budget"], peaks)
+        budget = _budget(scenario["budget"], peaks, scenario.get("schedule", "1f1b"))
         prank.attach_guards(lambda m: spikeguard.attach(m, budget=budget, policy=policy))
     forwards = [0]
     for module in prank.modules.stages:
@@ -90,8 +96,8 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
     result["records"] = [g.history[-1] for g in prank.guards]
     result["residency"] = [r.log for r in prank.residencies]
     result["forwards"] = forwards[0]
-    if scenario["name"] == "calm":
-        peaks["calm"] = result["records"][0]["peak_bytes"]
+    if result["records"]:
+        peaks[scenario["name"]] = max(r["peak_bytes"] for r in result["records"])
     torch.save(result, out_dir / f"{prefix}{scenario['name']}_rank{rank}.pt")
     prank.close()
 

@@ -41,25 +41,28 @@ def _s(name, policy, budget=HUGE, **extra) -> dict:
 PP_SCENARIOS = [
     _s("plain", "plain"), _s("calm", "none"), _s("full", "full"), _s("experts", "experts"),
     _s("offload", "offload"), _s("adaptive", "adaptive"),
-    _s("tight", "adaptive", "calm*0.8"),
+    _s("tight", "adaptive", "range*0.5"),
     _s("i_plain", "plain", schedule="interleaved"), _s("i_full", "full", schedule="interleaved"),
-    _s("i_tight", "adaptive", "calm*0.6", schedule="interleaved"),
+    _s("i_tight", "adaptive", "range*0.5", schedule="interleaved"),
 ]
 PP_EP_SCENARIOS = [
     _s("plain", "plain"), _s("calm", "none", calm=True), _s("full", "full"),
-    _s("tight", "adaptive", "calm*0.85"),
+    _s("tight", "adaptive", "range*0.5"),
     # The spike: stage 0's first micro-batch (warm-up) sends every token to ep rank 0.
     _s("spike_plain", "plain", spike=0),
-    _s("spike_adaptive", "adaptive", "calm*1.05", spike=0),
+    # On the device's true figure the warm-up spike moves stage 0's peak by ~1% on this
+    # tiny model (it is mostly parameters, gradients and the backward): at exactly the
+    # calm peak keeping everything dies, and adaptive must not.
+    _s("spike_adaptive", "adaptive", "calm*1.0", spike=0),
     # At 0.8 of the calm peak the last stage cannot fit a layer even at the least the
     # planner keeps (measured: ranks 2 and 3 re-run; at 0.9 and above none does): the EP
     # group takes the safety net together, inside a pipeline stage's forward.
     _s("spike1_plain", "plain", spike=1),
     _s("rerun", "adaptive", "calm*0.8", spike=1),
-    _s("spike_none", "none", "calm*1.05", spike=0),  # last: rank 0 dies of it
+    _s("spike_none", "none", "calm*1.0", spike=0),  # last: rank 0 dies of it
 ]
 PP_DP_SCENARIOS = [_s("plain", "plain"), _s("calm", "none"), _s("full", "full"),
-                   _s("tight", "adaptive", "calm*0.8")]
+                   _s("tight", "adaptive", "range*0.5")]
 
 
 def _spawn(tmp_path_factory, name, world, runs, expect_failure=None):
@@ -205,7 +208,7 @@ def test_pp_ep_policies_give_bitwise_the_plain_gradients(pp2ep2, scenario):
 
 def test_pp_ep_warmup_spike_none_dies_adaptive_stays_under_budget(pp2ep2):
     """The spike (stage 0, micro-batch 0, all tokens to ep rank 0) under a per-rank budget
-    5% over what calm steps need with everything saved."""
+    of exactly what a calm step needs with everything saved (its true peak)."""
     world, load = pp2ep2
     died = load("spike_none", 0)
     assert died["stage_ids"] == [0] and died["oom"], died
