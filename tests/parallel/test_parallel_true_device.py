@@ -1,0 +1,77 @@
+"""The step-level safety net under expert parallelism, on the true (allocator-level) device.
+
+Two spawned ranks (gloo, EP=2, tiny with 4 experts: 2 per rank). One rank's prevention is
+blinded (every layer saves everything, no whole-layer recompute at entry, no layer-room
+check) under a budget halfway between its forward and backward peaks, measured by the
+independent meter on an uninterrupted run of the same job: its forward fits, its
+backward does not. Under adaptive a rank of a group defers the overflow to the end of
+the step and the group agrees in one all-reduce, so both ranks must abandon the step,
+restore the gradients they had before it (a warm-up backward accumulated before attach)
+and re-run it with full recompute, with gradients bitwise those of the uninterrupted job.
+
+    .venv/bin/python -m pytest tests/parallel/test_parallel_true_device.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import true_device_workers as workers
+from spikeguard.parallel.launch_utils import run_spawned
+
+pytestmark = pytest.mark.timeout(180)
+
+WORLD = 2
+SPAWN_TIMEOUT_S = 90     # a hung collective fails here, well inside the 180 s above
+MIXED_TIMEOUT_S = 45     # the healthy three-step job takes under 10 s on 2 loaded cores
+
+
+def _load(out_dir, scenario: str, rank: int) -> dict:
+    return torch.load(out_dir / f"{scenario}_rank{rank}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def forced_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("true_device_ep")
+    run_spawned(workers.forced_backward_oom_worker, WORLD, (str(out_dir), 0),
+                store_path=out_dir / "store", timeout_s=SPAWN_TIMEOUT_S)
+    return out_dir
+
+
+def test_backward_oom_on_one_rank_reruns_both_with_uninterrupted_gradients(forced_run):
+    for rank in range(WORLD):
+        ceiling, forced = _load(forced_run, "ceiling", rank), _load(forced_run, "forced", rank)
+        assert ceiling["record"]["safety_net_reruns"] == 0, rank
+        record = forced["record"]
+        # Both ranks went through the step-level net: the overflowing one, and the other
+        # because the group agreed (otherwise it would be waiting in a collective).
+        assert record["safety_net_reruns"] >= 1, (rank, record)
+        assert record["safety_net"][0]["scope"] == "step", (rank, record["safety_net"])
+        assert record["micro_batches"] == len(workers.MICRO_BATCH_SIZES)
+        expected, actual = ceiling["grads"], forced["grads"]
+        assert expected.keys() == actual.keys()
+        differ = [n for n in expected
+                  if actual[n] is None or not torch.equal(expected[n], actual[n])]
+        assert not differ, f"rank {rank}: gradients differ from the uninterrupted job: {differ}"
+    peaks = _load(forced_run, "ceiling", 0)["peaks"]
+    budget = _load(forced_run, "forced", 0)["budget"]
+    assert peaks["forward"] < budget < peaks["backward"], (peaks, budget)
+    reason = _load(forced_run, "forced", 0)["record"]["safety_net"][0]["reason"]
+    assert "reached" in reason and "on a device of" in reason, reason
+    other = _load(forced_run, "forced", 1)["record"]["safety_net"][0]["reason"]
+    assert "another rank" in other, other
+
+
+@pytest.mark.parametrize("policies", [("adaptive", "adaptive"), ("adaptive", "none")],
+                         ids=["same", "mixed"])
+def test_run_step_under_any_mix_of_policies_keeps_the_group_in_step(tmp_path, policies):
+    """Three run_step steps, huge budgets. Ranks may run different policies (the
+    per-micro-batch agreement is issued by every guard whatever its policy, and
+    test_parallel_ep.py runs adaptive beside "none" under guard.step()); every rank must
+    then issue the same collectives, or one waits forever on a collective the other
+    skipped. "same" is the control: the job itself is sound."""
+    run_spawned(workers.mixed_policy_run_step_worker, WORLD, (str(tmp_path), 3, policies),
+                store_path=tmp_path / "store", timeout_s=MIXED_TIMEOUT_S)
+    for rank in range(WORLD):
+        assert _load(tmp_path, "mixed", rank)["steps"] == 3

@@ -1,0 +1,157 @@
+"""Spawned rank functions for tests/parallel/test_parallel_true_device.py.
+
+B = sequences, T = tokens per sequence. Every rank builds the same `tiny` model (seed 0),
+shards its experts over the group (parallelize_experts), accumulates one warm-up backward
+before the guard is attached (so a step's "gradients before" are not all None), then runs
+one guarded step of two micro-batches of its own data with `guard.run_step`. It saves its
+gradients (expert slice plus the all-reduced replicated ones) and the step record to
+`out_dir/{scenario}_rank{r}.pt`; the parent compares.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import spikeguard
+from spikeguard.model import build_model, model_config
+from spikeguard.parallel import allreduce_replicated_grads, parallelize_experts
+from spikeguard.parallel.launch_utils import close_gloo, init_gloo
+from spikeguard.plan.catalogue import ALL_SAVE
+from spikeguard.runtime import device_state
+
+from meter import LiveMeter, model_state_tensors
+
+HUGE = 1 << 40
+CFG = model_config("tiny")
+MICRO_BATCH_SIZES = (4, 8)   # sequences per micro-batch on every rank
+
+
+def _batch(num_sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, CFG.vocab_size, (num_sequences, CFG.seq_len), generator=gen),
+            torch.randint(0, CFG.vocab_size, (num_sequences, CFG.seq_len), generator=gen))
+
+
+def _data(rank: int) -> list:
+    return [_batch(b, 1000 * rank + i) for i, b in enumerate(MICRO_BATCH_SIZES)]
+
+
+def _warm_model(rank: int, world_size: int):
+    """The EP model with one warm-up backward accumulated (identical in every scenario)."""
+    model = parallelize_experts(build_model(CFG, seed=0), torch.distributed.group.WORLD)
+    x, y = _batch(2, 500 + rank)
+    (model(x, y).loss / world_size).backward()
+    return model
+
+
+def blind_prevention(guard) -> None:
+    """Disable everything that would keep the step under the budget before the device
+    refuses: every layer saves everything, no layer is recomputed whole at entry, and no
+    layer's own forward and backward peaks are checked (no eviction to host). What
+    remains is the step-level safety net."""
+    guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
+    guard._layer_cannot_fit = lambda layer: False
+    # Not just the layer room's slopes set to 0: each step without a step-level re-run
+    # calibrates them again from the device, which would undo the blinding.
+    guard._fit_layer = lambda layer, num_routed: None
+
+
+def _step_fn(model, data, world_size: int, meter=None):
+    def fn():
+        for x, y in data:
+            if meter is not None:
+                meter.phase = "forward"
+            loss = model(x, y).loss / world_size
+            if meter is not None:
+                meter.phase = "backward"
+            loss.backward()
+    return fn
+
+
+def _phase_peaks(model, guard, data, world_size: int) -> dict:
+    """The ceiling's forward and backward peaks on this rank, from the independent meter
+    (gloo's own buffers, allocated on its threads, are not seen: they only add margin).
+    The guard's host copy of the gradients before the step is host memory: marked so."""
+    meter = LiveMeter(baseline_tensors=model_state_tensors(model))
+    snapshot_init = device_state.GradSnapshot.__init__
+
+    def host_snapshot(self, *args):
+        with meter.host_scope():
+            snapshot_init(self, *args)
+    peaks = {"forward": 0, "backward": 0}
+    add = meter._add
+
+    def tracked(num_bytes):
+        add(num_bytes)
+        if meter.phase in peaks:
+            peaks[meter.phase] = max(peaks[meter.phase], meter.live_bytes)
+    meter._add = tracked
+    device_state.GradSnapshot.__init__ = host_snapshot
+    try:
+        with meter:
+            guard.run_step(_step_fn(model, data, world_size, meter))
+    finally:
+        device_state.GradSnapshot.__init__ = snapshot_init
+    return peaks
+
+
+def _save(model, guard, name: str, rank: int, out_dir: str, **extra) -> None:
+    allreduce_replicated_grads(model, torch.distributed.group.WORLD)
+    torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
+                "record": guard.history[-1], **extra},
+               Path(out_dir) / f"{name}_rank{rank}.pt")
+
+
+def forced_backward_oom_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                               forced_rank: int) -> None:
+    """'ceiling': adaptive, huge budget, uninterrupted. 'forced': the same job with the
+    prevention blinded on `forced_rank` under a budget halfway between that rank's
+    forward and backward peaks, so its device refuses in backward; the others keep the
+    huge budget."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        data = _data(rank)
+        model = _warm_model(rank, world_size)
+        guard = spikeguard.attach(model, budget=HUGE, policy="adaptive")
+        peaks = _phase_peaks(model, guard, data, world_size)
+        _save(model, guard, "ceiling", rank, out_dir, peaks=peaks)
+        guard.detach()
+        del model, guard
+
+        budget = HUGE
+        if rank == forced_rank:
+            budget = (peaks["forward"] + peaks["backward"]) // 2
+        model = _warm_model(rank, world_size)
+        guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+        if rank == forced_rank:
+            blind_prevention(guard)
+        guard.run_step(_step_fn(model, data, world_size))
+        _save(model, guard, "forced", rank, out_dir, budget=budget)
+        guard.detach()
+        del model, guard
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
+
+
+def mixed_policy_run_step_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                                 num_steps: int, policies: tuple) -> None:
+    """Rank r under policies[r], every budget huge, `num_steps` steps with run_step and
+    close_gloo's barrier: no rank may wait on a collective the others skip."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        model = parallelize_experts(build_model(CFG, seed=0), torch.distributed.group.WORLD)
+        guard = spikeguard.attach(model, budget=HUGE, policy=policies[rank])
+        for step in range(num_steps):
+            guard.run_step(_step_fn(model, [_batch(4, 100 * step + rank)], world_size))
+            model.zero_grad(set_to_none=True)
+        torch.save({"steps": len(guard.history)}, Path(out_dir) / f"mixed_rank{rank}.pt")
+        guard.detach()
+        del model, guard
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
