@@ -15,6 +15,7 @@ of one unguarded step, measured first (CPU: the guard's emulated device).
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from typing import Any, Optional
 
@@ -50,19 +51,42 @@ def evaluate(model: nn.Module, windows: list[torch.Tensor]) -> float:
     return torch.stack(losses).mean().item()
 
 
-def measure_unguarded_peak(model: nn.Module, optimizer, window: torch.Tensor) -> int:
-    """Peak bytes of one micro-batch's forward and backward with everything kept and no
-    limit (the guard's ledger under policy "none"); gradients are cleared afterwards."""
+def measure_unguarded_peak(model: nn.Module, optimizer, windows: list[torch.Tensor]) -> int:
+    """Peak device bytes of a training step with everything kept and no limit: every
+    micro-batch's forward and backward, then the optimizer step (its foreach temporaries
+    beside parameters, gradients and state). Two steps are run and the larger peak taken:
+    the first has no optimizer state during its backward (its optimizer step creates it),
+    every later step has. Parameters, optimizer state and random generators come back as
+    they were, and no gradient is left."""
     import spikeguard
 
-    guard = spikeguard.attach(model, budget=UNLIMITED, policy="none", optimizer=optimizer)
-    try:
-        with guard.step():
-            model(input_ids=window, labels=window).loss.backward()
-    finally:
-        guard.detach()
-        optimizer.zero_grad(set_to_none=True)
-    return guard.history[-1]["peak_bytes"]
+    params = [p for p in model.parameters()]
+    with torch.no_grad():
+        weights = [p.detach().clone() for p in params]
+    state = copy.deepcopy(optimizer.state_dict())
+    peak = 0
+
+    def micro_batches() -> None:
+        for w_BT in windows:
+            (model(input_ids=w_BT, labels=w_BT).loss / len(windows)).backward()
+
+    with torch.random.fork_rng(devices=[]):
+        guard = spikeguard.attach(model, budget=UNLIMITED, policy="none", optimizer=optimizer)
+        try:
+            for _ in range(2):
+                optimizer.zero_grad(set_to_none=True)
+                guard.run_step(micro_batches)
+                optimizer.step()
+                # The device's peak since the step opened: the optimizer step's included.
+                peak = max(peak, guard.history[-1]["peak_bytes"], guard.meter.peak())
+        finally:
+            guard.detach()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for p, w in zip(params, weights):
+                    p.copy_(w)
+            optimizer.load_state_dict(state)
+    return peak
 
 
 def train_hf(source: str, sizes: HFSizes, train_cfg, *, corpus, budget: Optional[int],
@@ -88,8 +112,9 @@ def train_hf(source: str, sizes: HFSizes, train_cfg, *, corpus, budget: Optional
     optimizer = make_optimizer(model, train_cfg)
     if budget is None:
         probe_gen = torch.Generator().manual_seed(train_cfg.seed + 7)
-        peak = measure_unguarded_peak(model, optimizer, _window(
-            corpus, "train", train_cfg.batch_size, sizes.seq_len, probe_gen))
+        peak = measure_unguarded_peak(model, optimizer, [
+            _window(corpus, "train", train_cfg.batch_size, sizes.seq_len, probe_gen)
+            for _ in range(train_cfg.micro_batches)])
         budget = int(AUTO_BUDGET_FRACTION * peak)
         say(f"memory: CPU run, emulated device; budget {format_bytes(budget)} = "
             f"{AUTO_BUDGET_FRACTION} x the unguarded peak {format_bytes(peak)}")

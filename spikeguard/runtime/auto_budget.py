@@ -11,6 +11,7 @@ budget. The probe leaves no gradient behind.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional, Sequence
 
@@ -40,23 +41,46 @@ def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         with guard.step():
             for idx_BT, targets_BT in micro_batches:
                 model(idx_BT, targets_BT).loss.backward()
+        record = guard.history[-1]
+        # The optimizer's state exists on the device from its first step on; a probe before
+        # that step peaks without it, so it is added (it is resident through every later
+        # step). The optimizer step itself (state, and its foreach temporaries beside the
+        # gradients) may peak higher than the step: it is measured too, then undone.
+        to_come = 0
+        optimizer_peak = 0
+        if optimizer is not None:
+            expected, present = optimizer_state_bytes(model, optimizer)
+            to_come = expected - present
+            optimizer_peak = _optimizer_step_peak(model, optimizer, guard)
     finally:
         guard.detach()
         model.zero_grad(set_to_none=True)
-    record = guard.history[-1]
-    # The optimizer's state exists on the device from its first step on; a probe before
-    # that step peaks without it, so it is added (it is resident through every later step).
-    to_come = 0
-    if optimizer is not None:
-        expected, present = optimizer_state_bytes(model, optimizer)
-        to_come = expected - present
-    both = torch.tensor([record["peak_bytes"] + to_come, record["static_bytes"]],
-                        dtype=torch.int64)
+    both = torch.tensor([max(record["peak_bytes"] + to_come, optimizer_peak),
+                         record["static_bytes"]], dtype=torch.int64)
     if group is not None:
         import torch.distributed as dist
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     peak, static = both.tolist()
     return peak, static
+
+
+def _optimizer_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, guard) -> int:
+    """The device's peak over one optimizer step on the probe's gradients; the parameters
+    and the optimizer's state are put back exactly as they were."""
+    from spikeguard.memory.device import host
+
+    with host():
+        params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(optimizer.state_dict())
+    guard.meter.reset_peak()
+    optimizer.step()
+    peak = guard.meter.peak()
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), params):
+            p.copy_(saved)
+    optimizer.state.clear()
+    optimizer.load_state_dict(state)
+    return peak
 
 
 def auto_budget(calm_peak: int, static: int, margin: float = AUTO_MARGIN) -> int:

@@ -57,11 +57,15 @@ def oom_text(place: str, meter, err: BaseException) -> str:
 
 
 def state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
-    """(owner, key, tensor) of every parameter, gradient and optimizer-state tensor."""
+    """(owner, key, tensor) of every parameter, gradient, buffer and optimizer-state tensor."""
     for p in model.parameters():
         yield p, "data", p.data
         if p.grad is not None:
             yield p, "grad", p.grad
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                yield module._buffers, name, buf
     if optimizer is not None:
         for state in optimizer.state.values():
             for key, value in state.items():

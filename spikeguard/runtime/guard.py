@@ -239,7 +239,12 @@ class Guard(DecisionWindow):
     def abandon_step(self, snapshot: GradSnapshot) -> None:
         """Free everything the failed step holds on the device and put the gradients back."""
         self.ctx.tags.clear()
+        for block in self.moe_blocks:
+            _forget_aux_loss(block)
         gc.collect()   # the failed step's graph (and its saved tensors) go with it
+        # torch 2.13 keeps the nodes still queued when a backward raised, and what they
+        # saved, until the next backward runs on this thread: one empty backward frees them.
+        (torch.ones((), requires_grad=True) * 1).backward()
         self.ledger.clear()
         self.tracker.holders.clear()
         self.engine.end_forward()
@@ -410,6 +415,8 @@ class Guard(DecisionWindow):
 
     def _abandon(self, mb: int) -> None:
         self.ctx.tags.clear()
+        for block in self.moe_blocks:   # its graph reaches back through the whole forward
+            _forget_aux_loss(block)
         gc.collect()  # the failed forward's graph holds ledger entries until collected
         for key in self.ledger.entries_of(mb):
             self.ledger.drop(key)
@@ -443,18 +450,23 @@ class Guard(DecisionWindow):
             # The flag is set inside the checkpointed function, so backward's recompute
             # takes the same path as the forward did.
             kwargs = self.adapter.recompute_kwargs(layer, kwargs)
-            return checkpoint(functools.partial(self._full_region, orig_forward), *args,
+            return checkpoint(functools.partial(self._full_region, orig_forward, layer_idx), *args,
                               use_reentrant=False, **kwargs,
                               context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                            self.adapter.layer_policy))
         return orig_forward(*args, **kwargs)
 
-    def _full_region(self, orig_forward, *args, **kwargs):
+    def _full_region(self, orig_forward, layer_idx, *args, **kwargs):
         outer, self._in_full_region = self._in_full_region, True
         try:
             return orig_forward(*args, **kwargs)
         finally:
             self._in_full_region = outer
+            if not self._in_forward:
+                # Backward's recompute of the layer (stopped early by torch's non-reentrant
+                # checkpoint, so no forward hook of the block runs): the block's aux loss
+                # would keep the recomputed graph alive past backward.
+                _forget_aux_loss(self.moe_blocks[layer_idx])
 
     def _enter_shared(self, module, args) -> None:
         if self._in_forward:
@@ -469,10 +481,8 @@ class Guard(DecisionWindow):
         if self._in_forward:
             self.ctx.tags.clear()
             self.ctx.op = "attn"
-        elif getattr(block, "last_aux_loss", None) is not None and torch.is_grad_enabled():
-            # A recompute in backward re-ran the block: its aux loss would keep the
-            # recomputed graph alive past backward (nothing reads it there).
-            block.last_aux_loss = None
+        else:   # a recompute in backward re-ran the block: nothing reads its aux loss there
+            _forget_aux_loss(block)
 
     def _enter_head(self, module, args, output) -> None:
         if self._in_forward:
@@ -505,6 +515,11 @@ class Guard(DecisionWindow):
     def _record(self, layer: int, counts: list[int], plan: LayerPlan) -> None:
         if self._step is not None:
             self._step.record_plan(layer, counts, plan.actions)
+
+
+def _forget_aux_loss(block) -> None:
+    if getattr(block, "last_aux_loss", None) is not None:
+        block.last_aux_loss = None
 
 
 def _prefetch(engine: OffloadEngine, micro_batch: int, layer: int, grad):

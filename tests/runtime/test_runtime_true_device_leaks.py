@@ -66,12 +66,8 @@ def _live_after_steps(host_marks, variant: str) -> tuple[list, list]:
 
 @pytest.mark.parametrize("variant", [
     "none", "experts", "offload", "adaptive",
-    pytest.param("full", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: the recomputed graph of each layer stays alive through "
-        "MoEBlock.last_aux_loss (see test_full_recompute_keeps_nothing_past_backward)"))),
-    pytest.param("adaptive-net", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: the safety net's full-recompute re-run leaves the recomputed graph "
-        "in MoEBlock.last_aux_loss (see test_full_recompute_keeps_nothing_past_backward)"))),
+    "full",
+    "adaptive-net",
 ])
 def test_live_bytes_after_every_step_are_the_model_state(host_marks, variant):
     wrong, history = _live_after_steps(host_marks, variant)
@@ -123,12 +119,8 @@ def test_an_abandoned_attempt_leaves_nothing_behind(host_marks, variant):
 
 @pytest.mark.parametrize("variant", [
     "none", "experts",
-    pytest.param("full", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: torch's non-reentrant checkpoint stops the recompute early (after the "
-        "last saved tensor), so the block's forward hook Guard._leave_moe, which drops "
-        "last_aux_loss, never runs in backward; the recomputed graph stays alive"))),
-    pytest.param("adaptive-step-net", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: same, through the safety net's full-recompute re-run"))),
+    "full",
+    "adaptive-step-net",
 ])
 def test_full_recompute_keeps_nothing_past_backward(host_marks, variant):
     """After backward only the model's state and its gradients are live: no recomputed
@@ -139,14 +131,8 @@ def test_full_recompute_keeps_nothing_past_backward(host_marks, variant):
 
 
 @pytest.mark.parametrize("variant", [
-    pytest.param("adaptive-step-net", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: Guard.abandon_step's gc.collect() does not free the failed backward's "
-        "graph: torch 2.13 keeps the nodes left in the autograd ready queue (and the graph "
-        "behind them) until the next backward on the thread; and the blocks' last_aux_loss "
-        "still hold the attempt's graph"))),
-    pytest.param("adaptive-micro-batch-net", marks=pytest.mark.xfail(strict=True, reason=(
-        "library bug: Guard._abandon does not drop the blocks' last_aux_loss, which hold the "
-        "abandoned forward's graph until the re-run passes each layer"))),
+    "adaptive-step-net",
+    "adaptive-micro-batch-net",
 ])
 def test_a_safety_net_rerun_starts_from_the_state_before_the_attempt(host_marks, variant):
     """When the re-run's forward begins (the embedding runs again), the device and the
@@ -207,10 +193,6 @@ def test_torch_keeps_a_failed_backwards_pending_nodes_until_the_next_backward():
 
 
 # ---- the model's buffers are device memory ------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: spikeguard.runtime.device_state.move_state_to_device re-allocates "
-    "parameters, gradients and optimizer state onto the device but not the model's "
-    "buffers, which model.to('cuda') moves too (tiny: the routers' expert_bias_E, 32 B)"))
 def test_attach_puts_the_model_buffers_on_the_device():
     model, opt, guard = guarded(TINY, "none", HUGE)
     assert guard.meter.allocated() == storage_bytes([*model.parameters(), *model.buffers()])

@@ -57,10 +57,10 @@ def blind_prevention(guard) -> None:
     forward and backward peaks are checked (no eviction to host). What is left is the
     safety net, which is what the tests using it are about."""
     guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
+    # `decide` replaced whole, not the layer room's slopes set to 0: each step without a
+    # step-level re-run calibrates them again from the device (that would undo the
+    # blinding), and `decide` is where the layer's own peaks are checked and evicted for.
     guard._layer_cannot_fit = lambda layer: False
-    # Not just the layer room's slopes set to 0: each step without a step-level re-run
-    # calibrates them again from the device, which would undo the blinding.
-    guard._fit_layer = lambda layer, num_routed: None
 
 
 # ---- the meter ----------------------------------------------------------------------------
@@ -154,14 +154,12 @@ def aux_values(model) -> list:
 
 
 def expected_live(model, opt, *, device: bool) -> int:
-    """Parameters, gradients that exist, optimizer state, the aux-loss scalars; plus the
-    buffers for the meter (its baseline has them). The device does not hold the model's
-    buffers: see test_attach_puts_the_model_buffers_on_the_device."""
+    """Parameters, gradients that exist, buffers, optimizer state, the aux-loss scalars:
+    the same for the device and the meter (`device` names which, for the message)."""
     tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
     if opt is not None:
         tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    if not device:
-        tensors += list(model.buffers())
+    tensors += list(model.buffers())
     return storage_bytes(tensors + aux_values(model))
 
 
