@@ -164,8 +164,9 @@ class MicroBatchCounter:
 
     A training forward is a call of the top-level module with gradients enabled; the
     routers' forwards that backward's recompute runs, and evaluation under no_grad, are
-    not. (The guard's safety net re-runs a micro-batch inside the same top-level call, so
-    it is still the same micro-batch here.)"""
+    not. (The guard's micro-batch safety net re-runs a micro-batch inside the same
+    top-level call, so it is still the same micro-batch here; its step-level net re-runs the
+    whole step, and the guard's count restarts it.)"""
 
     def __init__(self, model: nn.Module):
         self.index = -1
@@ -179,6 +180,11 @@ class MicroBatchCounter:
     def _enter(self, module, args) -> None:
         if torch.is_grad_enabled():
             self.index += 1
+            # A guard's step-level safety net runs the step again from its first
+            # micro-batch: the guard's own count says which one this is.
+            guard = getattr(module, "_spikeguard", None)
+            if guard is not None and guard.micro_batch_index() is not None:
+                self.index = guard.micro_batch_index()
             self.in_forward = True
 
     def _leave(self, module, args, output) -> None:

@@ -203,6 +203,10 @@ class Guard(DecisionWindow):
         owns the step's body and re-runs it whole when anything in it runs out."""
         return step_context(self)
 
+    def micro_batch_index(self) -> Optional[int]:
+        """The number the next forward of the open step gets (None outside a step)."""
+        return self._step.micro_batches if self._step is not None else None
+
     def run_step(self, fn: Callable[[], object]):
         """Run `fn()` (every micro-batch's forward and backward) as one guarded step, with
         the safety net that reaches backward (spikeguard.runtime.step). Returns fn's value."""
@@ -462,7 +466,7 @@ class Guard(DecisionWindow):
             return orig_forward(*args, **kwargs)
         finally:
             self._in_full_region = outer
-            if not self._in_forward:
+            if not self._in_forward and torch.is_grad_enabled():
                 # Backward's recompute of the layer (stopped early by torch's non-reentrant
                 # checkpoint, so no forward hook of the block runs): the block's aux loss
                 # would keep the recomputed graph alive past backward.
@@ -481,8 +485,8 @@ class Guard(DecisionWindow):
         if self._in_forward:
             self.ctx.tags.clear()
             self.ctx.op = "attn"
-        else:   # a recompute in backward re-ran the block: nothing reads its aux loss there
-            _forget_aux_loss(block)
+        elif torch.is_grad_enabled():   # a recompute in backward re-ran the block: nothing
+            _forget_aux_loss(block)     # reads its aux loss there (evaluation does)
 
     def _enter_head(self, module, args, output) -> None:
         if self._in_forward:

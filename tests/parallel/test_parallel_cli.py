@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 TINY8 = ["train", "--preset", "tiny", "--num-experts", "8", "--steps", "3", "--batch-size", "8",
          "--threads", "1"]
 SPIKE = ["--nproc", "2", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",
-         "--budget", "2.3MiB"]
+         "--budget", "auto"]   # a fixed figure would be this machine's, not the model's
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -40,7 +40,8 @@ def test_none_dies_on_the_spiked_rank_with_a_clear_message():
     proc = _run(TINY8 + SPIKE + ["--policy", "none"])
     assert proc.returncode == 3
     assert "spikeguard: out of memory on rank" in proc.stderr
-    assert "layer" in proc.stderr and "MiB" in proc.stderr
+    # where it died: a layer, or the head (the spike's rows reach it through combine)
+    assert ("layer" in proc.stderr or "output head" in proc.stderr) and "MiB" in proc.stderr
     # the other rank's broken collective (when it sees it before torchrun stops it) and
     # torchrun's own report are one line each
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
