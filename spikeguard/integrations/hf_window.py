@@ -97,6 +97,11 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
             for stage in EXPERT_STAGES:
                 guard.cost.observe(stage, top_k_index.numel(), share)
     guard.ctx.op = "combine"
+    # Where backward is, as the built-in expert path marks it: the experts call's backward
+    # starts at its output's gradient and is done at its input's (layer 0's "dispatch" is
+    # what tells the guard this micro-batch's backward working set is behind it).
+    guard._mark_backward(out, layer, "experts")
+    guard._mark_backward(hidden_states, layer, "dispatch")
     if hidden_states.requires_grad and layer > 0:
         # When backward has passed this layer's experts, bring the layer below back.
         hidden_states.register_hook(functools.partial(_prefetch, guard.engine,

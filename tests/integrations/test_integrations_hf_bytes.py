@@ -14,6 +14,7 @@ expert, stands for "a model it has never seen": found by structure, planned, bit
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,7 +153,9 @@ class ToyLM(nn.Module):
             x = layer(x)
         logits = self.head(x)
         loss = F.cross_entropy(logits.reshape(-1, 256), w_BT[:, 1:].reshape(-1))
-        return type("Out", (), {"loss": loss, "logits": logits})()
+        # Not `type("Out", (), {...})()`: a class is a reference cycle, so its dict would
+        # keep the logits on the device until the collector runs, past the next forward.
+        return SimpleNamespace(loss=loss, logits=logits)
 
 
 def _toy() -> ToyLM:
