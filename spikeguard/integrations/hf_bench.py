@@ -6,8 +6,9 @@ One process, the same batches for every policy, runs interleaved (ceiling, none,
 experts, adaptive, ceiling, ...) so machine noise hits all alike; medians of the reps
 after one warm-up round. The ceiling is the plain transformers model, no guard, no limit;
 "none" is the guard with an unlimited budget (its bookkeeping alone); the rest run under
-`--fraction` x the ceiling's peak. On a CPU-only machine the device is emulated by the
-ledger's byte budget: these are CPU figures, not GPU ones.
+`--fraction` x the ceiling's peak (the device's true peak with everything kept). On a
+CPU-only machine the device is emulated by the CPU allocator (every live storage): these
+are CPU figures, not GPU ones.
 """
 
 from __future__ import annotations
