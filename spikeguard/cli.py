@@ -384,7 +384,7 @@ def _train_and_report(preset: str, model_cfg, train_cfg, *, data: Optional[str],
     if guard_args is not None:
         # Training here runs on CPU, where there is no device memory: the peak and budget
         # in the step lines are the bytes the guard's ledger tracks against its budget.
-        _say(console, "memory: CPU run, peak / budget are the guard's emulated device")
+        _say(console, "memory: CPU run, peak / budget are the emulated device's (every live storage, as an allocator counts)")
     if parallel is not None:
         _say(console, f"expert parallel: {parallel.worker.world_size} ranks (gloo), "
                       f"{model_cfg.num_experts // parallel.worker.world_size} experts each; "

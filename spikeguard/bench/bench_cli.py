@@ -12,7 +12,7 @@
    the spikes and is restarted from its checkpoints.
 4. Figures (spikeguard.bench.results), `safe-static` (the fastest static setting that
    survived), a table, a JSON file, plots and a docs page.
-On a machine without a GPU the device is the ledger's emulated byte budget: every figure
+On a machine without a GPU the device is emulated by the CPU allocator (every live storage counted, as a device allocator would): every figure
 is a CPU figure, and the page says so.
 """
 
@@ -231,7 +231,7 @@ def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[s
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__,
-                    "device": "CPU only: the device is emulated by the ledger's byte budget"},
+                    "device": "CPU only: the device is emulated by the CPU allocator (every live storage)"},
         "workload": {"preset": args.preset, "ep": args.ep, "steps": args.steps,
                      "batch_size": args.batch_size, "micro_batches": args.micro_batches,
                      "pattern": None if args.trace else args.pattern,

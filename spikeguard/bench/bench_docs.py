@@ -23,8 +23,9 @@ def page(report: dict, plots: list[Path], docs_dir: Path) -> str:
         f"    {report['command']}",
         "",
         f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}. **{m['device']}**: "
-        f"every figure here is a CPU figure, and the budget is the bytes the ledger counts "
-        f"(parameters, gradients, optimizer state and what autograd keeps for backward).",
+        f"every figure here is a CPU figure, and the budget is the device's bytes: every live "
+        f"storage, as an allocator counts them (parameters, gradients, optimizer state, saved "
+        f"activations, temporaries, activation gradients, recomputed tensors, reloads).",
         f"Date: {report['date']}.",
         "",
         f"Workload: the built-in `{w['preset']}` model, {w['ep']} expert-parallel processes "

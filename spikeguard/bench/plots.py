@@ -155,7 +155,7 @@ def memory_timeline(runs: Runs) -> Figure:
         ax.set_ylabel(f"peak ({unit})")
     axes[-1].set_xlabel("step")
     # Logs do not say where they ran: the caption must hold for CPU and CUDA runs alike.
-    fig.suptitle("Memory of the hot rank per step (the guard's bytes; on CPU an emulated "
+    fig.suptitle("Memory of the hot rank per step (the device's bytes; on CPU an emulated "
                  "device)")
     fig.legend(handles=_memory_legend(), loc="outside lower center", ncols=4, fontsize=8)
     return fig

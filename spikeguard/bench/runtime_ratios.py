@@ -5,7 +5,7 @@
 One process, the same data for every policy, runs interleaved (ceiling, full, adaptive,
 ceiling, ...) so machine noise hits all alike; medians are quoted. The ceiling is the plain
 model with no guard and no limit. On a CPU-only machine the device is emulated by the
-ledger's byte budget: the ratios are CPU figures.
+CPU allocator (every live storage): the ratios are CPU figures.
 """
 
 from __future__ import annotations

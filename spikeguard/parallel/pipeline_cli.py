@@ -160,7 +160,7 @@ class _RankRun:
                   f"{self.args.schedule}), {cfg.micro_batches} micro-batches of "
                   f"{cfg.batch_size} x {T} tokens per shard; step lines are rank 0's, loss the "
                   f"last stage's, peak and spike the cluster's"
-                  + ("; memory: CPU run, peak / budget are the guard's emulated device"
+                  + ("; memory: CPU run, peak / budget are the emulated device's (every live storage)"
                      if self.use_guard else "")
                   + ("; interleaved: each of a rank's 2 chunks has its own guard and half the "
                      "budget, peak is the larger chunk's" if len(self.prank.stage_ids) > 1

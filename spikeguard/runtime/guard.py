@@ -145,7 +145,7 @@ class Guard(DecisionWindow):
             free, total = torch.cuda.mem_get_info(self.device)
             return int(total * (1 - CUDA_MARGIN_FRACTION))
         raise UsageError("on CPU there is no device memory to measure: give a budget "
-                         "(e.g. budget='512MiB'); the ledger emulates a device of that size")
+                         "(e.g. budget='512MiB'); the CPU allocator emulates a device of that size")
 
     def _static_bytes(self) -> int:
         self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
