@@ -9,7 +9,9 @@ The model is built offline at small sizes with random weights (hf_models), train
 AdamW on the default corpus (or --data), each micro-batch's loss being transformers' own
 (shifted cross-entropy plus the router's load-balancing term), so a user can watch the
 guard on their architecture without a GPU. Without --budget the budget is 0.85 x the peak
-of one unguarded step, measured first (CPU: the guard's emulated device).
+of an unguarded training step (forwards, backwards and the AdamW step, with AdamW's state
+resident), measured first on the guard's emulated device (CPU). Each step runs through
+`guard.run_step`, whose safety net reaches backward.
 """
 
 from __future__ import annotations
