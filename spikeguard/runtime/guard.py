@@ -1,13 +1,15 @@
 """The guard: the public API that attaches spikeguard to a model.
 
     guard = spikeguard.attach(model, budget="2GiB", policy="adaptive", optimizer=opt)
-    with guard.step():
+    def step():
         for micro_batch in batches:
             model(micro_batch.x, micro_batch.y).loss.backward()
-    guard.history[-1]   # peak_bytes, budget_bytes, decisions, imbalance, ...
+    guard.run_step(step)   # or `with guard.step(): step()`, whose net reaches forward only
+    guard.history[-1]      # peak_bytes (the device's true peak), budget_bytes, decisions, ...
     guard.detach()
 
-Every forward of the model is one micro-batch. In each MoE layer the guard's expert
+The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
+counts every live storage. Every forward of the model is one micro-batch. In each MoE layer the guard's expert
 runner is the decision window: the planner picks a plan from the exact routed counts, the
 executor runs the expert path under it. Static policies share the same executor.
 """
