@@ -434,9 +434,16 @@ class Guard(DecisionWindow):
         self.ctx.layer, self.ctx.op = layer_idx, "attn"
         self._set_where(PHASE_FORWARD, layer_idx)
         self._layer_entry_in_use = self.ledger.in_use()
+        if layer_idx == 0 and args and torch.is_tensor(args[0]) and args[0].requires_grad:
+            # When backward reaches the first layer's input, the micro-batch's backward
+            # through every guarded layer is done (recomputed whole or not).
+            args[0].register_hook(functools.partial(self._backward_done, self.ctx.micro_batch))
         out = self._layer_forward_body(layer, orig_forward, layer_idx, args, kwargs)
         self._mark_backward(out, layer_idx, "combine")
         return out
+
+    def _backward_done(self, mb: int, grad) -> None:
+        self._pending_backward.pop(mb, None)
 
     def _mark_backward(self, t, layer: int, op: str) -> None:
         """When backward reaches `t`, the device's position becomes (backward, layer, op)."""
@@ -448,8 +455,6 @@ class Guard(DecisionWindow):
     def _enter_backward(self, mb: int, layer: int, op: str, grad) -> None:
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, layer, op
         self._set_where(PHASE_BACKWARD, layer)
-        if layer == 0 and op == "dispatch":   # its expert paths' backward is behind it
-            self._pending_backward.pop(mb, None)
 
     def _layer_forward_body(self, layer, orig_forward, layer_idx, args, kwargs):
         if torch.is_grad_enabled() and (self._full_recompute or self._layer_cannot_fit(layer_idx)):

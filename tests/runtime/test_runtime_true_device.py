@@ -85,20 +85,26 @@ def test_adaptive_true_peak_stays_under_a_budget_between_calm_and_spike(host_mar
 
 
 def test_planning_on_the_meters_figure_alone_changes_nothing(host_marks):
-    """What the guard does on CUDA: it plans on what the allocator reports, nothing of its
-    own. Here it reads the tests' meter instead of the emulated device (the device only
-    enforces the budget): under the same spikes, adaptive still stays under it."""
+    """What the guard does on CUDA: it plans on what the allocator reports. Here one run
+    plans on the emulated device's figure, the other on the tests' meter's (the device
+    only enforces the budget): under the same spikes both stay under it, with the same
+    decisions, step by step."""
     calm, spike = (m.peak_bytes
                    for m in ceiling_steps(host_marks, TINY, [[8, 8], [8, 8], [8, 16]])[1:])
     budget = (calm + spike) // 2
-    model, opt, guard = guarded(TINY, "adaptive", budget)
-    for seed, sizes in enumerate([[8, 8], [8, 16], [8, 8], [8, 16]]):
-        meter = PhaseMeter(baseline_tensors=model_state_tensors(model, opt))
-        guard.ledger.in_use = lambda meter=meter: meter.live_bytes
-        meter = metered_step(host_marks, model, opt, guard, step_data(TINY, sizes, seed),
-                             meter=meter)
-        assert meter.peak_bytes <= budget, (seed, sizes, meter.peak_bytes, budget)
-    assert sum(r["safety_net_reruns"] for r in guard.history) == 0
+    runs = []
+    for on_meter in (False, True):
+        model, opt, guard = guarded(TINY, "adaptive", budget)
+        for seed, sizes in enumerate([[8, 8], [8, 16], [8, 8], [8, 16]]):
+            meter = PhaseMeter(baseline_tensors=model_state_tensors(model, opt))
+            if on_meter:
+                guard.ledger.in_use = lambda meter=meter: meter.live_bytes
+            meter = metered_step(host_marks, model, opt, guard, step_data(TINY, sizes, seed),
+                                 meter=meter)
+            assert meter.peak_bytes <= budget, (on_meter, seed, sizes, meter.peak_bytes, budget)
+        assert sum(r["safety_net_reruns"] for r in guard.history) == 0
+        runs.append([(r["decisions"], r["full_layers"]) for r in guard.history])
+    assert runs[0] == runs[1]
 
 
 # ---- "none" dies at the first allocation past the budget --------------------------------
