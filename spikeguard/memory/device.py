@@ -242,6 +242,10 @@ class EmulatedDevice:
     def peak_where(self) -> int:
         return int(self._lib.sg_peak_where(self.slot))
 
+    def where(self) -> int:
+        """The position code allocations are labelled with now."""
+        return int(self._lib.sg_where())
+
     def where_peak(self, where: int) -> int:
         return int(self._lib.sg_where_peak(self.slot, where))
 
@@ -308,6 +312,9 @@ class CudaDevice:
         return 0
 
     def peak_where(self) -> int:
+        return 0
+
+    def where(self) -> int:
         return 0
 
     def where_peak(self, where: int) -> int:

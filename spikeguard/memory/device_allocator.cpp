@@ -35,7 +35,7 @@ namespace {
 
 constexpr size_t kHeader = 64;  // keeps c10's 64-byte alignment of the data
 constexpr int kSlots = 4096;    // device slots (slot 0: no device); BSS, touched when used
-constexpr int kWheres = 1024;   // positions in the step (set by the guard) with a peak each
+constexpr int kWheres = 4096;   // positions in the step (set by the guard) with a peak each
 constexpr uint32_t kHost = 0xffffffffu;
 
 struct Header {
@@ -153,6 +153,8 @@ uint32_t sg_current() { return g_current.load(); }
 void sg_enter_host() { ++t_host_depth; }
 void sg_exit_host() { --t_host_depth; }
 int64_t sg_host_allocated() { return g_host.load(); }
+
+int sg_where() { return g_where.load(); }
 
 int sg_set_where(int where) {
   if (where < 0 || where >= kWheres) return -1;

@@ -22,15 +22,20 @@ from spikeguard.memory.budget import format_bytes
 PHASE_IDLE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("outside a step", "forward", "backward", "optimizer step")
 _LAYER_CODES = 256
+_MB_CODES = 4   # micro-batches told apart (modulo): a pipeline's resident ones, at least
 
 
-def where_code(phase: int, layer: int) -> int:
-    """One small integer per (phase, layer); layer -1 is the embedding."""
-    return phase * _LAYER_CODES + min(max(layer + 1, 0), _LAYER_CODES - 1)
+def where_code(phase: int, layer: int, micro_batch: int = 0) -> int:
+    """One small integer per (phase, micro-batch modulo 4, layer); layer -1 is the
+    embedding. The device keeps a peak per code (spikeguard/memory/device_allocator.cpp:
+    4096 of them)."""
+    return ((phase * _MB_CODES + micro_batch % _MB_CODES) * _LAYER_CODES
+            + min(max(layer + 1, 0), _LAYER_CODES - 1))
 
 
 def decode_where(code: int) -> tuple[int, int]:
-    return code // _LAYER_CODES, code % _LAYER_CODES - 1
+    """(phase, layer) of a position code."""
+    return code // (_LAYER_CODES * _MB_CODES), code % _LAYER_CODES - 1
 
 
 def place_text(phase: int, micro_batch: int, layer: int, op: str, num_layers: int) -> str:

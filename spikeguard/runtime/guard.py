@@ -129,6 +129,7 @@ class Guard(DecisionWindow):
         self._trained = [p for p in model.parameters() if p.requires_grad]
         self._grads_to_come = 0
         self._layer_entry_in_use = 0
+        self._last_failure = (0, 0)   # (position code, bytes) of the last refused step
         # Micro-batch -> its predicted backward working set, until its backward is done
         # (a pipeline holds several micro-batches; see plan/room.py).
         self._pending_backward: dict[int, int] = {}
@@ -242,8 +243,12 @@ class Guard(DecisionWindow):
             reserved_bytes=self.meter.reserved()))
         self._step = None
 
-    def abandon_step(self, snapshot: GradSnapshot) -> None:
-        """Free everything the failed step holds on the device and put the gradients back."""
+    def abandon_step(self, snapshot: GradSnapshot, failed: tuple[int, int] = (0, 0)) -> None:
+        """Free everything the failed step holds on the device and put the gradients back;
+        first learn from it (`failed`: where and how far a refused allocation would have
+        taken the device), so that the next step does not fail the same way."""
+        if self.policy == "adaptive":
+            self.layer_room.calibrate(self.meter, failed)
         self.ctx.tags.clear()
         for block in self.moe_blocks:
             _forget_aux_loss(block)
@@ -271,7 +276,7 @@ class Guard(DecisionWindow):
 
     def _set_where(self, phase: int, layer: int) -> int:
         self._phase = phase
-        return self.meter.set_where(where_code(phase, layer))
+        return self.meter.set_where(where_code(phase, layer, self.ctx.micro_batch))
 
     def device_oom(self, err: BaseException) -> DeviceOutOfMemory:
         if isinstance(err, DeviceOutOfMemory):
@@ -414,10 +419,18 @@ class Guard(DecisionWindow):
         head = self.ledger.bytes_by(mb, len(self.moe_blocks), "head")
         self.forecast.observe(head + int(self.layer_room.head_backward_per_token * num_tokens),
                               post, num_tokens)
+        # The head's backward is measured from what is in use when it starts: the loss's
+        # gradient is its first (the caller may have dropped the logits by then).
         self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
+        loss = getattr(out, "loss", None)
+        if torch.is_tensor(loss) and loss.requires_grad:
+            loss.register_hook(functools.partial(self._head_backward_starts, mb, num_tokens))
         if self._step is not None:
             self._step.end_attempt()
         return out
+
+    def _head_backward_starts(self, mb: int, num_tokens: int, grad) -> None:
+        self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
 
     def _abandon(self, mb: int) -> None:
         self.ctx.tags.clear()

@@ -86,28 +86,35 @@ class LayerRoom:
         self._probes[(micro_batch, layer)] = _Probe(in_use, num_routed, grads_to_come,
                                                     layer_part)
 
-    def calibrate(self, meter) -> None:
-        """Slopes from what the device reached in each probed layer (max over layers and
-        micro-batches: one micro-batch's peak may be read against another's probe, which
-        only errs high)."""
+    def calibrate(self, meter, failed: tuple[int, int] = (0, 0)) -> None:
+        """Slopes from what the device reached in each probed layer and micro-batch (the
+        device keeps a peak per position and micro-batch modulo 4: beyond 4 resident ones
+        a peak may be read against another's probe, which only errs high). `failed`:
+        (position code, bytes) of an allocation refused in an attempt that is being
+        abandoned, a peak the device never counted but that the slopes must cover."""
+        failed_code, failed_bytes = failed
+
+        def peak(code: int) -> int:
+            seen = meter.where_peak(code)
+            return max(seen, failed_bytes) if code == failed_code else seen
+
         fwd = bwd = 0.0
         for (mb, layer), p in self._probes.items():
             if p.num_routed <= 0:
                 continue
-            f_peak = meter.where_peak(where_code(PHASE_FORWARD, layer))
-            b_peak = meter.where_peak(where_code(PHASE_BACKWARD, layer))
+            f_peak = peak(where_code(PHASE_FORWARD, layer, mb))
+            b_peak = peak(where_code(PHASE_BACKWARD, layer, mb))
             if f_peak:
                 fwd = max(fwd, (f_peak - p.in_use) / p.num_routed)
             if b_peak:
                 bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come - p.layer_part)
                           / p.num_routed)
         self._probes.clear()
-        head_code = where_code(PHASE_BACKWARD, self.num_layers)
         head = 0.0
-        for in_use, num_tokens in self._head_probes.values():
-            peak = meter.where_peak(head_code)
-            if peak and num_tokens:
-                head = max(head, (peak - in_use) / num_tokens)
+        for mb, (in_use, num_tokens) in self._head_probes.items():
+            reached = peak(where_code(PHASE_BACKWARD, self.num_layers, mb))
+            if reached and num_tokens:
+                head = max(head, (reached - in_use) / num_tokens)
         self._head_probes.clear()
         if head > 0:
             self.head_backward_per_token = head * MARGIN

@@ -52,6 +52,8 @@ def group_overflow(guards: Sequence) -> Optional[str]:
     if not guards or not agrees_per_step(guards[0]):
         return None
     mine = [(g, g.meter.take_overflow(), g.meter.overflow_where()) for g in guards]
+    for guard, over, where in mine:
+        guard._last_failure = (where, over) if over else (0, 0)
     over = max((o for _, o, _ in mine), default=0)
     flag = torch.tensor([1 if over else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -103,12 +105,14 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
                 if snapshots is None or any(g._full_recompute for g in guards):
                     raise guards[0].device_oom(err) from None
                 failure = str(guards[0].device_oom(err))
+                for guard in guards:   # where the refused allocation was, and how far
+                    guard._last_failure = (guard.meter.where(), guard.meter.last_refusal()[1])
             if failure is not None and snapshots is None:
                 raise DeviceOutOfMemory(f"step {len(guards[0].history)}: {failure}",
                                         budget_bytes=guards[0].budget_bytes)
             if failure is not None:
                 for guard, snapshot in zip(guards, snapshots):
-                    guard.abandon_step(snapshot)
+                    guard.abandon_step(snapshot, guard._last_failure)
         if failure is None:
             return result
         log.warning("step %d ran out of memory (%s); re-running it with full recompute",

@@ -15,7 +15,7 @@ from spikeguard.errors import BudgetInfeasible
 from spikeguard.memory.budget import format_bytes
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE
 from spikeguard.plan.planner import Decision
-from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs,
+from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs, entry_estimate,
                                   forward_transient_bytes_per_routed, layer_cannot_fit)
 
 STATIC_PLANS = {"none": ALL_SAVE, "full": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
@@ -114,6 +114,16 @@ class DecisionWindow:
             return False
         if self._step is not None:
             self._step.full_layers += 1
+        # Recomputed whole, the layer still comes back whole in its backward, with its
+        # gradients, beside what the layers below keep: make that fit now, by eviction.
+        estimate = entry_estimate(entry)
+        if estimate is not None:
+            part, routed = estimate
+            _, backward = self.layer_room.needs(entry.in_use_bytes + part, int(routed),
+                                                self._grads_to_come, part)
+            short = backward + self._resident_backward() - self.budget_bytes
+            if short > 0:
+                self._evict(self.ctx.micro_batch, layer, short, self.forecast.residency)
         return True
 
     def _resident_backward(self) -> int:
