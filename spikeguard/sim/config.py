@@ -52,11 +52,17 @@ class SimModel:
     vocab_size: int = 256
     seq_len: int = 128
     dtype_bytes: int = 4          # activations and weights (2 for bf16)
+    # The experts' weight gradients: False as the built-in model makes them (one
+    # select_backward per expert into a full-size tensor, summed: three copies of the local
+    # experts' weights alive at each sum), True as a grouped GEMM writes them in place.
+    grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("model", self, ("num_layers", "d_model", "num_heads", "num_experts",
                                          "top_k", "d_expert", "vocab_size", "seq_len",
                                          "dtype_bytes"))
+        if not isinstance(self.grouped_gemm, bool):
+            raise UsageError(f"model.grouped_gemm must be true or false, got {self.grouped_gemm!r}")
         if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
             raise UsageError(f"model.num_shared_experts must be an integer >= 0, "
                              f"got {self.num_shared_experts!r}")
@@ -145,18 +151,34 @@ class Device:
 class Training:
     """Bytes per parameter: weights and gradients on every replica; optimizer state
     (fp32 master copy + two Adam moments = 12) sharded over data parallelism when
-    `distributed_optimizer` (dense parameters over dp, expert parameters over dp/ep)."""
+    `distributed_optimizer` (dense parameters over dp, expert parameters over dp/ep).
+    `lazy_state`: gradients and optimizer state as PyTorch allocates them (each step's
+    first backward makes the gradients and `zero_grad(set_to_none=True)` frees them after
+    the step; the optimizer's state exists from its first step on), as the runtime's
+    training loops run; False: persistent buffers, allocated before the first step.
+    `torch_buffers`: what torch's own parallel training keeps besides (the runtime's
+    `train --pp`): torch.distributed.pipelining's receive buffers, one per micro-batch for
+    a stage's input and one for its output's gradient, from its first step on, and the
+    last sent output until the next exchange; DDP's gradient buckets over the replicas of a
+    stage (the replicated parameters' gradients again), from its second step on, when it
+    rebuilds them. False: Megatron-style exchange and gradient buffers (none of these)."""
 
     param_bytes: int = 4
     grad_bytes: int = 4
     optimizer_bytes: int = 0
     distributed_optimizer: bool = True
+    lazy_state: bool = False
+    torch_buffers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise UsageError(f"training.{name} must be an integer >= 0, got {value!r}")
+        for name in ("lazy_state", "torch_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"training.{name} must be true or false, "
+                                 f"got {getattr(self, name)!r}")
 
 
 @dataclass(kw_only=True)

@@ -42,6 +42,7 @@ class PolicyResult:
     peak_bytes: list[int]            # per stage, over the run
     peak_stage_step: np.ndarray      # [step, stage]: that stage's worst device
     decisions: Counter
+    decisions_step: list = field(default_factory=list)   # per step, every rank
     total_s: float = 0.0
     lost_s: float = 0.0
     tokens_per_s: float = 0.0
@@ -102,6 +103,9 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     steps = cfg.workload.steps
     walkers = {p: [StageWalker(cfg, dm, st, p, cost) for st in dm.stages] for p in needed}
     cache: dict = {p: {} for p in needed}
+    # What each rank's guard carries from step to step (StepState), per (stage, load
+    # group): the ranks of a group share their loads, hence their state.
+    states: dict = {p: {} for p in needed}
     lay = cfg.layout
     bubble = bubble_micro_batches(lay.pp, lay.virtual_stages) / lay.micro_batches
     step_s = {p: np.zeros(steps) for p in needed}
@@ -110,32 +114,38 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     peak_ss = {p: np.zeros((steps, lay.pp), dtype=np.int64) for p in needed}
     peak_stage = {p: [0] * lay.pp for p in needed}
     decisions = {p: Counter() for p in needed}
+    decisions_step = {p: [] for p in needed}
     spikes = np.zeros(steps, dtype=bool)
     for step in range(steps):
         groups = loads.groups(step)
         spikes[step] = loads.is_spike(step)
         for p in needed:
             busy = []
+            decisions_step[p].append(Counter())
             for st, walker in zip(dm.stages, walkers[p]):
                 worst = 0.0
-                for load, num_ranks in groups:
-                    key = (st.stage, _key(load, st))
+                for group, (load, num_ranks) in enumerate(groups):
+                    state = states[p].get((st.stage, group)) or walker.initial_state()
+                    key = (st.stage, _key(load, st), state)
                     res = cache[p].get(key)
                     if res is None:
-                        res = cache[p][key] = walker.walk(load)
+                        res = cache[p][key] = walker.walk(load, state)
+                    states[p][(st.stage, group)] = res.state
                     worst = max(worst, res.seconds)
                     crashed[p][step] |= res.crashed
                     peak_step[p][step] = max(peak_step[p][step], res.peak_bytes)
                     peak_ss[p][step, st.stage] = max(peak_ss[p][step, st.stage], res.peak_bytes)
                     peak_stage[p][st.stage] = max(peak_stage[p][st.stage], res.peak_bytes)
                     decisions[p].update({k: v * num_ranks for k, v in res.decisions.items()})
+                    decisions_step[p][-1].update({k: v * num_ranks for k, v in res.decisions.items()})
                 busy.append(worst)
             slowest = max(busy)
             step_s[p][step] = slowest * (1 + bubble)
         if progress is not None:
             progress(step)
     policies = {p: _account(cfg, dm, PolicyResult(p, step_s[p], crashed[p], peak_step[p],
-                                                   peak_stage[p], peak_ss[p], decisions[p]))
+                                                   peak_stage[p], peak_ss[p], decisions[p],
+                                                   decisions_step[p]))
                 for p in needed}
     out = {}
     for p in wanted:
@@ -179,13 +189,13 @@ def _safe_static(policies: dict[str, PolicyResult]) -> PolicyResult:
         worst = policies["full"]
         r = PolicyResult("safe-static", worst.step_s, worst.crashed, worst.peak_step,
                          worst.peak_bytes, worst.peak_stage_step, worst.decisions,
-                         worst.total_s, worst.lost_s,
+                         worst.decisions_step, worst.total_s, worst.lost_s,
                          worst.tokens_per_s, worst.flops_per_s, worst.mfu, setting=None)
         return r
     best = max(alive, key=lambda r: r.tokens_per_s)
     return PolicyResult("safe-static", best.step_s, best.crashed, best.peak_step,
                         best.peak_bytes, best.peak_stage_step, best.decisions,
-                        best.total_s, best.lost_s,
+                        best.decisions_step, best.total_s, best.lost_s,
                         best.tokens_per_s, best.flops_per_s, best.mfu, setting=best.name)
 
 

@@ -10,17 +10,15 @@ experts are not tensor-parallel (ETP = 1, as Megatron-Core's MoE with sequence
 parallelism) and are sharded over `ep` ranks drawn from the tp*dp devices of a stage.
 So every per-token figure below is per token *on the device* (Td = T/tp).
 
-Bytes kept for backward per token, per layer: the built-in model's own tensors, which the
-runtime's ledger measures exactly on the `small` preset (tests/sim/test_sim_validation.py):
-
-    attention part  9*D*b + 8 + 4*H      (norm in/out + rstd, qkv, attention out + lse,
-                                          proj in, MoE norm in/out + rstd)
-    router part     D*b + 4*E + 28*K + 4 (gate input, fp32 scores, top-k, dispatch indices)
-    shared expert   4*F_s*b
-    expert path     spikeguard.plan.catalogue.ExpertShape(D, F): per routed copy, per op
-    combine (ep>1)  K*(2*D*b + b)        (rows back from the reverse all-to-all, weighted)
-    head            3*D*b + V*b + 12 (last stage);  embedding 8 + 8/B (first stage)
-    full recompute  D*b (the layer's input)
+Bytes on the device: spikeguard.sim.device_bytes, what the allocator holds layer by layer
+(the runtime's figure since the device is emulated at the allocator): what each layer keeps
+for backward (attention, router, the expert path's plan, the shared expert, the combine
+under ep; whole-layer recompute keeps the input and the router's choice), the forward's
+and backward's working set above it, the head's logits and their gradients. Static:
+weights always; gradients and optimizer state either persistent (Megatron's buffers) or,
+with `training.lazy_state`, as PyTorch allocates them (each step's first backward makes
+the gradients, `zero_grad(set_to_none=True)` frees them, Adam's state exists from the
+first optimizer step on), as the runtime's training loops run.
 
 FLOPs per token (forward; backward is twice that, training 3x): attention 8*D^2 + 2*S*D
 (causal), router 2*D*E, shared 6*D*F_s, each routed copy 6*D*F, head 2*D*V.
@@ -32,6 +30,7 @@ from dataclasses import dataclass
 
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.sim.config import SimConfig
+from spikeguard.sim.device_bytes import HeadBytes, LayerBytes
 
 FP32 = 4
 INDEX = 8
@@ -46,7 +45,12 @@ class StageShape:
     has_embed: bool
     has_head: bool
     num_params: int
-    static_bytes: int
+    static_bytes: int                 # weights + gradients + optimizer state
+    param_bytes: int = 0
+    optimizer_bytes: int = 0
+    chunk_grad_bytes: tuple[int, ...] = ()   # gradients of each chunk's parameters
+    dense_grad_bytes: int = 0         # the replicated (non-expert) parameters' gradients
+    buffer_bytes: int = 0             # torch_buffers: the pipeline's receive buffers
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,14 @@ class DeviceModel:
     model_flops_per_token: float    # training FLOPs of the whole model (MFU's numerator)
     num_params: int
     stages: tuple[StageShape, ...]
+    layer: LayerBytes = None          # the device's bytes of one layer (device_bytes)
+    head: HeadBytes = None
+    embed_bytes: int = 0              # on the device per micro-batch (the position ids)
+    lazy_state: bool = False          # training.lazy_state
+    torch_buffers: bool = False       # training.torch_buffers
+    replicated: bool = False          # a stage's dense parameters live on several ranks
+    layer_grad_bytes: int = 0         # one layer's parameters' gradients, on one device
+    head_grad_bytes: int = 0
 
     def layer_part(self) -> int:
         return int(self.attn_bytes_per_token * self.tokens)
@@ -92,9 +104,13 @@ def build(cfg: SimConfig) -> DeviceModel:
     D, F, H, E, K, V, S, b, tp = (m.d_model, m.d_expert, m.num_heads, m.num_experts, m.top_k,
                                   m.vocab_size, m.seq_len, m.dtype_bytes, lay.tp)
     Fs = F * m.num_shared_experts
+    g = cfg.training.grad_bytes
     tokens = lay.micro_batch_size * S // tp
     shape = ExpertShape(d_model=D, d_expert=F, elem_bytes=b, weight_bytes=b,
                         combine_after_exchange=lay.ep > 1)
+    layer = LayerBytes(shape=shape, num_heads=H, num_experts=E, num_local_experts=E // lay.ep,
+                       top_k=K, shared_width=Fs, grad_bytes=cfg.training.grad_bytes,
+                       grouped=m.grouped_gemm, exchanged=lay.ep > 1)
     combine = K * (2 * D * b + b) if lay.ep > 1 else 0.0
     attn = 9 * D * b + 2 * FP32 + FP32 * H + D * b + FP32 * E + 28 * K + FP32
     flops_attn = 8 * D * D + 2 * S * D
@@ -107,7 +123,21 @@ def build(cfg: SimConfig) -> DeviceModel:
         dense_flops_per_token=flops_attn + 2 * D * E + 6 * D * Fs,
         expert_flops_per_copy=6 * D * F, head_flops_per_token=2 * D * V,
         a2a_bytes_per_copy=D * b, model_flops_per_token=3 * model_fwd,
-        num_params=num_params(cfg), stages=tuple(_stages(cfg)))
+        num_params=num_params(cfg), stages=tuple(_stages(cfg)), layer=layer,
+        head=HeadBytes(d_model=D, vocab_size=V, elem_bytes=b, grad_bytes=g),
+        embed_bytes=INDEX * S, lazy_state=cfg.training.lazy_state,
+        torch_buffers=cfg.training.torch_buffers, replicated=lay.dp > 1,
+        layer_grad_bytes=int(g * (_dense_layer(cfg) + _expert_layer(cfg))),
+        head_grad_bytes=int(g * param_counts(cfg)["head"] / tp))
+
+
+def _dense_layer(cfg: SimConfig) -> float:
+    p = param_counts(cfg)
+    return (p["attn"] + p["shared"] + p["router"]) / cfg.layout.tp
+
+
+def _expert_layer(cfg: SimConfig) -> float:
+    return param_counts(cfg)["experts"] / cfg.layout.ep
 
 
 def _stages(cfg: SimConfig) -> list[StageShape]:
@@ -116,8 +146,7 @@ def _stages(cfg: SimConfig) -> list[StageShape]:
     p = param_counts(cfg)
     chunks_total = lay.pp * lay.virtual_stages
     per_chunk = m.num_layers // chunks_total
-    dense_layer = (p["attn"] + p["shared"] + p["router"]) / lay.tp
-    expert_layer = p["experts"] / lay.ep
+    dense_layer, expert_layer = _dense_layer(cfg), _expert_layer(cfg)
     dp, edp = lay.dp, lay.tp * lay.dp // lay.ep   # expert parameters' data-parallel copies
     shard = tr.distributed_optimizer
     out = []
@@ -130,7 +159,24 @@ def _stages(cfg: SimConfig) -> list[StageShape]:
         experts = n_layers * expert_layer
         weights = (dense + experts) * (tr.param_bytes + tr.grad_bytes)
         optim = tr.optimizer_bytes * (dense / (dp if shard else 1) + experts / (edp if shard else 1))
+        grads = []
+        for c, chunk in enumerate(chunks):
+            params = len(chunk) * (dense_layer + expert_layer)
+            params += p["embed"] / lay.tp if s == 0 and c == 0 else 0
+            params += p["head"] / lay.tp if s == lay.pp - 1 and c == len(chunks) - 1 else 0
+            grads.append(int(params * tr.grad_bytes))
+        # torch.distributed.pipelining: one receive buffer per micro-batch for the input of
+        # every chunk but the model's first, and for the output's gradient of every chunk
+        # but the model's last (one hidden state, T*D*b, each)
+        flow = lay.micro_batch_size * m.seq_len // lay.tp * m.d_model * m.dtype_bytes
+        ends = sum((c * lay.pp + s > 0) + (c * lay.pp + s < chunks_total - 1)
+                   for c in range(lay.virtual_stages))
+        buffers = ends * lay.micro_batches * flow if tr.torch_buffers and lay.pp > 1 else 0
         out.append(StageShape(stage=s, chunks=chunks, has_embed=s == 0,
                               has_head=s == lay.pp - 1, num_params=int(dense + experts),
-                              static_bytes=int(weights + optim)))
+                              static_bytes=int(weights + optim),
+                              param_bytes=int((dense + experts) * tr.param_bytes),
+                              optimizer_bytes=int(optim), chunk_grad_bytes=tuple(grads),
+                              dense_grad_bytes=int(dense * tr.grad_bytes),
+                              buffer_bytes=buffers))
     return out

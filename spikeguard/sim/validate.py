@@ -4,9 +4,11 @@
 
 1. Peak bytes: the runtime trains the `small` preset under each policy with the budget
    runtime_ratios uses (0.85x the ceiling's peak), recording its routing as a trace
-   (spikeguard.bench.trace) and the ledger's peak per step; the simulator replays the
-   trace with the same budget, the guard's own calibrated cost model, and predicts the
-   peak per step. Single process: both must agree within 10% (tests/sim/test_sim_validation.py).
+   (spikeguard.bench.trace) and the device's bytes at their peak per step (the emulated
+   device counts every live storage: guard.history's `peak_bytes`); the simulator replays
+   the trace with the same budget, the guard's own calibrated cost model, and predicts the
+   peak per step and the plans. Single process and 4 processes (PP=2 x EP=2): within 5%
+   (tests/sim/test_sim_validation.py), and single process the same plans, step by step.
    `none` cannot run under that budget (it dies, and the simulator must say it crashes);
    its peak is compared with no limit.
 2. Throughput ratios: ceiling, full and adaptive measured side by side as
@@ -32,6 +34,7 @@ from spikeguard.sim.config import SimConfig, load_config
 
 BUDGET_FRACTION = 0.85
 RUNTIME_POLICIES = ("none", "experts", "offload", "full", "adaptive")
+DECISION_KEYS = ("save", "recompute", "offload", "evicted_bytes")
 
 
 def _batches(cfg, corpus, steps: int, batch_size: int, micro_batches: int, seed: int):
@@ -51,7 +54,8 @@ def sim_config(budget: int, steps: int, batch_size: int, micro_batches: int,
 
 def compare_peaks(steps: int = 3, batch_size: int = 8, micro_batches: int = 2, seed: int = 0,
                   policies=RUNTIME_POLICIES, folder: Optional[str] = None) -> dict:
-    """Runtime ledger peaks against simulated peaks, per policy and step (see module doc)."""
+    """The device's peak bytes per step against the simulated ones, per policy, and the
+    plans of every step (save / recompute / offload counts, bytes evicted)."""
     import spikeguard
     from spikeguard.bench.trace import TraceRecorder, TraceWriter, make_header
     from spikeguard.data.corpus import load_corpus
@@ -89,26 +93,26 @@ def compare_peaks(steps: int = 3, batch_size: int = 8, micro_batches: int = 2, s
         finally:
             if recorder:
                 recorder.detach()
-        last = guard.history[-1]["decisions"] if guard.history else {}
-        return [h["peak_bytes"] for h in guard.history], crashed, guard.cost, last
+        steps_decided = [dict(h["decisions"], evicted_bytes=h["evicted_bytes"])
+                         for h in guard.history]
+        return [h["peak_bytes"] for h in guard.history], crashed, guard.cost, steps_decided
 
     ceiling, _, _, _ = run("none", 1 << 50, record=True)
     budget = int(BUDGET_FRACTION * ceiling[0])
     out = {"budget_bytes": budget, "policies": {}}
     try:
         for policy in policies:
-            measured, crashed, cost, last_decisions = run(policy, budget)
+            measured, crashed, cost, runtime_decisions = run(policy, budget)
             sim_cfg = sim_config(budget, steps, batch_size, micro_batches, trace_path)
             sim = simulate(sim_cfg.with_changes(run={"policies": (policy, "ceiling")}), cost=cost)
             predicted = sim.policies[policy]
             row = {"measured_peaks": measured, "runtime_crashed": crashed,
                    "predicted_peaks": predicted.peak_step.tolist(),
                    "sim_crashes": predicted.crashes,
-                   # the runtime's last step, and the simulator's per step (every step of
-                   # a single process routes the same number of copies, so they are equal)
-                   "runtime_decisions": last_decisions,
-                   "sim_decisions_per_step": {a: predicted.decisions.get(a, 0) // steps
-                                              for a in ("save", "recompute", "offload")}}
+                   # per step: save / recompute / offload counts and bytes evicted
+                   "runtime_decisions": runtime_decisions,
+                   "sim_decisions": [{a: d.get(a, 0) for a in DECISION_KEYS}
+                                     for d in predicted.decisions_step]}
             if policy == "none":   # compare without the limit it cannot live under
                 row["measured_peaks"] = ceiling
                 row["predicted_peaks"] = sim.policies["ceiling"].peak_step.tolist()
@@ -262,7 +266,7 @@ def compare_pp_ep(policies=(("none", "1GiB"), ("full", "1GiB"), ("adaptive", "ti
                   steps: int = 3, micro_batches: int = 4, batch_size: int = 8,
                   folder: Optional[str] = None, timeout_s: int = 600) -> dict:
     """4 processes, PP=2 x EP=2 (`spikeguard train --nproc 4 --pp 2 --ep 2`, production skew
-    with frequent spikes): each rank's ledger peak per step against the simulator replaying
+    with frequent spikes): each rank's device peak per step against the simulator replaying
     the loads those ranks logged. "tight" is 0.9x the worst peak `none` reached."""
     import subprocess
     import sys
@@ -331,12 +335,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     peaks = compare_peaks(steps=args.steps)
-    print(f"peak bytes per step, budget {peaks['budget_bytes']} (CPU, emulated device):")
+    print(f"the device's peak bytes per step, budget {peaks['budget_bytes']} (CPU, emulated "
+          f"device: every live storage):")
     for policy, row in peaks["policies"].items():
         errs = [p / m - 1 for m, p in zip(row["measured_peaks"], row["predicted_peaks"])]
         print(f"  {policy:9s} measured {row['measured_peaks']} predicted {row['predicted_peaks']} "
               f"worst error {max(errs, key=abs):+.2%} | runtime crashed {row['runtime_crashed']}, "
               f"sim crashes {row['sim_crashes']}")
+        if policy == "adaptive":
+            print(f"    plans per step: runtime {row['runtime_decisions']}\n"
+                  f"                    sim     {row['sim_decisions']}")
     ratios = compare_ratios(reps=args.reps)
     print(f"throughput ratios (CPU, emulated device; this machine measured as the device: "
           f"{ratios['flop_rate']:.3g} FLOP/s, backward/forward {ratios['backward_ratio']:.2f}):")

@@ -1,74 +1,59 @@
 """One step of one pipeline stage on one expert-parallel rank, under one memory policy.
 
-The walk follows the stage's schedule (spikeguard.sim.schedule): a forward adds what the
-micro-batch chunk keeps for backward, its backward frees it. Every expert-path decision
-is the runtime's own: `Planner.fixed` for the static policies, and for `adaptive`
-`Planner.decide` with the inputs that spikeguard.plan.room computes for the runtime's
-decision window too (`decision_inputs`, `layer_cannot_fit`: the same functions, the same
-Forecast with the schedule's residency): whole-layer recompute when even the least would
-not fit at the layer's entry, and the safety net (the micro-batch re-run with full
-recompute) when the planner raises. Nothing here decides memory; the walk only says what
-the window would know (bytes in use, the attention part, what earlier layers routed).
+The walk follows the stage's schedule (spikeguard.sim.schedule) and keeps the device's
+figure as its allocator would (spikeguard.sim.device_bytes): weights; gradients, made by
+the step's first backward of each chunk (persistent, or freed after every step under
+`training.lazy_state`); optimizer state (from the first optimizer step on, under
+`lazy_state`); what every resident micro-batch keeps. A forward (spikeguard.sim.chunk)
+reaches its own peak above that and adds what it keeps; a backward reaches its own peak
+(the head's and each layer's gradients, what comes back from host or is recomputed) and
+frees what it kept. The step's peak is the largest of all of them.
 
-The window's memory of earlier decisions (`room.Seen`) is carried from forward to forward
-within a walk as the guard carries it. A walk starts from the guard's steady state: the
-attention part measured, routed copies per token at the mean (top-k). The guard keeps its
-largest routed copies per token for its whole life, which a walk cannot (the engine walks
-one load once for every rank and step that share it, spikeguard/sim/engine.py).
+The guard's memory (`chunk.Memory`: the window's `Seen`, its layer peaks' slopes, its
+forecast of the head) is carried from forward to forward and, in `StepState`, from step to
+step as the guard carries it. On the emulated device (device.kind = cpu) the layer peaks
+are calibrated after each step from the step's simulated peaks per (phase, layer) and the
+window's probes, as the runtime calibrates them from its device (sim/layer_room.py); on
+CUDA the runtime's device keeps no such peaks and neither does the walk. On CUDA a walk
+also starts from the window's steady state (attention part measured, the mean routed
+copies per token), so that one walk serves every rank and step that share its load.
 
-Decisions are pure functions of (chunk, loads, bytes in use, reserve, that memory), so one
-forward is memoised on exactly that key: in the steady state of 1F1B the same in-use
-figure recurs, and a spike-free step repeats across steps.
+Decisions are pure functions of (chunk, loads, bytes in use, gradients still to come, the
+schedule position, what older resident micro-batches hold, the guard's memory), so one
+forward is memoised on exactly that key.
 
 Time of a micro-batch on this rank: forward FLOPs at the device's achieved rate plus the
 all-to-all (dispatch and combine), backward `backward_ratio` (2) times the forward's
-compute plus its all-to-all, plus
-what the plans add (the planner's own `added_s`: recompute, and copies that do not hide),
-plus whole-layer recompute and safety-net re-runs.
+compute plus its all-to-all, plus what the plans add (the planner's own `added_s`:
+recompute, and copies that do not hide), plus whole-layer recompute and safety-net re-runs.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
 
-from spikeguard.errors import BudgetInfeasible
-from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS
 from spikeguard.plan.cost import CostModel
-from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.planner import Planner
-from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs,
-                                  forward_transient_bytes_per_routed, layer_cannot_fit)
+from spikeguard.plan.room import Seen, forward_transient_bytes_per_routed
+from spikeguard.sim.chunk import HEAD, Chunk, Forward, Memory
 from spikeguard.sim.config import SimConfig
+from spikeguard.sim.layer_room import BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe
 from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
 
-FIXED_PLANS = {"ceiling": ALL_SAVE, "none": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
-               "offload": ALL_OFFLOAD}
 
+@dataclass(frozen=True)
+class StepState:
+    """What one rank carries into a step: whether the optimizer's state exists yet, and
+    (adaptive) the guard's memory."""
 
-@dataclass
-class Forward:
-    """One micro-batch chunk's forward on this rank."""
-
-    kept: int             # bytes it keeps until its backward
-    peak: int             # most it held during the forward (above what was in use before)
-    seconds: float        # forward + backward + what the plans add
-    decisions: Counter = field(default_factory=Counter)
-    failed: bool = False  # nothing fits, even full recompute: the device runs out
-    host: tuple = ()      # bytes it put on the host, per layer of the chunk
-    # bytes it evicted from older resident micro-batches: (index in the newest-first order
-    # of the older ones, bytes), relative so that the memoised forward applies anywhere
-    resident_evictions: tuple = ()
-    seen: Optional[Seen] = None   # adaptive: the window's memory after this forward
-
-    @property
-    def resident_freed(self) -> int:
-        return sum(n for _, n in self.resident_evictions)
+    optimizer: bool = False
+    memory: Optional[Memory] = None
 
 
 @dataclass
@@ -77,6 +62,10 @@ class WalkResult:
     seconds: float        # this rank's busy time in the step
     crashed: bool
     decisions: Counter
+    state: StepState = StepState()
+    # The largest in-use per (phase "F"/"B", layer in the chunk, micro-batch mod 4): the
+    # runtime's position codes (uniform static walks do not record them).
+    where: Optional[dict] = None
 
 
 def _positions(ops: list[Op]) -> list:
@@ -90,26 +79,27 @@ def _positions(ops: list[Op]) -> list:
     return positions(actions, 0)
 
 
-class _ResidentTracker:
+class ResidentTracker:
     """The two tracker calls Residency.evictable/evict make (runtime/hooks.py's
-    SavedTensorTracker), over the bytes the walk's resident micro-batches hold."""
+    SavedTensorTracker), over what the walk's resident micro-batches could send to host
+    (their saved storages of 16 KiB or more)."""
 
-    def __init__(self, device: dict):
-        self.device = dict(device)
+    def __init__(self, evictable: dict):
+        self.left = dict(evictable)
         self.evicted: dict = {}
 
     def evictable(self, micro_batch: int, before_layer: int) -> int:
-        return self.device.get(micro_batch, 0)
+        return self.left.get(micro_batch, 0)
 
     def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
-        take = min(num_bytes, self.device.get(micro_batch, 0))
+        take = min(num_bytes, self.left.get(micro_batch, 0))
         if take > 0:
-            self.device[micro_batch] -= take
+            self.left[micro_batch] -= take
             self.evicted[micro_batch] = self.evicted.get(micro_batch, 0) + take
         return max(take, 0)
 
 
-def _relative(residency, residents: _ResidentTracker) -> tuple:
+def relative(residency, residents: ResidentTracker) -> tuple:
     """Evictions as (index among the older micro-batches, newest first, bytes)."""
     if not residents.evicted:
         return ()
@@ -141,69 +131,202 @@ class StageWalker:
         self.planner = Planner(dm.expert_shape, cost)
         self.ops: list[Op] = stage_ops(stage.stage, lay.pp, lay.micro_batches, lay.virtual_stages)
         self.ep = lay.ep
+        self.chunks = Chunk(self)
         self._memo: dict = {}
         self.positions = _positions(self.ops) if policy == "adaptive" else []
         self._is_f = np.array([op.kind == "F" for op in self.ops])
         self._chunk_of = np.array([op.chunk for op in self.ops])
+        # The runtime calibrates its layer peaks from the emulated device only.
+        self.calibrates = policy == "adaptive" and not self.cuda
+        self.head_layer = len(stage.chunks[0])   # the runtime's code of the head's backward
 
-    # ---- the step ----------------------------------------------------------------------
-    def walk(self, load) -> WalkResult:
+    # ---- the guard's memory --------------------------------------------------------------
+    def initial_state(self) -> StepState:
+        """What a freshly attached guard knows: no window memory yet, its layer peaks from
+        the shapes, the head from the last Linear's estimate (plan/forecast.py)."""
+        if self.policy != "adaptive":
+            return StepState(optimizer=not self.dm.lazy_state)
+        hb = self.dm.head
+        logit = hb.vocab_size * hb.elem_bytes if self.stage.has_head else 0.0
+        room = LayerRoom.from_shape(self.dm.expert_shape, logit)
+        estimate = hb.elem_bytes * (4 * hb.d_model + hb.vocab_size) + 16 + 2 * logit
+        head = estimate if self.stage.has_head else 0.0
+        return StepState(optimizer=not self.dm.lazy_state,
+                         memory=Memory(self._steady_seen() if self.cuda else Seen(), room, head))
+
+    def _steady_seen(self) -> Seen:
+        """The guard's steady state: attention part measured, mean load."""
+        return Seen(0, self.dm.layer_part() / self.dm.tokens, float(self.cfg.model.top_k))
+
+    # ---- the step ------------------------------------------------------------------------
+    def walk(self, load, state: Optional[StepState] = None) -> WalkResult:
         """`load`: an int (every micro-batch and layer) or counts[micro_batch, layer]."""
+        state = state or self.initial_state()
         if self.policy != "adaptive" and isinstance(load, (int, np.integer)):
-            return self._walk_uniform_static(int(load))
-        in_use = self.stage.static_bytes
+            return self._walk_uniform_static(int(load), state)
+        st, dm = self.stage, self.dm
+        lazy = dm.lazy_state
+        in_use = self._static(state)
+        lingering = self._lingering()
+        grads_done = set()
+        if not lazy:
+            in_use += sum(st.chunk_grad_bytes)
+            grads_done = set(range(len(st.chunks)))
         peak, seconds = in_use, 0.0
         live: dict = {}     # (micro-batch, chunk) -> forward ordinal
+        fwds: dict = {}     # forward ordinal -> its Forward
         device: dict = {}   # forward ordinal -> bytes it keeps on the device
+        evictable: dict = {}   # forward ordinal -> of those, what could go to host
         host: dict = {}     # (forward ordinal, layer) -> bytes it has on the host
         decisions: Counter = Counter()
-        seen = self._first_seen()
+        memory = state.memory
+        if memory is not None and self.cuda:
+            memory = replace(memory, seen=self._steady_seen())
+        where: dict = {}    # (phase, layer, micro-batch mod 4): the runtime's position codes
+        probes: list = []
+        head_probes: dict = {}
+        mod = MICRO_BATCH_CODES
         k = 0
         for op in self.ops:
             if op.kind == "B":
                 done = live.pop((op.micro_batch, op.chunk))
+                fwd = fwds.pop(done)
+                first = op.chunk not in grads_done
+                top = in_use + (fwd.bwd_first if first else fwd.bwd)
+                peak = max(peak, top)
+                if self.last_chunk(op.chunk):   # the loss's gradient starts the head's backward
+                    head_probes[(self.head_layer, op.micro_batch)] = (in_use, dm.tokens)
+                for layer, rel, rel_first in fwd.backward_where:
+                    key = (BACKWARD, self.head_layer if layer == HEAD else layer,
+                           op.micro_batch % mod)
+                    where[key] = max(where.get(key, 0), in_use + (rel_first if first else rel))
                 in_use -= device.pop(done)
+                evictable.pop(done)
                 for key in [key for key in host if key[0] == done]:
                     del host[key]
+                if first:
+                    in_use += st.chunk_grad_bytes[op.chunk]
+                    grads_done.add(op.chunk)
+                in_use, lingering = in_use + lingering, 0   # from the first backward on
+                if top > self.capacity:
+                    return self._overflow(load, state, peak, seconds, decisions)
                 continue
             counts = self._counts(load, op)
-            fwd = self.forward(op.chunk, counts, in_use, k, host, device, seen)
-            seen = fwd.seen or seen
-            top = in_use - fwd.resident_freed + fwd.peak
+            to_come = st.chunk_grad_bytes[op.chunk] if op.chunk not in grads_done else 0
+            resident = max((f.pending for f in fwds.values()), default=0)
+            fwd = self.forward(op.chunk, counts, in_use, k, host, device, memory, to_come,
+                               resident, evictable)
+            if self.policy == "adaptive" and in_use + fwd.peak > self.capacity and not fwd.failed:
+                # An allocation past the device in forward: the safety net re-runs it.
+                net = self.chunks.safety_net(op.chunk, counts, len(counts) - 1)
+                net.memory, fwd = fwd.memory, net
+            memory = fwd.memory or memory
+            top = in_use + fwd.peak
             peak = max(peak, top)
             decisions.update(fwd.decisions)
             seconds += fwd.seconds
+            for layer, rel in fwd.forward_where:
+                key = (FORWARD, layer, op.micro_batch % mod)
+                where[key] = max(where.get(key, 0), in_use + rel)
+            part = self.dm.layer.layer_part(dm.tokens)
+            probes += [Probe(op.micro_batch, layer, in_use + rel, n, to_come, part)
+                       for layer, rel, n in fwd.probes]
             if fwd.failed or top > self.capacity:
-                return WalkResult(peak, seconds, True, decisions)
+                return self._overflow(load, state, peak, seconds, decisions)
             if fwd.resident_evictions:   # the older resident micro-batches it sent to host
                 newest_first = sorted(self.positions[k].older, reverse=True)
                 for index, n in fwd.resident_evictions:
                     device[newest_first[index]] -= n
+                    evictable[newest_first[index]] -= n
                     key = (newest_first[index], "evicted")
                     host[key] = host.get(key, 0) + n
             in_use += fwd.kept - fwd.resident_freed
-            live[(op.micro_batch, op.chunk)], device[k] = k, fwd.kept
+            live[(op.micro_batch, op.chunk)], device[k], fwds[k] = k, fwd.kept, fwd
+            evictable[k] = fwd.evictable
             host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
             k += 1
-        return WalkResult(peak, seconds, False, decisions)
+        if memory is not None and self.calibrates:
+            memory = replace(memory, room=memory.room.calibrated(where, probes, head_probes))
+        if memory is not None and self.cuda:   # every walk starts from the steady state
+            memory = replace(memory, seen=self._steady_seen())
+        return WalkResult(peak, seconds, False, decisions, StepState(True, memory), where)
 
-    def _walk_uniform_static(self, count: int) -> WalkResult:
+    def _overflow(self, load, state: StepState, peak: int, seconds: float,
+                  decisions: Counter) -> WalkResult:
+        """The device ran out in this step. A static policy crashes; under adaptive the
+        step-level safety net (runtime/step.py, `run_step`) frees the step and runs it
+        again with every layer recomputed: its time is lost, the re-run's peak and
+        decisions stand, and a re-run that does not fit either is the crash."""
+        if self.policy != "adaptive":
+            return WalkResult(peak, seconds, True, decisions, state)
+        full = self._full_walker().walk(load, StepState(state.optimizer))
+        again = Counter(full.decisions)
+        again["step_rerun"] += 1
+        return WalkResult(full.peak_bytes, seconds + full.seconds, full.crashed, again,
+                          StepState(not full.crashed or state.optimizer, state.memory))
+
+    def _full_walker(self) -> "StageWalker":
+        if getattr(self, "_full", None) is None:
+            self._full = StageWalker(self.cfg, self.dm, self.stage, "full", self.planner.cost)
+        return self._full
+
+    def _walk_uniform_static(self, count: int, state: StepState) -> WalkResult:
         """A static policy under one load: every chunk's forward is the same whatever is in
         use, so the walk is a cumulative sum over the schedule (numpy)."""
+        st, lazy = self.stage, self.dm.lazy_state
         fwds = [self.forward(c, (count,) * len(chunk), 0, 0)
-                for c, chunk in enumerate(self.stage.chunks)]
+                for c, chunk in enumerate(st.chunks)]
         kept = np.array([f.kept for f in fwds], dtype=np.int64)[self._chunk_of]
+        fwd_over = np.array([f.peak for f in fwds], dtype=np.int64)[self._chunk_of]
+        bwd_over = np.array([f.bwd for f in fwds], dtype=np.int64)[self._chunk_of]
         secs = np.array([f.seconds for f in fwds])[self._chunk_of] * self._is_f
-        live = self.stage.static_bytes + np.cumsum(np.where(self._is_f, kept, -kept))
+        delta = np.where(self._is_f, kept, -kept)
+        over = np.where(self._is_f, fwd_over, bwd_over)
+        static = self._static(state)
+        if lazy:   # each chunk's first backward makes its gradients
+            for c, f in enumerate(fwds):
+                first = np.flatnonzero(~self._is_f & (self._chunk_of == c))
+                if first.size:
+                    over[first[0]] = f.bwd_first
+                    delta[first[0]] += st.chunk_grad_bytes[c]
+        backwards = np.flatnonzero(~self._is_f)
+        if backwards.size:
+            delta[backwards[0]] += self._lingering()
+        before = static + np.concatenate(([0], np.cumsum(delta)[:-1]))
+        tops = before + over
         decisions: Counter = Counter()
         for c, f in enumerate(fwds):
             n = int(np.sum(self._is_f & (self._chunk_of == c)))
             decisions.update({k: v * n for k, v in f.decisions.items()})
-        over = np.flatnonzero(live > self.capacity)
-        if over.size:
-            end = over[0] + 1
-            return WalkResult(int(live[:end].max()), float(secs[:end].sum()), True, decisions)
-        return WalkResult(int(live.max()), float(secs.sum()), False, decisions)
+        done = StepState(True, state.memory)
+        bad = np.flatnonzero(tops > self.capacity)
+        if bad.size:
+            end = bad[0] + 1
+            return WalkResult(int(max(static, tops[:end].max())), float(secs[:end].sum()), True,
+                              decisions, state)
+        return WalkResult(int(max(static, tops.max())), float(secs.sum()), False, decisions, done)
+
+    def _static(self, state: StepState) -> int:
+        """On the device before the step's first forward: weights, the pipeline's receive
+        buffers, and (persistent, or from the first optimizer step on) the optimizer's
+        state and DDP's buckets; the gradients too unless the step's backward makes them."""
+        st, dm = self.stage, self.dm
+        later = state.optimizer or not dm.lazy_state
+        out = st.param_bytes + st.buffer_bytes
+        if later:
+            out += st.optimizer_bytes
+            if dm.torch_buffers and dm.replicated:
+                out += st.dense_grad_bytes
+        if not dm.lazy_state:
+            out += sum(st.chunk_grad_bytes)
+        return out
+
+    def _lingering(self) -> int:
+        """torch's pipelining: a stage's last sent output stays until the next exchange
+        (from its first backward on, one hidden state on every stage but the last)."""
+        if not self.dm.torch_buffers or self.cfg.layout.pp == 1 or self.stage.has_head:
+            return 0
+        return self.dm.layer.flow(self.dm.tokens)
 
     def _counts(self, load, op: Op) -> tuple[int, ...]:
         chunk = self.stage.chunks[op.chunk]
@@ -211,56 +334,50 @@ class StageWalker:
             return (int(load),) * len(chunk)
         return tuple(int(c) for c in load[op.micro_batch, list(chunk)])
 
-    def _first_seen(self) -> Seen:
-        """The guard's steady state (module doc): attention part measured, mean load."""
-        return Seen(0, self.dm.layer_part() / self.dm.tokens, float(self.cfg.model.top_k))
-
     def forward(self, chunk: int, counts: tuple[int, ...], in_use: int, k: int = 0,
                 host: dict | None = None, device: dict | None = None,
-                seen: Optional[Seen] = None) -> Forward:
+                memory: Optional[Memory] = None, grads_to_come: int = 0,
+                resident_backward: int = 0, evictable: dict | None = None) -> Forward:
         """The k-th forward of the stage. Adaptive decisions depend on the bytes in use,
-        the window's memory of earlier forwards (`seen`) and, through the residency
+        the gradients still to come, the guard's memory and, through the residency
         forecast, on the schedule position and what the older resident micro-batches hold
         on the device and host: all of it is the memo key."""
         if self.policy != "adaptive":
             key = (chunk, counts)
             hit = self._memo.get(key)
             if hit is None:
-                hit = self._memo[key] = self._static(chunk, counts)
+                hit = self._memo[key] = self.chunks.static(chunk, counts)
             return hit
-        host, device = host or {}, device or {}
-        seen = (seen or self._first_seen()).next_micro_batch()
+        host, device, evictable = host or {}, device or {}, evictable or {}
+        memory = memory or self.initial_state().memory
+        memory = replace(memory, seen=memory.seen.next_micro_batch())
         pos = self.positions[k]
         older = set(pos.older)
         reload = max((n for (o, _), n in host.items() if o in older), default=0)
-        key = (chunk, counts, in_use, pos.to_add, pos.at_backward, reload,
-               tuple(device.get(o, 0) for o in sorted(older, reverse=True)), seen)
+        key = (chunk, counts, in_use, grads_to_come, resident_backward, pos.to_add,
+               pos.at_backward, reload,
+               tuple((device.get(o, 0), evictable.get(o, 0)) for o in sorted(older, reverse=True)),
+               memory)
         hit = self._memo.get(key)
         if hit is None:
             residency = _residency(self.positions, k, host, device)
-            hit = self._memo[key] = self._adaptive(chunk, counts, in_use, residency, device, seen)
+            hit = self._memo[key] = self.chunks.adaptive(chunk, counts, in_use, residency,
+                                                         evictable, memory, grads_to_come,
+                                                         resident_backward)
         return hit
 
-    # ---- pieces shared by every policy -------------------------------------------------
-    def _first_chunk(self, chunk: int) -> bool:
+    # ---- pieces the chunk uses -----------------------------------------------------------
+    def first_chunk(self, chunk: int) -> bool:
         return self.stage.has_embed and chunk == 0
 
-    def _last_chunk(self, chunk: int) -> bool:
+    def last_chunk(self, chunk: int) -> bool:
         return self.stage.has_head and chunk == len(self.stage.chunks) - 1
 
-    def _ends(self, chunk: int) -> tuple[int, int, float]:
-        """Bytes of the embedding and head (if this chunk has them), and the head's FLOPs."""
-        T, dm = self.dm.tokens, self.dm
-        embed = int(dm.embed_bytes_per_token * T) if self._first_chunk(chunk) else 0
-        if self._last_chunk(chunk):
-            return embed, int(dm.head_bytes_per_token * T), dm.head_flops_per_token * T
-        return embed, 0, 0.0
-
-    def _layer_compute_s(self, count: int) -> float:
+    def layer_compute_s(self, count: int) -> float:
         dm = self.dm
         return (dm.dense_flops_per_token * dm.tokens + dm.expert_flops_per_copy * count) / self.flop_rate
 
-    def _a2a_s(self, count: int) -> float:
+    def a2a_s(self, count: int) -> float:
         """One exchange (dispatch or combine): the larger of what this rank sends (its
         T*K copies) and receives (`count`), the off-rank share of it, at link speed."""
         if self.ep == 1:
@@ -268,122 +385,14 @@ class StageWalker:
         rows = max(self.dm.tokens * self.cfg.model.top_k, count) * (self.ep - 1) / self.ep
         return rows * self.dm.a2a_bytes_per_copy / self.cfg.device.interconnect_bytes_per_s
 
-    def _base_s(self, counts: tuple[int, ...], head_flops: float) -> float:
+    def base_s(self, counts: tuple[int, ...], head_flops: float) -> float:
         """Forward and backward without any memory policy: the forward's FLOPs, backward
         `device.backward_ratio` times that (2 on GPUs), and 4 exchanges a layer."""
-        compute = sum(self._layer_compute_s(c) for c in counts) + head_flops / self.flop_rate
-        return (1 + self.cfg.device.backward_ratio) * compute + 4 * sum(self._a2a_s(c) for c in counts)
+        compute = sum(self.layer_compute_s(c) for c in counts) + head_flops / self.flop_rate
+        return (1 + self.cfg.device.backward_ratio) * compute + 4 * sum(self.a2a_s(c) for c in counts)
 
-    def _post_bytes(self) -> int:
-        return int((self.dm.shared_bytes_per_token + self.dm.combine_bytes_per_token) * self.dm.tokens)
-
-    def _full_chunk(self, chunk: int, counts: tuple[int, ...]) -> tuple[int, float]:
-        """Bytes and added seconds of the chunk with every layer recomputed whole."""
-        embed, head, _ = self._ends(chunk)
-        kept = embed + head + len(counts) * int(self.dm.input_bytes_per_token * self.dm.tokens)
-        return kept, sum(self._layer_compute_s(c) for c in counts)
-
-    # ---- static policies: Planner.fixed -------------------------------------------------
-    def _static(self, chunk: int, counts: tuple[int, ...]) -> Forward:
-        embed, head, head_flops = self._ends(chunk)
-        seconds = self._base_s(counts, head_flops)
-        if self.policy == "full":
-            kept, added = self._full_chunk(chunk, counts)
-            return Forward(kept, kept, seconds + added, Counter(recompute=len(OPS) * len(counts)))
-        plan = FIXED_PLANS[self.policy]
-        kept, decisions = embed, Counter()
-        for count in counts:
-            d = self.planner.fixed(plan, count)
-            kept += self.dm.layer_part() + d.device_bytes + self._post_bytes()
-            seconds += d.added_s
-            decisions.update(a.value for a in d.plan.actions)
-        return Forward(kept + head, kept + head, seconds, decisions)
-
-    # ---- adaptive: Planner.decide with the runtime's inputs -----------------------------
-    def _adaptive(self, chunk: int, counts: tuple[int, ...], in_use: int, residency,
-                  device: dict, seen: Seen) -> Forward:
-        dm, planner, T = self.dm, self.planner, self.dm.tokens
-        cap = int(self.capacity)
-        embed, head, head_flops = self._ends(chunk)
-        forecast = Forecast(num_layers=len(counts), head_bytes_per_token=head / T,
-                            post_bytes_per_token=dm.shared_bytes_per_token,
-                            combine_bytes_per_token=dm.combine_bytes_per_token,
-                            residency=residency)
-        layer_part, post = dm.layer_part(), self._post_bytes()
-        min_bpt = planner.min_bytes_per_token
-        seconds = self._base_s(counts, head_flops)
-        kept_by_layer: list[int] = []
-        host_by_layer: list[int] = []
-        decisions: Counter = Counter()
-        residents = _ResidentTracker(device)
-        start_in_use = in_use
-        for i, count in enumerate(counts):
-            in_use = start_in_use - sum(residents.evicted.values())
-            held = embed + sum(kept_by_layer)
-            # The runtime's ledger at the layer's entry holds in_use + held.
-            if layer_cannot_fit(EntryState(i, cap, in_use + held, T, min_bpt, seen), forecast):
-                # The layer runs whole under a checkpoint: no decision, nothing seen.
-                kept_by_layer.append(int(dm.input_bytes_per_token * T))
-                host_by_layer.append(0)
-                seconds += self._layer_compute_s(count)
-                decisions["full_layer"] += 1
-                decisions["recompute"] += len(OPS)  # the runtime records every op recomputed
-                continue
-            seen = seen.after(count, layer_part, T)
-            room = decision_inputs(WindowState(
-                layer=i, budget_bytes=cap, in_use_bytes=in_use + held + layer_part,
-                num_routed=count, layer_part_bytes=layer_part, max_routed=seen.max_routed,
-                num_tokens=T, min_bytes_per_token=min_bpt,
-                transient_bytes_per_routed=self.transient, prefetch=self.prefetch,
-                last_layer=i == len(counts) - 1,
-                # earlier layers of the micro-batch, and older resident ones (window.py)
-                evictable_bytes=held + residency.evictable(residents)), forecast)
-            try:
-                d = planner.decide(*room.planner_args())
-            except BudgetInfeasible:
-                net = self._safety_net(chunk, counts, in_use, i, head_flops)
-                net.resident_evictions = _relative(residency, residents)
-                net.seen = seen
-                return net
-            if d.evict_bytes:
-                own = min(d.evict_bytes, held)
-                seconds += self._evict(kept_by_layer, host_by_layer, own)
-                if d.evict_bytes > own:
-                    before = sum(residents.evicted.values())
-                    residency.evict(residents, d.evict_bytes - own)
-                    seconds += self._copy_s(sum(residents.evicted.values()) - before)
-                decisions["evicted_bytes"] += d.evict_bytes
-            kept_by_layer.append(layer_part + d.device_bytes + post)
-            host_by_layer.append(planner.offload_bytes_per_token(d.plan) * count)
-            seconds += d.added_s
-            decisions.update(a.value for a in d.plan.actions)
-        kept = embed + sum(kept_by_layer) + head
-        return Forward(kept, kept, seconds, decisions, host=tuple(host_by_layer),
-                       resident_evictions=_relative(residency, residents), seen=seen)
-
-    def _evict(self, kept_by_layer: list[int], host_by_layer: list[int], evict: int) -> float:
-        """Earlier layers go to host, oldest first; their copies cost what the planner's
-        cost model says a copy costs (hidden on a device whose copies overlap)."""
-        left = evict
-        for j in range(len(kept_by_layer)):
-            take = min(left, kept_by_layer[j])
-            kept_by_layer[j] -= take
-            host_by_layer[j] += take
-            left -= take
-        return self._copy_s(evict)
-
-    def _copy_s(self, num_bytes: int) -> float:
+    def copy_s(self, num_bytes: int) -> float:
+        """A host round trip as the planner's cost model prices it (hidden on a device
+        whose copies overlap)."""
         cost = self.planner.cost
         return 0.0 if cost.copies_overlap else num_bytes * (cost.d2h_s_per_byte + cost.h2d_s_per_byte)
-
-    def _safety_net(self, chunk: int, counts: tuple[int, ...], in_use: int, layer: int,
-                    head_flops: float) -> Forward:
-        """The planner raised: the runtime abandons the micro-batch and re-runs it with
-        full recompute (guard.py); the abandoned forward's layers are time lost, and only
-        the re-run's decisions count (as in the runtime's history)."""
-        kept, added = self._full_chunk(chunk, counts)
-        wasted = sum(self._layer_compute_s(c) + 2 * self._a2a_s(c) for c in counts[:layer + 1])
-        decisions = Counter(recompute=len(OPS) * len(counts), safety_net=1)
-        failed = in_use + kept > self.capacity
-        return Forward(kept, kept, self._base_s(counts, head_flops) + added + wasted, decisions,
-                       failed=failed)

@@ -1,0 +1,324 @@
+"""One micro-batch chunk on one rank: its forward's decisions and bytes, its backward's peak.
+
+A static policy takes `Planner.fixed`; `adaptive` takes `Planner.decide` with the inputs
+spikeguard.plan.room computes for the runtime's decision window too (`decision_inputs`,
+`layer_cannot_fit`): in use at the decision as the device counts it, the layer's own
+forward and backward peaks (the runtime's LayerRoom arithmetic, sim/layer_room.py) that
+are evicted for first, the forecast with the schedule's residency. Whole-layer recompute
+when even the least would not fit at the layer's entry; the safety net (the micro-batch
+re-run with full recompute) when the planner raises. Nothing here decides memory: the
+chunk only says what the window would know.
+
+Bytes are the device's (sim/device_bytes.py): a layer's forward peak above its decision,
+what it keeps, and its backward's timeline above the in-use when that starts; the chunk's
+backward walks its layers from the last (the head's first on the last stage). Evictions
+move whole saved storages to host, earliest layer first and in the order they were saved,
+as runtime/hooks.py does; they come back in their layer's backward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+from spikeguard.errors import BudgetInfeasible
+from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS, LayerPlan
+from spikeguard.plan.forecast import Forecast
+from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs,
+                                  entry_estimate, layer_cannot_fit)
+from spikeguard.sim.layer_room import LayerRoom
+
+FIXED_PLANS = {"ceiling": ALL_SAVE, "none": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
+               "offload": ALL_OFFLOAD}
+HEAD = "head"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the guard carries from micro-batch to micro-batch: the window's memory, its
+    layer peaks' slopes and its forecast of the head (what the head keeps and its
+    backward, measured on the first micro-batch)."""
+
+    seen: Seen
+    room: LayerRoom
+    head_per_token: float
+
+
+@dataclass
+class Layer:
+    """One layer of the chunk as its forward left it."""
+
+    plan: Optional[LayerPlan]     # None: recomputed whole
+    num_routed: int
+    kept: int
+    storages: list                # (op, bytes) evictable, still on the device, save order
+    on_host: Counter = field(default_factory=Counter)   # evicted bytes per op
+
+    def evict(self, num_bytes: int) -> int:
+        freed = 0
+        while self.storages and freed < num_bytes:
+            op, size = self.storages.pop(0)
+            self.on_host[op] += size
+            freed += size
+        self.kept -= freed
+        return freed
+
+
+@dataclass
+class Forward:
+    """One micro-batch chunk's forward on this rank, and what its backward will do."""
+
+    kept: int             # bytes it keeps until its backward
+    peak: int             # its forward's peak above the in-use at its start
+    bwd: int              # its backward's peak above the in-use at its start
+    bwd_first: int        # the same in the step's first backward of these parameters
+    seconds: float        # forward + backward + what the plans add
+    decisions: Counter = field(default_factory=Counter)
+    failed: bool = False  # the safety net's re-run does not fit either
+    host: tuple = ()      # bytes it put on the host, per layer of the chunk
+    # bytes it evicted from older resident micro-batches: (index in the newest-first order
+    # of the older ones, bytes), relative so that the memoised forward applies anywhere
+    resident_evictions: tuple = ()
+    memory: Optional[Memory] = None   # adaptive: the guard's memory after this forward
+    # Where the device's peaks are, for the runtime's calibration of its layer peaks, by
+    # the layer's index in the chunk (the guard's numbering): forward (layer, above the
+    # start), backward (layer, above the backward's start, the same in a first backward),
+    # probes (layer, in use at the decision above the start, routed copies) and the
+    # in-use after the forward above its start.
+    forward_where: tuple = ()
+    backward_where: tuple = ()
+    probes: tuple = ()
+    end: int = 0
+    pending: int = 0      # adaptive: the largest backward working set its window predicted
+    evictable: int = 0    # of what it keeps, the saved storages that could go to host
+
+    @property
+    def resident_freed(self) -> int:
+        return sum(n for _, n in self.resident_evictions)
+
+
+class Chunk:
+    """The forward and backward of one micro-batch chunk, for one stage and policy."""
+
+    def __init__(self, walker):
+        self.w = walker
+        dm = walker.dm
+        self.lb, self.hb, self.T = dm.layer, dm.head, dm.tokens
+
+    # ---- pieces shared by every policy ---------------------------------------------------
+    def _ends(self, chunk: int) -> tuple[int, int, float]:
+        """The embedding's and the head's device bytes (when this chunk has them), and the
+        head's FLOPs."""
+        w, dm, T = self.w, self.w.dm, self.T
+        embed = dm.embed_bytes if w.first_chunk(chunk) else 0
+        if w.last_chunk(chunk):
+            return embed, self.hb.kept(T), dm.head_flops_per_token * T
+        return embed, self.lb.flow(T), 0.0   # the stage's output, alive until its backward
+
+    def _full_layer(self, count: int) -> Layer:
+        lb, T = self.lb, self.T
+        return Layer(None, count, lb.full_kept(T, count), [("attn", lb.flow(T))])
+
+    def backward(self, chunk: int, layers: list[Layer], tail: int,
+                 first: bool) -> tuple[int, tuple]:
+        """(peak above the in-use at the backward's start, [(layer, peak above it)])."""
+        lb, hb, T, w = self.lb, self.hb, self.T, self.w
+        r = peak = 0
+        where = []
+        grads = w.dm.layer_grad_bytes
+        if w.last_chunk(chunk):
+            head_peak = hb.backward_over_end(T, first)
+            peak = head_peak
+            where.append((HEAD, head_peak))
+            r = -tail + lb.flow(T) + (w.dm.head_grad_bytes if first else 0)
+        for i in range(len(layers) - 1, -1, -1):
+            layer = layers[i]
+            if layer.plan is None:
+                over = lb.full_backward_over(T, layer.num_routed, first)
+            else:
+                over = lb.backward_over(layer.plan, T, layer.num_routed, first, layer.on_host)
+            peak = max(peak, r + over)
+            where.append((i, r + over))
+            r += -layer.kept + (grads if first else 0)
+        return peak, tuple(where)
+
+    def _finish(self, chunk: int, layers: list[Layer], embed: int, tail: int, seconds: float,
+                decisions: Counter, forward_where: list, moved: int = 0, **extra) -> Forward:
+        """`moved`: bytes of older resident micro-batches this forward sent to host (the
+        relative figures are over the in-use before it started, those bytes included)."""
+        kept = embed + sum(layer.kept for layer in layers) + tail
+        bwd, where = self.backward(chunk, layers, tail, first=False)
+        bwd_first, where_first = self.backward(chunk, layers, tail, first=True)
+        both = tuple((a[0], a[1], b[1]) for a, b in zip(where, where_first))
+        end = kept - moved
+        head = self.hb.forward_over_end(self.T) if self.w.last_chunk(chunk) else 0
+        peak = max([end + head] + [rel for _, rel in forward_where])
+        return Forward(kept, peak, bwd, bwd_first, seconds, decisions,
+                       host=tuple(extra.pop("host", ())), forward_where=tuple(forward_where),
+                       backward_where=both, end=end,
+                       evictable=sum(n for layer in layers for _, n in layer.storages), **extra)
+
+    # ---- static policies: Planner.fixed --------------------------------------------------
+    def static(self, chunk: int, counts: tuple[int, ...], policy: Optional[str] = None) -> Forward:
+        w, lb, T = self.w, self.lb, self.T
+        policy = policy or w.policy
+        embed, tail, head_flops = self._ends(chunk)
+        seconds = w.base_s(counts, head_flops)
+        flow = lb.flow(T)
+        layers: list[Layer] = []
+        forward_where: list = []
+        decisions: Counter = Counter()
+        for i, count in enumerate(counts):
+            start = embed + flow + sum(layer.kept for layer in layers)
+            if policy == "full":
+                layer = self._full_layer(count)
+                forward_where.append((i, start + lb.full_forward_over(T, count)))
+                seconds += w.layer_compute_s(count)
+                decisions["recompute"] += len(OPS)
+            else:
+                d = w.planner.fixed(FIXED_PLANS[policy], count)
+                layer = Layer(d.plan, count, lb.kept(d.plan, T, count),
+                              lb.storages(d.plan, T, count))
+                forward_where.append((i, start + lb.at_decision(T, count)
+                                      + lb.forward_over_decision(d.plan, T, count)))
+                seconds += d.added_s
+                decisions.update(a.value for a in d.plan.actions)
+            layers.append(layer)
+        return self._finish(chunk, layers, embed, tail, seconds, decisions, forward_where)
+
+    # ---- adaptive: Planner.decide with the runtime's inputs ------------------------------
+    def adaptive(self, chunk: int, counts: tuple[int, ...], in_use: int, residency,
+                 evictable: dict, memory: Memory, grads_to_come: int,
+                 resident_backward: int = 0) -> Forward:
+        """`resident_backward`: the largest backward working set the window predicted for
+        the other resident micro-batches (runtime/window.py's pending backward)."""
+        from spikeguard.sim.walk import ResidentTracker, relative
+
+        w, lb, T, dm, planner = self.w, self.lb, self.T, self.w.dm, self.w.planner
+        cap = int(w.capacity)
+        embed, tail, head_flops = self._ends(chunk)
+        head_forecast = memory.head_per_token if w.last_chunk(chunk) else 0.0
+        forecast = Forecast(num_layers=len(counts), head_bytes_per_token=head_forecast,
+                            post_bytes_per_token=dm.shared_bytes_per_token,
+                            combine_bytes_per_token=dm.combine_bytes_per_token,
+                            residency=residency)
+        layer_part, min_bpt = lb.layer_part(T), planner.min_bytes_per_token
+        seconds = w.base_s(counts, head_flops)
+        flow = lb.flow(T)
+        layers: list[Layer] = []
+        forward_where: list = []
+        probes: list = []
+        decisions: Counter = Counter()
+        residents = ResidentTracker(evictable)
+        seen, room = memory.seen, memory.room
+        pending = 0
+
+        def now() -> int:
+            """The device's figure: what was in use, less what went to host, plus this
+            micro-batch's embedding, hidden state and layers so far."""
+            return (in_use - sum(residents.evicted.values()) + embed + flow
+                    + sum(layer.kept for layer in layers))
+
+        def evict(num_bytes: int) -> float:
+            """Earlier layers of this micro-batch first, then older resident ones."""
+            freed = 0
+            for layer in layers:
+                if freed >= num_bytes:
+                    break
+                freed += layer.evict(num_bytes - freed)
+            moved_s = w.copy_s(freed)
+            if freed < num_bytes:
+                before = sum(residents.evicted.values())
+                residency.evict(residents, num_bytes - freed)
+                more = sum(residents.evicted.values()) - before
+                moved_s += w.copy_s(more)
+                freed += more
+            decisions["evicted_bytes"] += freed
+            return moved_s
+
+        for i, count in enumerate(counts):
+            start = now()
+            entry = EntryState(i, cap, start, T, min_bpt, seen, resident_backward)
+            if layer_cannot_fit(entry, forecast):
+                # Recomputed whole; its backward still brings it all back: room for it now.
+                estimate = entry_estimate(entry)
+                if estimate is not None:
+                    part, routed = estimate
+                    backward = room.needs(start + part, int(routed), grads_to_come, part)[1]
+                    short = backward + resident_backward - cap
+                    if short > 0:
+                        seconds += evict(short)
+                layers.append(self._full_layer(count))
+                forward_where.append((i, now() - in_use - layers[-1].kept
+                                      + lb.full_forward_over(T, count)))
+                seconds += w.layer_compute_s(count)
+                decisions["full_layer"] += 1
+                decisions["recompute"] += len(OPS)  # the runtime records every op recomputed
+                continue
+            # The window remembers the device's growth since the layer's entry.
+            seen = seen.after(count, max(layer_part, lb.at_decision(T, count)), T)
+            at_decision = start + lb.at_decision(T, count)
+            probes.append((i, at_decision - in_use, count))
+
+            def window(at: int):
+                nonlocal pending
+                forward_peak, backward_peak = room.needs(at, count, grads_to_come, layer_part)
+                pending = max(pending, backward_peak - at)
+                own = sum(sum(n for _, n in layer.storages) for layer in layers)
+                return decision_inputs(WindowState(
+                    layer=i, budget_bytes=cap, in_use_bytes=at, num_routed=count,
+                    layer_part_bytes=layer_part, max_routed=seen.max_routed, num_tokens=T,
+                    min_bytes_per_token=min_bpt, transient_bytes_per_routed=w.transient,
+                    prefetch=w.prefetch, last_layer=i == len(counts) - 1,
+                    evictable_bytes=own + residency.evictable(residents),
+                    layer_forward_peak_bytes=forward_peak,
+                    layer_backward_peak_bytes=backward_peak,
+                    resident_backward_bytes=resident_backward), forecast)
+
+            decision_room = window(at_decision)
+            if decision_room.layer_shortfall_bytes > 0:
+                # The layer's own peaks do not fit beside the layers below: evict first.
+                before = now()
+                seconds += evict(decision_room.layer_shortfall_bytes)
+                at_decision -= before - now()
+                decision_room = window(at_decision)
+            try:
+                d = planner.decide(*decision_room.planner_args())
+            except BudgetInfeasible:
+                net = self.safety_net(chunk, counts, i)
+                net.resident_evictions = relative(residency, residents)
+                net.memory = Memory(seen, room, memory.head_per_token)
+                return net
+            if d.evict_bytes:
+                before = now()
+                seconds += evict(d.evict_bytes)
+                at_decision -= before - now()
+            layers.append(Layer(d.plan, count, lb.kept(d.plan, T, count),
+                                lb.storages(d.plan, T, count)))
+            forward_where.append((i, at_decision - in_use
+                                  + lb.forward_over_decision(d.plan, T, count)))
+            seconds += d.added_s
+            decisions.update(a.value for a in d.plan.actions)
+        host = [layer.on_host.total() + (planner.offload_bytes_per_token(layer.plan)
+                                         * layer.num_routed if layer.plan else 0)
+                for layer in layers]
+        out = self._finish(chunk, layers, embed, tail, seconds, decisions, forward_where,
+                           moved=sum(residents.evicted.values()), host=host,
+                           resident_evictions=relative(residency, residents),
+                           probes=tuple(probes))
+        head = self.hb.ledger(T) / T + room.head_backward_per_token if w.last_chunk(chunk) \
+            else memory.head_per_token
+        out.memory = Memory(seen, room, head)
+        out.pending = pending
+        return out
+
+    def safety_net(self, chunk: int, counts: tuple[int, ...], layer: int) -> Forward:
+        """The planner raised: the runtime abandons the micro-batch and re-runs it with
+        full recompute (guard.py); the abandoned forward's layers are time lost, and only
+        the re-run's decisions count (as in the runtime's history)."""
+        w = self.w
+        net = self.static(chunk, counts, policy="full")
+        net.seconds += sum(w.layer_compute_s(c) + 2 * w.a2a_s(c) for c in counts[:layer + 1])
+        net.decisions = Counter(recompute=len(OPS) * len(counts), safety_net=1)
+        return net
