@@ -108,7 +108,7 @@ def print_table(result: dict) -> None:
 
     table = Table(title=f"{result['preset']}: budget {format_bytes(result['budget_bytes'])} "
                         f"= {result['budget_bytes'] / result['ceiling_peak_bytes']:.2f}x ceiling peak "
-                        f"(CPU; device emulated by the ledger's budget)")
+                        f"(CPU; emulated device: every live storage)")
     for col in ("policy", "tokens/s", "vs ceiling", "peak", "overruns", "reruns",
                 "save / recompute / offload"):
         table.add_column(col)

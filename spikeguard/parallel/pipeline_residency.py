@@ -6,7 +6,7 @@ in any of them lands on top of the others. The guard plans one micro-batch at a 
 object tells it, at each decision, where that micro-batch stands in the schedule:
 
   * `resident`: micro-batches of this stage whose forward ran and whose backward has not
-    (their saved bytes are already in the ledger's in-use figure);
+    (their bytes are already in the device's in-use figure);
   * `to_add`: forwards the schedule runs on this stage after this one and before the next
     backward of this stage frees anything. The forecast reserves one whole micro-batch,
     at the least it can keep, for each of them (plan/forecast.py, `reserve`);

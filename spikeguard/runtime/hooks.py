@@ -108,7 +108,7 @@ class SavedTensorTracker:
         self.ctx = ctx
         # Live holders by (micro-batch, layer): candidates for eviction.
         self.holders: dict[tuple[int, int], list] = {}
-        # Parameters saved by matmuls are static bytes, counted once in the ledger's static.
+        # Parameters saved by matmuls are the model's state, on the device from attach on.
         self.static_keys: set[StorageKey] = set()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
