@@ -121,9 +121,13 @@ class DecisionWindow:
             part, routed = estimate
             _, backward = self.layer_room.needs(entry.in_use_bytes + part, int(routed),
                                                 self._grads_to_come, part)
+            mb = self.ctx.micro_batch
+            # Its backward is a working set later micro-batches must leave room for too.
+            self._pending_backward[mb] = max(self._pending_backward.get(mb, 0),
+                                             backward - entry.in_use_bytes)
             short = backward + self._resident_backward() - self.budget_bytes
             if short > 0:
-                self._evict(self.ctx.micro_batch, layer, short, self.forecast.residency)
+                self._evict(mb, layer, short, self.forecast.residency)
         return True
 
     def _resident_backward(self) -> int:

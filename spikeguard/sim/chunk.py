@@ -246,6 +246,7 @@ class Chunk:
                 if estimate is not None:
                     part, routed = estimate
                     backward = room.needs(start + part, int(routed), grads_to_come, part)[1]
+                    pending = max(pending, backward - start)   # as runtime/window.py
                     short = backward + resident_backward - cap
                     if short > 0:
                         seconds += evict(short)
