@@ -84,7 +84,7 @@ class PipelineRank:
         for guard, module in zip(self.guards, self.modules.stages):
             if not module.is_last:   # the head is on another stage
                 guard.forecast.head_bytes_per_token = 0.0
-                guard.layer_room.head_backward_per_token = 0.0
+                guard.layer_room.no_head()
         return self.guards
 
     def _wrap(self, module: nn.Module) -> nn.Module:

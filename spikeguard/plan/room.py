@@ -86,7 +86,7 @@ class WindowState:
     backward_extra_bytes: int = 0
     # The layer's own peaks, which no plan of its own changes (the whole expert path is
     # alive in its forward, and back with its gradients in its backward; see
-    # spikeguard/runtime/layer_room.py): device bytes, 0 when not modelled.
+    # spikeguard/plan/layer_room.py): device bytes, 0 when not modelled.
     layer_forward_peak_bytes: int = 0
     layer_backward_peak_bytes: int = 0
     # Pipeline: the largest backward working set (beyond what they keep) of the other

@@ -18,11 +18,12 @@ from torch import nn
 
 from spikeguard.memory import device as device_memory
 from spikeguard.memory.budget import format_bytes
+from spikeguard.plan.layer_room import MICRO_BATCH_CODES
 
 PHASE_IDLE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("outside a step", "forward", "backward", "optimizer step")
 _LAYER_CODES = 256
-_MB_CODES = 4   # micro-batches told apart (modulo): a pipeline's resident ones, at least
+_MB_CODES = MICRO_BATCH_CODES   # micro-batches told apart (modulo): a pipeline's resident ones
 
 
 def where_code(phase: int, layer: int, micro_batch: int = 0) -> int:

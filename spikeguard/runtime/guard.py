@@ -45,7 +45,8 @@ from spikeguard.runtime.device_state import (PHASE_BACKWARD, PHASE_FORWARD, PHAS
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
-from spikeguard.runtime.layer_room import LayerRoom, head_logit_bytes
+from spikeguard.plan.layer_room import LayerRoom
+from spikeguard.runtime.layer_room import LayerPeaks, head_logit_bytes
 from spikeguard.runtime.offload import OffloadEngine
 from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.policies import POLICIES
@@ -133,8 +134,9 @@ class Guard(DecisionWindow):
         # Micro-batch -> its predicted backward working set, until its backward is done
         # (a pipeline holds several micro-batches; see plan/room.py).
         self._pending_backward: dict[int, int] = {}
-        self.layer_room = LayerRoom.from_shape(self.shape.bytes_per_token(),
-                                               head_logit_bytes(model), len(self.moe_blocks))
+        self.layer_room = LayerPeaks(LayerRoom.from_shape(self.shape.bytes_per_token(),
+                                                          head_logit_bytes(model)),
+                                     len(self.moe_blocks))
         self._install()
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self._recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)

@@ -1,40 +1,21 @@
-"""The two peaks of a MoE layer that no plan of its own changes, calibrated on the device.
+"""The guard's side of the layer peaks (spikeguard/plan/layer_room.py): its probes, and
+the device's peaks per position that calibrate the slopes after every step.
 
-Inside a layer's forward the expert path holds all its tensors at once, whatever the plan
-(a recomputed or offloaded tensor is still computed, and lives until its consumer ran):
-the per-expert GEMM outputs before their concatenation, the hidden activations, the
-output. In the layer's backward every tensor of the path is back on the device (saved,
-recomputed, or reloaded) while its activation gradients are made, beside what the layers
-below still keep, and the gradients of the parameters not yet allocated. A plan only
-decides what stays *between* the two; these two peaks can only be made to fit by taking
-bytes of the layers below off the device (eviction to host), which is what the window
-asks for when they would not fit.
-
-Both are modelled as bytes in use at the decision + a per-routed-token slope (+ in
-backward the gradients still to come, and the attention part's gradients, taken as large
-as what that part keeps). The slopes start from the shapes (conservative:
-every tensor of the path at once, its gradient as large again) and are then set, after
-every step, from the peak the device really reached in that layer and phase, with a 5%
-margin: the runtime's figure is corrected by the allocator's.
+The arithmetic (the peaks a layer's own plan cannot change, and the slopes one step's
+peaks imply) is plan/layer_room.py's, which the simulator calls too. Here: what the window
+saw at each decision and when each head's backward started, read against the emulated
+device's peak per (phase, layer, micro-batch modulo 4) position (`meter.where_peak`; on
+CUDA the device keeps none, so the slopes stay the shapes').
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from torch import nn
 
+from spikeguard.plan.layer_room import BACKWARD, FORWARD, LayerRoom, Probe
 from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
 
-MARGIN = 1.05
-
-
-@dataclass
-class _Probe:
-    in_use: int
-    num_routed: int
-    grads_to_come: int
-    layer_part: int
+_PHASES = {FORWARD: PHASE_FORWARD, BACKWARD: PHASE_BACKWARD}
 
 
 def head_logit_bytes(model: nn.Module) -> float:
@@ -47,77 +28,47 @@ def head_logit_bytes(model: nn.Module) -> float:
     return float(head.out_features * head.weight.element_size())
 
 
-@dataclass
-class LayerRoom:
-    forward_per_token: float
-    backward_per_token: float
-    # The head's backward, beyond what the head keeps, per token of the micro-batch.
-    head_backward_per_token: float = 0.0
-    num_layers: int = 0            # the head's position code is layer `num_layers`
-    observed: bool = False
-    _probes: dict[tuple[int, int], _Probe] = field(default_factory=dict)
-    _head_probes: dict[int, tuple[int, int]] = field(default_factory=dict)
+class LayerPeaks:
+    """The slopes in use (`room`, a frozen plan.layer_room.LayerRoom) and this step's probes."""
 
-    @staticmethod
-    def from_shape(bytes_per_token: dict[str, int], logit_bytes: float = 0.0,
-                   num_layers: int = 0) -> "LayerRoom":
-        path = sum(v for op, v in bytes_per_token.items() if op != "dispatch")
-        # Forward: the GEMM pieces before their `cat` double the largest output.
-        largest = max(bytes_per_token.values())
-        return LayerRoom(forward_per_token=float(path + largest),
-                         backward_per_token=float(2 * path),
-                         head_backward_per_token=2 * logit_bytes, num_layers=num_layers)
-
-    def record_head(self, micro_batch: int, in_use_after_forward: int, num_tokens: int) -> None:
-        self._head_probes[micro_batch] = (in_use_after_forward, num_tokens)
+    def __init__(self, room: LayerRoom, num_layers: int):
+        self.room = room
+        self.num_layers = num_layers   # the head's position is layer `num_layers`
+        self._probes: dict[tuple[int, int], Probe] = {}
+        self._head_probes: dict[tuple[int, int], tuple[int, int]] = {}
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int,
               layer_part: int = 0) -> tuple[int, int]:
-        """(forward peak, backward peak) of the layer about to run, in device bytes. The
-        backward also makes the gradients of the layer's attention part, about as large
-        as what that part keeps (`layer_part`, measured)."""
-        forward = in_use + int(self.forward_per_token * num_routed)
-        backward = (in_use + grads_to_come + layer_part
-                    + int(self.backward_per_token * num_routed))
-        return forward, backward
+        return self.room.needs(in_use, num_routed, grads_to_come, layer_part)
+
+    @property
+    def head_backward_per_token(self) -> float:
+        return self.room.head_backward_per_token
+
+    def no_head(self) -> None:
+        """This model chunk has no head (a pipeline stage before the last)."""
+        self.room = LayerRoom(self.room.forward_per_token, self.room.backward_per_token, 0.0,
+                              self.room.observed)
 
     def record(self, micro_batch: int, layer: int, in_use: int, num_routed: int,
                grads_to_come: int, layer_part: int = 0) -> None:
-        self._probes[(micro_batch, layer)] = _Probe(in_use, num_routed, grads_to_come,
-                                                    layer_part)
+        self._probes[(micro_batch, layer)] = Probe(micro_batch, layer, in_use, num_routed,
+                                                   grads_to_come, layer_part)
+
+    def record_head(self, micro_batch: int, in_use: int, num_tokens: int) -> None:
+        self._head_probes[(self.num_layers, micro_batch)] = (in_use, num_tokens)
 
     def calibrate(self, meter, failed: tuple[int, int] = (0, 0)) -> None:
-        """Slopes from what the device reached in each probed layer and micro-batch (the
-        device keeps a peak per position and micro-batch modulo 4: beyond 4 resident ones
-        a peak may be read against another's probe, which only errs high). `failed`:
-        (position code, bytes) of an allocation refused in an attempt that is being
-        abandoned, a peak the device never counted but that the slopes must cover."""
+        """New slopes from this step's peaks, then a fresh step. `failed`: (position code,
+        bytes) of an allocation refused in an attempt being abandoned, a peak the device
+        never counted but that the slopes must cover."""
         failed_code, failed_bytes = failed
 
-        def peak(code: int) -> int:
+        def peak(phase: str, layer: int, micro_batch: int) -> int:
+            code = where_code(_PHASES[phase], layer, micro_batch)
             seen = meter.where_peak(code)
             return max(seen, failed_bytes) if code == failed_code else seen
 
-        fwd = bwd = 0.0
-        for (mb, layer), p in self._probes.items():
-            if p.num_routed <= 0:
-                continue
-            f_peak = peak(where_code(PHASE_FORWARD, layer, mb))
-            b_peak = peak(where_code(PHASE_BACKWARD, layer, mb))
-            if f_peak:
-                fwd = max(fwd, (f_peak - p.in_use) / p.num_routed)
-            if b_peak:
-                bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come - p.layer_part)
-                          / p.num_routed)
+        self.room = self.room.calibrated(peak, list(self._probes.values()), self._head_probes)
         self._probes.clear()
-        head = 0.0
-        for mb, (in_use, num_tokens) in self._head_probes.items():
-            reached = peak(where_code(PHASE_BACKWARD, self.num_layers, mb))
-            if reached and num_tokens:
-                head = max(head, (reached - in_use) / num_tokens)
         self._head_probes.clear()
-        if head > 0:
-            self.head_backward_per_token = head * MARGIN
-        if fwd > 0 and bwd > 0:
-            self.forward_per_token, self.backward_per_token = fwd * MARGIN, bwd * MARGIN
-            self.observed = True

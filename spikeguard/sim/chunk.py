@@ -3,7 +3,7 @@
 A static policy takes `Planner.fixed`; `adaptive` takes `Planner.decide` with the inputs
 spikeguard.plan.room computes for the runtime's decision window too (`decision_inputs`,
 `layer_cannot_fit`): in use at the decision as the device counts it, the layer's own
-forward and backward peaks (the runtime's LayerRoom arithmetic, sim/layer_room.py) that
+forward and backward peaks (plan/layer_room.py, the runtime's own arithmetic) that
 are evicted for first, the forecast with the schedule's residency. Whole-layer recompute
 when even the least would not fit at the layer's entry; the safety net (the micro-batch
 re-run with full recompute) when the planner raises. Nothing here decides memory: the
@@ -27,7 +27,7 @@ from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, 
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs,
                                   entry_estimate, layer_cannot_fit)
-from spikeguard.sim.layer_room import LayerRoom
+from spikeguard.plan.layer_room import LayerRoom
 
 FIXED_PLANS = {"ceiling": ALL_SAVE, "none": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
                "offload": ALL_OFFLOAD}

@@ -13,7 +13,7 @@ The guard's memory (`chunk.Memory`: the window's `Seen`, its layer peaks' slopes
 forecast of the head) is carried from forward to forward and, in `StepState`, from step to
 step as the guard carries it. On the emulated device (device.kind = cpu) the layer peaks
 are calibrated after each step from the step's simulated peaks per (phase, layer) and the
-window's probes, as the runtime calibrates them from its device (sim/layer_room.py); on
+window's probes, as the runtime calibrates them from its device (plan/layer_room.py, the runtime's arithmetic); on
 CUDA the runtime's device keeps no such peaks and neither does the walk. On CUDA a walk
 also starts from the window's steady state (attention part measured, the mean routed
 copies per token), so that one walk serves every rank and step that share its load.
@@ -42,7 +42,7 @@ from spikeguard.plan.planner import Planner
 from spikeguard.plan.room import Seen, forward_transient_bytes_per_routed
 from spikeguard.sim.chunk import HEAD, Chunk, Forward, Memory
 from spikeguard.sim.config import SimConfig
-from spikeguard.sim.layer_room import BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe
+from spikeguard.plan.layer_room import BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe
 from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
 
@@ -148,7 +148,7 @@ class StageWalker:
             return StepState(optimizer=not self.dm.lazy_state)
         hb = self.dm.head
         logit = hb.vocab_size * hb.elem_bytes if self.stage.has_head else 0.0
-        room = LayerRoom.from_shape(self.dm.expert_shape, logit)
+        room = LayerRoom.from_shape(self.dm.expert_shape.bytes_per_token(), logit)
         estimate = hb.elem_bytes * (4 * hb.d_model + hb.vocab_size) + 16 + 2 * logit
         head = estimate if self.stage.has_head else 0.0
         return StepState(optimizer=not self.dm.lazy_state,
@@ -246,7 +246,9 @@ class StageWalker:
             host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
             k += 1
         if memory is not None and self.calibrates:
-            memory = replace(memory, room=memory.room.calibrated(where, probes, head_probes))
+            memory = replace(memory, room=memory.room.calibrated(
+                lambda phase, layer, mb: where.get((phase, layer, mb % MICRO_BATCH_CODES), 0),
+                probes, head_probes))
         if memory is not None and self.cuda:   # every walk starts from the steady state
             memory = replace(memory, seen=self._steady_seen())
         return WalkResult(peak, seconds, False, decisions, StepState(True, memory), where)

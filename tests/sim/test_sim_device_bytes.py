@@ -22,7 +22,7 @@ from spikeguard.model import build_model, model_config
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, Action, LayerPlan
 from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
 from spikeguard.sim.engine import device_cost
-from spikeguard.sim.layer_room import BACKWARD, FORWARD
+from spikeguard.plan.layer_room import BACKWARD, FORWARD
 from spikeguard.sim.shape import build
 from spikeguard.sim.validate import _batches, sim_config
 from spikeguard.sim.walk import StageWalker

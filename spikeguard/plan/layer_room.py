@@ -1,0 +1,106 @@
+"""The two peaks of a MoE layer that no plan of its own changes, and their calibration.
+
+Inside a layer's forward the expert path holds all its tensors at once, whatever the plan
+(a recomputed or offloaded tensor is still computed, and lives until its consumer ran):
+the per-expert GEMM outputs before their concatenation, the hidden activations, the
+output. In the layer's backward every tensor of the path is back on the device (saved,
+recomputed, or reloaded) while its activation gradients are made, beside what the layers
+below still keep, the gradients of the parameters not yet allocated, and the attention
+part's own gradients. A plan only decides what stays *between* the two; these two peaks
+can only be made to fit by taking bytes of the layers below off the device (eviction to
+host), which is what the window asks for when they would not fit (plan/room.py,
+`layer_shortfall_bytes`).
+
+Both are modelled as bytes in use at the decision + a per-routed-token slope (+ in
+backward the gradients still to come, and the attention part's gradients, taken as large
+as what that part keeps). The slopes start from the shapes (conservative: every tensor of
+the path at once, its gradient as large again) and are then set, after every step, from
+the peak the device really reached in that layer, phase and micro-batch, with a 5% margin:
+the runtime's figure is corrected by the allocator's. The head's backward (the logits'
+gradient beside the logits) is a slope per token of the micro-batch, calibrated the same
+way. One arithmetic for the runtime (spikeguard/runtime/layer_room.py keeps its probes)
+and the simulator (spikeguard/sim/walk.py): pure, frozen values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
+
+MARGIN = 1.05
+FORWARD, BACKWARD = "forward", "backward"
+# The device tells micro-batches apart modulo this many (its peaks per position: the
+# runtime's spikeguard/runtime/device_state.py where_code; the simulator aliases alike).
+MICRO_BATCH_CODES = 4
+
+# peak(phase, layer, micro_batch) -> the step's largest bytes in use there (0: none seen)
+PeakAt = Callable[[str, int, int], int]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the window knew at one decision: the base the device's peaks are read against."""
+
+    micro_batch: int
+    layer: int
+    in_use: int
+    num_routed: int
+    grads_to_come: int
+    layer_part: int = 0
+
+
+@dataclass(frozen=True)
+class LayerRoom:
+    forward_per_token: float
+    backward_per_token: float
+    # The head's backward, beyond what the head keeps, per token of the micro-batch.
+    head_backward_per_token: float = 0.0
+    observed: bool = False
+
+    @staticmethod
+    def from_shape(bytes_per_token: Mapping[str, int], logit_bytes: float = 0.0) -> "LayerRoom":
+        """Slopes before any step measured them: the expert path's tensors all at once, the
+        per-expert GEMM pieces doubling the largest in forward, the gradients as large
+        again in backward; the head's backward two logits per token."""
+        path = sum(v for op, v in bytes_per_token.items() if op != "dispatch")
+        return LayerRoom(forward_per_token=float(path + max(bytes_per_token.values())),
+                         backward_per_token=float(2 * path),
+                         head_backward_per_token=2 * logit_bytes)
+
+    def needs(self, in_use: int, num_routed: int, grads_to_come: int,
+              layer_part: int = 0) -> tuple[int, int]:
+        """(forward peak, backward peak) of the layer about to run, in device bytes."""
+        forward = in_use + int(self.forward_per_token * num_routed)
+        backward = (in_use + grads_to_come + layer_part
+                    + int(self.backward_per_token * num_routed))
+        return forward, backward
+
+    def calibrated(self, peak: PeakAt, probes: Sequence[Probe],
+                   head_probes: Mapping[tuple[int, int], tuple[int, int]]) -> "LayerRoom":
+        """The slopes one step's peaks imply: for each probe, the peak its layer reached
+        in forward and in backward against the in-use the window saw (max over layers and
+        micro-batches, 5% margin); `head_probes[(head layer, micro-batch)]` = (in use when
+        the head's backward starts, tokens). Unchanged where nothing was seen."""
+        fwd = bwd = 0.0
+        for p in probes:
+            if p.num_routed <= 0:
+                continue
+            f_peak = peak(FORWARD, p.layer, p.micro_batch)
+            b_peak = peak(BACKWARD, p.layer, p.micro_batch)
+            if f_peak:
+                fwd = max(fwd, (f_peak - p.in_use) / p.num_routed)
+            if b_peak:
+                bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come - p.layer_part)
+                          / p.num_routed)
+        head = 0.0
+        for (layer, mb), (in_use, num_tokens) in head_probes.items():
+            reached = peak(BACKWARD, layer, mb)
+            if reached and num_tokens:
+                head = max(head, (reached - in_use) / num_tokens)
+        out = self
+        if head > 0:
+            out = replace(out, head_backward_per_token=head * MARGIN)
+        if fwd > 0 and bwd > 0:
+            out = replace(out, forward_per_token=fwd * MARGIN, backward_per_token=bwd * MARGIN,
+                          observed=True)
+        return out

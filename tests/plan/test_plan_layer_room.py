@@ -1,0 +1,82 @@
+"""The layer peaks' arithmetic (spikeguard/plan/layer_room.py), which the runtime and the
+simulator both call: the shapes' starting slopes and `needs` by hand, and the runtime's
+reading of its device's position codes (runtime/layer_room.py) giving the same slopes as
+the pure calibration on the same peaks.
+
+    .venv/bin/python -m pytest tests/plan/test_plan_layer_room.py -q
+"""
+
+from __future__ import annotations
+
+import random
+
+from spikeguard.plan.catalogue import ExpertShape
+from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MARGIN, MICRO_BATCH_CODES,
+                                        LayerRoom, Probe)
+from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
+from spikeguard.runtime.layer_room import LayerPeaks
+
+SHAPE = ExpertShape(d_model=128, d_expert=256, combine_after_exchange=True)
+LOGIT = 256 * 4.0
+LAYERS = 4
+
+
+def test_the_shapes_slopes_and_needs_by_hand():
+    per = SHAPE.bytes_per_token()   # dispatch 512, gate_up 2048, silu 1024, act 1024, down 0, combine 8
+    path = 2048 + 1024 + 1024 + 0 + 8
+    room = LayerRoom.from_shape(per, LOGIT)
+    assert (room.forward_per_token, room.backward_per_token) == (path + 2048, 2 * path)
+    assert room.head_backward_per_token == 2 * LOGIT and not room.observed
+    assert room.needs(1000, 10, 300, 50) == (1000 + 10 * (path + 2048),
+                                             1000 + 300 + 50 + 10 * 2 * path)
+
+
+def test_a_step_sets_the_slopes_from_the_peaks_it_reached():
+    room = LayerRoom.from_shape(SHAPE.bytes_per_token(), LOGIT)
+    probes = [Probe(0, 1, in_use=1000, num_routed=10, grads_to_come=200, layer_part=100)]
+    peaks = {(FORWARD, 1, 0): 1500, (BACKWARD, 1, 0): 2300, (BACKWARD, LAYERS, 0): 5000}
+    out = room.calibrated(lambda p, ly, mb: peaks.get((p, ly, mb), 0), probes,
+                          {(LAYERS, 0): (4000, 100)})
+    assert out.forward_per_token == 50 * MARGIN             # (1500 - 1000) / 10
+    assert out.backward_per_token == 100 * MARGIN           # (2300 - 1000 - 200 - 100) / 10
+    assert out.head_backward_per_token == 10 * MARGIN       # (5000 - 4000) / 100
+    assert out.observed
+    # Nothing seen: nothing changes.
+    assert room.calibrated(lambda *a: 0, probes, {}) == room
+
+
+class _Meter:
+    def __init__(self, peaks: dict):
+        phase = {FORWARD: PHASE_FORWARD, BACKWARD: PHASE_BACKWARD}
+        self.by_code = {where_code(phase[p], layer, mb): v for (p, layer, mb), v in peaks.items()}
+
+    def where_peak(self, code: int) -> int:
+        return self.by_code.get(code, 0)
+
+
+def test_the_runtime_reads_its_device_as_the_pure_calibration_does():
+    rng = random.Random(0)
+    for trial in range(20):
+        peaks, probes, heads = {}, [], {}
+        for mb in range(rng.randint(1, 6)):
+            for layer in range(LAYERS):
+                in_use = rng.randint(10**6, 5 * 10**7)
+                probes.append(Probe(mb, layer, in_use, rng.randint(0, 4096),
+                                    rng.choice((0, 15_000_000)), rng.randint(0, 6 * 10**6)))
+                for phase in (FORWARD, BACKWARD):
+                    key = (phase, layer, mb % MICRO_BATCH_CODES)
+                    peaks[key] = max(peaks.get(key, 0), in_use + rng.randint(0, 3 * 10**7))
+            heads[(LAYERS, mb)] = (rng.randint(10**7, 6 * 10**7), 1024)
+            key = (BACKWARD, LAYERS, mb % MICRO_BATCH_CODES)
+            peaks[key] = max(peaks.get(key, 0), heads[(LAYERS, mb)][0] + rng.randint(0, 4 * 10**6))
+        start = LayerRoom.from_shape(SHAPE.bytes_per_token(), LOGIT)
+        runtime = LayerPeaks(start, LAYERS)
+        for p in probes:
+            runtime.record(p.micro_batch, p.layer, p.in_use, p.num_routed, p.grads_to_come,
+                           p.layer_part)
+        for (_, mb), (in_use, tokens) in heads.items():
+            runtime.record_head(mb, in_use, tokens)
+        runtime.calibrate(_Meter(peaks))
+        pure = start.calibrated(
+            lambda p, ly, mb: peaks.get((p, ly, mb % MICRO_BATCH_CODES), 0), probes, heads)
+        assert runtime.room == pure, trial
