@@ -52,10 +52,9 @@ def blind_prevention(guard) -> None:
     layer's own forward and backward peaks are checked (no eviction to host). What
     remains is the step-level safety net."""
     guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
+    # `decide` replaced whole (where the layer's own peaks are checked and evicted for),
+    # not the slopes set to 0: each step without a re-run calibrates them again.
     guard._layer_cannot_fit = lambda layer: False
-    # Not just the layer room's slopes set to 0: each step without a step-level re-run
-    # calibrates them again from the device, which would undo the blinding.
-    guard._fit_layer = lambda layer, num_routed: None
 
 
 def _step_fn(model, data, world_size: int, meter=None):
