@@ -492,6 +492,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except RuntimeError as exc:
+        from spikeguard.memory.device import DeviceBuildError
+        if isinstance(exc, DeviceBuildError):   # no compiler: the machine, not the input
+            print(f"spikeguard: error: {_one_line(exc)}", file=sys.stderr)
+            return 1
         if not _peer_failed(exc):
             raise
         # A rank of the group died (its own message is printed): this one's collective

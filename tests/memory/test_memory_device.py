@@ -111,3 +111,16 @@ def test_deferred_lets_it_through_and_says_how_far():
     assert device.take_overflow() == 2000 and device.take_overflow() == 0
     del t
     device.close()
+
+
+def test_no_compiler_is_one_line_not_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), SPIKEGUARD_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "spikeguard", "train", "--preset", "tiny",
+                           "--steps", "1", "--budget", "4MiB"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "cannot build the emulated device's allocator" in proc.stderr
+    assert "Traceback" not in proc.stderr
