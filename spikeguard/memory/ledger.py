@@ -73,8 +73,7 @@ class Ledger:
     def set_static(self, num_bytes: int) -> None:
         self.static_bytes = num_bytes
 
-    def acquire(self, key: StorageKey, num_bytes: int, where: tuple[int, int, str],
-                check: bool = True) -> None:
+    def acquire(self, key: StorageKey, num_bytes: int, where: tuple[int, int, str]) -> None:
         """One more holder of a storage; the first one attributes its bytes."""
         entry = self._entries.get(key)
         if entry is not None:
@@ -125,8 +124,3 @@ class Ledger:
         self._entries.clear()
         self._by_where.clear()
         self.activation_bytes = 0
-
-
-def _where_str(where: tuple[int, int, str]) -> str:
-    mb, layer, op = where
-    return f"micro-batch {mb}, layer {layer}, op {op}"

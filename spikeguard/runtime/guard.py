@@ -130,7 +130,6 @@ class Guard(DecisionWindow):
         self._trained = [p for p in model.parameters() if p.requires_grad]
         self._grads_to_come = 0
         self._layer_entry_in_use = 0
-        self._last_failure = (0, 0)   # (position code, bytes) of the last refused step
         # Micro-batch -> its predicted backward working set, until its backward is done
         # (a pipeline holds several micro-batches; see plan/room.py).
         self._pending_backward: dict[int, int] = {}
@@ -207,6 +206,15 @@ class Guard(DecisionWindow):
         its own body): an out-of-memory error in backward ends the step. `run_step(fn)`
         owns the step's body and re-runs it whole when anything in it runs out."""
         return step_context(self)
+
+    @property
+    def full_recompute(self) -> bool:
+        """Every layer recomputed whole (policy "full", or a safety-net re-run)."""
+        return self._full_recompute
+
+    @full_recompute.setter
+    def full_recompute(self, on: bool) -> None:
+        self._full_recompute = on
 
     def micro_batch_index(self) -> Optional[int]:
         """The number the next forward of the open step gets (None outside a step)."""

@@ -74,7 +74,7 @@ class OffloadedStorage:
             host = self.host[: self.num_bytes].view(self.dtype)
             self.reloaded, self.reload_event = self.engine.copy_to_device(
                 host, self.device, self.copy_event)
-            self.engine.ledger.acquire(self._reload_key(), self.num_bytes, self.where, check=False)
+            self.engine.ledger.acquire(self._reload_key(), self.num_bytes, self.where)
 
     def view(self, size, stride, offset) -> torch.Tensor:
         self.prefetch()

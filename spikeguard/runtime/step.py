@@ -47,13 +47,14 @@ def defers(guard) -> bool:
     return guard.policy == "adaptive" and agrees_per_step(guard)
 
 
-def group_overflow(guards: Sequence) -> Optional[str]:
-    """After a (deferred) step: did a guard of this rank, or of any rank, pass its device?"""
+def group_overflow(guards: Sequence, failed: Optional[dict] = None) -> Optional[str]:
+    """After a (deferred) step: did a guard of this rank, or of any rank, pass its device?
+    `failed`, if given, gets each overflowing guard's (position code, bytes), by id."""
     if not guards or not agrees_per_step(guards[0]):
         return None
     mine = [(g, g.meter.take_overflow(), g.meter.overflow_where()) for g in guards]
-    for guard, over, where in mine:
-        guard._last_failure = (where, over) if over else (0, 0)
+    if failed is not None:
+        failed.update({id(g): (where, over) for g, over, where in mine if over})
     over = max((o for _, o, _ in mine), default=0)
     flag = torch.tensor([1 if over else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -96,23 +97,24 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
     adaptive = all(g.policy == "adaptive" for g in guards)
     snapshots = [GradSnapshot(g.model) for g in guards] if adaptive else None
     failure = None
+    failed: dict[int, tuple[int, int]] = {}   # guard id -> (position code, bytes refused)
     try:
         with opened(guards):
             try:
                 result = fn()
-                failure = group_overflow(guards)
+                failure = group_overflow(guards, failed)
             except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-                if snapshots is None or any(g._full_recompute for g in guards):
+                if snapshots is None or any(g.full_recompute for g in guards):
                     raise guards[0].device_oom(err) from None
                 failure = str(guards[0].device_oom(err))
                 for guard in guards:   # where the refused allocation was, and how far
-                    guard._last_failure = (guard.meter.where(), guard.meter.last_refusal()[1])
+                    failed[id(guard)] = (guard.meter.where(), guard.meter.last_refusal()[1])
             if failure is not None and snapshots is None:
                 raise DeviceOutOfMemory(f"step {len(guards[0].history)}: {failure}",
                                         budget_bytes=guards[0].budget_bytes)
             if failure is not None:
                 for guard, snapshot in zip(guards, snapshots):
-                    guard.abandon_step(snapshot, guard._last_failure)
+                    guard.abandon_step(snapshot, failed.get(id(guard), (0, 0)))
         if failure is None:
             return result
         log.warning("step %d ran out of memory (%s); re-running it with full recompute",
@@ -121,7 +123,7 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
             guard._step.restart("step", failure)
         with opened(guards, recorders=[g._step for g in guards]):
             for guard in guards:
-                guard._full_recompute = True
+                guard.full_recompute = True
             try:
                 result = fn()
             except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
@@ -130,7 +132,7 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
                     budget_bytes=guards[0].budget_bytes) from None
             finally:
                 for guard in guards:
-                    guard._full_recompute = False
+                    guard.full_recompute = False
             failure = group_overflow(guards)
             if failure is not None:
                 raise BudgetInfeasible(f"even full recompute does not fit: {failure}",

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.timeout(120)
 WHERE = (0, 1, "gate_up")
 
 
-def _hold(ledger: Ledger, t: torch.Tensor, where=WHERE, check: bool = True) -> None:
-    ledger.acquire(storage_key(t), storage_bytes(t), where, check=check)
+def _hold(ledger: Ledger, t: torch.Tensor, where=WHERE) -> None:
+    ledger.acquire(storage_key(t), storage_bytes(t), where)
 
 
 def test_views_of_one_storage_share_a_key_and_count_whole_storage():
