@@ -119,6 +119,7 @@ class Guard(DecisionWindow):
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
         self.history: list[dict] = []
         self._step: Optional[StepRecorder] = None
+        self._step_defers, self._held_overflow = False, (0, 0)   # see _attempt
         self._full_recompute = policy == "full"   # new layers start fully recomputed
         self._in_full_region = False                # inside a whole-layer checkpoint
         self._in_forward = False                    # False during backward's recompute
@@ -230,6 +231,7 @@ class Guard(DecisionWindow):
         """The device is active and enforcing; the step's recorder is open."""
         self.ledger.set_static(self._static_bytes())
         self._step = recorder or StepRecorder(self.engine.offloaded_bytes_total)
+        self._step_defers, self._held_overflow = defer, (0, 0)
         with self.meter.active(), self.meter.enforcing(), self.meter.deferred(defer):
             self.meter.reset_peak()
             self._set_where(PHASE_FORWARD, -1)
@@ -238,6 +240,15 @@ class Guard(DecisionWindow):
             finally:
                 self._set_where(PHASE_IDLE, -1)
                 self._step.note_peak(self.meter.peak(), self.meter.peak_where())
+
+    def take_step_overflow(self) -> tuple[int, int]:
+        """(bytes, position code) of the furthest this deferred step went past the device,
+        the device's own figure or a micro-batch's held by the net (`_attempt`); then
+        forgotten. (0, 0) if it stayed under."""
+        over = self.meter.take_overflow()
+        mine = (over, self.meter.overflow_where()) if over else (0, 0)
+        held, self._held_overflow = self._held_overflow, (0, 0)
+        return max(mine, held)
 
     def finish_step(self) -> None:
         if self.policy == "adaptive" and not self._step.reruns:
@@ -320,7 +331,7 @@ class Guard(DecisionWindow):
                     mb, message)
         self._full_recompute = True
         try:
-            return self._attempt(orig_forward, mb, args, kwargs)
+            return self._attempt(orig_forward, mb, args, kwargs, last_try=True)
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             failure = str(self.device_oom(err))
         finally:
@@ -331,13 +342,19 @@ class Guard(DecisionWindow):
             f"even full recompute does not fit: {failure}; try a budget of at least "
             f"{format_bytes(needed, round_up=True)}", needed_bytes=needed, budget_bytes=self.budget_bytes)
 
-    def _attempt(self, orig_forward, mb, args, kwargs):
+    def _attempt(self, orig_forward, mb, args, kwargs, last_try: bool = False):
         """One forward of a micro-batch. Under expert parallelism an "adaptive" rank that
         overflows finishes the forward anyway (its all-to-alls must match the others'),
         then the group agrees, one small all-reduce per micro-batch that every rank's
         guard issues whatever its policy: if any rank overflowed, every rank raises, so
         the adaptive ones take the safety net's re-run together. (A static policy that
-        overflows raises at once: that is the crash a real job would have.)"""
+        overflows raises at once: that is the crash a real job would have.)
+
+        `last_try` (the net's full-recompute re-run) in a deferred step: the micro-batch
+        is kept however far it went and its overflow held for the step's end, where every
+        rank of the job agrees (runtime/step.py). Raising here would leave the forward on
+        this expert-parallel group only: a pipeline peer outside it would go on with the
+        step and meet this group's re-run in its sends and receives."""
         if self.group is None:
             return self._forward_micro_batch(orig_forward, mb, args, kwargs)
         adaptive = self.policy == "adaptive"
@@ -356,6 +373,12 @@ class Guard(DecisionWindow):
             budget_bytes=self.budget_bytes) if over else None)
         flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and last_try and self._step_defers:
+            if mine is not None:
+                reached = max(over, mine.needed_bytes or 0, self.budget_bytes + 1)
+                self._held_overflow = max(self._held_overflow,
+                                          (reached, self.meter.overflow_where()))
+            return out
         if flag.item():
             del out
             if self._step is not None:

@@ -52,7 +52,7 @@ def group_overflow(guards: Sequence, failed: Optional[dict] = None) -> Optional[
     `failed`, if given, gets each overflowing guard's (position code, bytes), by id."""
     if not guards or not agrees_per_step(guards[0]):
         return None
-    mine = [(g, g.meter.take_overflow(), g.meter.overflow_where()) for g in guards]
+    mine = [(g, *g.take_step_overflow()) for g in guards]
     if failed is not None:
         failed.update({id(g): (where, over) for g, over, where in mine if over})
     over = max((o for _, o, _ in mine), default=0)

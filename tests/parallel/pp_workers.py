@@ -39,7 +39,9 @@ def pp_worker(rank: int, world_size: int, store_path: str, out_dir: str, micro_b
     plus F of the way up to "calm"'s: a budget full recompute fits and keeping
     everything does not, whatever the share of parameters in the peak), and
     optionally schedule, residency (bool), spike (micro-batch forced onto ep rank 0's
-    experts on stage 0), calm (every micro-batch's routing left unbiased)."""
+    experts on stage 0), calm (every micro-batch's routing left unbiased), squeeze
+    ((micro-batch, times): on rank 0 only, that micro-batch's first MoE layer allocates
+    past the budget in its first `times` forwards, an allocation no plan foresees)."""
     init_gloo(rank, world_size, store_path)
     try:
         for run in runs:
@@ -85,6 +87,8 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
         if scenario.get("spike") is not None or scenario.get("calm"):
             module.register_forward_pre_hook(
                 _forced_routing(module, groups, scenario.get("spike"), forwards))
+    if scenario.get("squeeze") is not None and rank == 0:
+        _squeeze(prank.guards[0], prank.modules.stages[0], *scenario["squeeze"])
     result = {"rank": rank, "stage_ids": prank.stage_ids, "oom": None}
     try:
         result["losses"] = [x.detach() for x in prank.step(tokens[:, :-1], tokens[:, 1:])]
@@ -100,6 +104,26 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
         peaks[scenario["name"]] = max(r["peak_bytes"] for r in result["records"])
     torch.save(result, out_dir / f"{prefix}{scenario['name']}_rank{rank}.pt")
     prank.close()
+
+
+def _squeeze(guard, module, micro_batch: int, times: int) -> None:
+    """The first MoE layer of `micro_batch` holds, for its forward, a temporary that takes
+    the device 1 KiB past its budget, in the first `times` forwards of that micro-batch.
+    Deferred (adaptive under a process group), the device counts it and the guard's net
+    sees the overflow; nothing in the planner knew of it."""
+    block, left, held = module.moe_blocks()[0], [times], []
+
+    def pre(mod, args):
+        if guard.ctx.micro_batch == micro_batch and left[0] > 0 and torch.is_grad_enabled():
+            left[0] -= 1
+            room = guard.budget_bytes - guard.meter.allocated()
+            held.append(torch.empty(max(room, 0) + 1024, dtype=torch.uint8))
+
+    def post(mod, args, out):
+        held.clear()
+
+    block.register_forward_pre_hook(pre)
+    block.register_forward_hook(post)
 
 
 def _count(forwards):
