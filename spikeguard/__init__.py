@@ -11,6 +11,7 @@ def attach(model, budget=None, policy: str = "adaptive", optimizer=None,
            shared_policy: str = "keep"):
     """Attach a guard to `model`; see spikeguard.runtime.guard. `shared_policy` ("keep" or
     "recompute") is the static policy of shared experts and dense (non-MoE) layers."""
+    import spikeguard.integrations  # noqa: F401  registers the block adapters with runtime
     from spikeguard.runtime.guard import attach as _attach
     return _attach(model, budget=budget, policy=policy, optimizer=optimizer,
                    shared_policy=shared_policy)

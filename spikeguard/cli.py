@@ -73,7 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="pipeline schedule (default 1f1b; interleaved: 2 stages per rank)")
     par.add_argument("--skew", default=None,
                      choices=("production", "one-hot-rank", "rotating", "burst"),
-                     help="inject routing skew (spikeguard.bench.skew); default none")
+                     help="inject routing skew (spikeguard.routing.skew); default none")
     par.add_argument("--skew-seed", type=int, default=0)
     par.add_argument("--spike-prob", type=float, default=None,
                      help="probability of a spike step (default 0.029, the production rate)")
@@ -88,7 +88,7 @@ def _build_parser() -> argparse.ArgumentParser:
     runs = train.add_argument_group("traces and checkpoints (what spikeguard bench drives)")
     runs.add_argument("--record-trace", metavar="FILE", default=None,
                       help="write every step's per-layer, per-expert token counts "
-                           "(spikeguard/bench/trace.py documents the format)")
+                           "(spikeguard/routing/trace.py documents the format)")
     runs.add_argument("--trace", metavar="FILE", default=None,
                       help="replay a recorded trace: the routers reproduce its counts exactly")
     runs.add_argument("--checkpoint-dir", metavar="DIR", default=None,
@@ -135,7 +135,7 @@ def _given(**values: Any) -> dict[str, Any]:
 
 def _run_train(args: argparse.Namespace) -> int:
     if args.hf is not None:
-        from spikeguard.integrations.hf_train import run_from_cli
+        from spikeguard.train.hf_train import run_from_cli
         return run_from_cli(args)
     from spikeguard.memory.budget import parse_bytes
     from spikeguard.model.config import model_config
@@ -158,7 +158,7 @@ def _run_train(args: argparse.Namespace) -> int:
     use_guard = args.budget is not None or args.policy is not None
     _check_run_files(args, model_cfg, train_cfg)
     if args.pp != 1:
-        from spikeguard.parallel.pipeline_cli import run_pipeline_train
+        from spikeguard.train.pipeline_train import run_pipeline_train
         return run_pipeline_train(args, model_cfg, train_cfg)
     if args.nproc != 1 or args.ep not in (None, 1) or args.skew is not None:
         from spikeguard.parallel.launch import check_layout, launch_job
@@ -169,7 +169,7 @@ def _run_train(args: argparse.Namespace) -> int:
             raise UsageError("--skew needs expert parallelism: use --nproc 2 or more")
         args.skew_config = _skew_config(args, ep)
         if args.skew_config is not None:
-            from spikeguard.bench.skew import SkewSchedule
+            from spikeguard.routing.skew import SkewSchedule
             SkewSchedule(args.skew_config, ep)  # its checks (e.g. a spike above ep) fail here
         if not under_torchrun():
             return launch_job(args.nproc, args.argv)
@@ -208,7 +208,7 @@ def _check_run_files(args: argparse.Namespace, model_cfg, train_cfg) -> None:
             raise UsageError("--record-trace would overwrite the --trace being replayed")
     args.trace_data = None
     if args.trace is not None:
-        from spikeguard.bench.trace import load_trace
+        from spikeguard.routing.trace import load_trace
 
         if args.skew is not None:
             raise UsageError("--trace replays recorded routing; it cannot be combined with --skew")
@@ -226,7 +226,7 @@ def _run_files(args: argparse.Namespace, model, model_cfg, train_cfg, parallel):
     """The loop's observers (trace recorder / replayer) and checkpointer for this rank."""
     if args is None:
         return [], None
-    from spikeguard.bench.trace import TraceRecorder, TraceReplayer, TraceWriter, make_header
+    from spikeguard.routing.trace import TraceRecorder, TraceReplayer, TraceWriter, make_header
     from spikeguard.train.checkpoint import Checkpointer
 
     rank = parallel.worker.rank if parallel is not None else 0
@@ -255,7 +255,7 @@ def _run_files(args: argparse.Namespace, model, model_cfg, train_cfg, parallel):
 def _skew_config(args: argparse.Namespace, ep: int):
     if args.skew is None:
         return None
-    from spikeguard.bench.skew import SkewConfig
+    from spikeguard.routing.skew import SkewConfig
 
     spike_max = args.spike_max if args.spike_max is not None else min(2.6, float(ep))
     extra = {"spike_probability": args.spike_prob} if args.spike_prob is not None else {}
@@ -290,7 +290,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _make_guard(model, args: argparse.Namespace, optimizer):
     """Attach the memory guard; imported here so plain training never needs the runtime."""
     try:
-        from spikeguard.runtime.guard import attach
+        from spikeguard import attach
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("spikeguard.runtime"):
             raise UsageError("--budget/--policy need the memory runtime "
@@ -334,7 +334,7 @@ def _expert_parallel(model, args: argparse.Namespace):
     parallelize_experts(model, worker.group)
     injector = None
     if args.skew_config is not None:
-        from spikeguard.bench.skew import SkewInjector, SkewSchedule
+        from spikeguard.routing.skew import SkewInjector, SkewSchedule
 
         schedule = SkewSchedule(args.skew_config, worker.world_size)
         injector = SkewInjector(schedule, worker.world_size).attach(model)
@@ -431,7 +431,7 @@ def _auto_budget(model, optimizer, corpus, model_cfg, train_cfg, parallel, conso
     import torch
 
     from spikeguard.memory.budget import format_bytes
-    from spikeguard.runtime.auto_budget import AUTO_MARGIN, auto_budget, calm_peak_bytes
+    from spikeguard.train.auto_budget import AUTO_MARGIN, auto_budget, calm_peak_bytes
 
     offset = parallel.seed_offset if parallel is not None else 0
     gen = torch.Generator().manual_seed(train_cfg.seed + AUTO_PROBE_SEED + offset)

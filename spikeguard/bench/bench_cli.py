@@ -148,7 +148,7 @@ def _measure(args, work: Path, echo) -> tuple[Path, list[dict]]:
 
 def _budget_from(records: list[dict]) -> tuple[int, int, int]:
     """(budget, calm peak, static) from the measurement pass."""
-    from spikeguard.runtime.auto_budget import auto_budget
+    from spikeguard.train.auto_budget import auto_budget
 
     calm = [r for r in records if not r.get("skew_spike")]
     if not calm:
@@ -246,44 +246,16 @@ def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[s
     }
 
 
-def _fmt(value, spec: str, none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
-def table_rows(report: dict) -> list[list[str]]:
-    """The comparison as rows of text (the terminal table and the docs page share them)."""
-    from spikeguard.memory.budget import format_bytes
-
-    rows = []
-    for name in report["order"]:
-        f = report["policies"][name]
-        label = f"{name} ({f['is']})" if "is" in f else name
-        d = f["decisions"]
-        rows.append([
-            label, _fmt(f["tokens_per_s"], ".0f"), _fmt(f["relative_to_ceiling"], ".3f"),
-            format_bytes(f["peak_bytes"]) if f["peak_bytes"] else "-",
-            str(f["overruns"]), str(f["oom_events"]), _fmt(f["lost_seconds"], ".1f"),
-            _fmt(f.get("effective_relative_to_ceiling"), ".3f"),
-            _fmt(f.get("effective_relative_at_restart_cost"), ".3f"),
-            f"{d['save']}/{d['recompute']}/{d['offload']}",
-        ])
-    return rows
-
-
-TABLE_HEADER = ["policy", "tok/s", "vs ceiling", "peak", "over budget", "OOM + restarts",
-                "lost s", "effective vs ceiling", "at 284 s/restart", "save/rec/off"]
-
-
 def _print_table(console, report: dict) -> None:
     from rich.table import Table
+
+    from spikeguard.bench.table import table_header, table_rows
 
     from spikeguard.memory.budget import format_bytes
 
     table = Table(title=f"spikeguard bench: budget {format_bytes(report['budget_bytes'])} per "
                         f"rank (CPU, emulated device)")
-    header = list(TABLE_HEADER)
-    header[8] = f"at {report['workload']['restart_cost_s']:g} s/restart"
-    for i, name in enumerate(header):
+    for i, name in enumerate(table_header(report)):
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in table_rows(report):
         table.add_row(*row)

@@ -6,15 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from spikeguard.bench.table import table_header, table_rows
 from spikeguard.memory.budget import format_bytes
 
 
 def page(report: dict, plots: list[Path], docs_dir: Path) -> str:
-    from spikeguard.bench.bench_cli import TABLE_HEADER, table_rows
-
     w, m = report["workload"], report["machine"]
-    header = list(TABLE_HEADER)
-    header[8] = f"at {w['restart_cost_s']:g} s/restart"
+    header = table_header(report)
     lines = [
         "# Benchmark: memory policies under routing spikes",
         "",

@@ -19,7 +19,7 @@ from typing import Any
 
 from spikeguard.errors import UsageError
 
-TRACE_FORMAT = "spikeguard-trace"  # spikeguard.bench.trace's header, to name the mistake
+TRACE_FORMAT = "spikeguard-trace"  # spikeguard.routing.trace's header, to name the mistake
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

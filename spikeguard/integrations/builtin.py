@@ -12,7 +12,7 @@ from typing import Optional
 
 from torch import nn
 
-from spikeguard.integrations.adapter import BlockAdapter, preserved_rng
+from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.plan.planner import Planner

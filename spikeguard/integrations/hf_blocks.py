@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from spikeguard.errors import UsageError
-from spikeguard.integrations.adapter import BlockAdapter, preserved_rng
+from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
 from spikeguard.integrations.hf_bytes import RegionBytes, RegionPlanner, derive_bytes, probe_bytes
 from spikeguard.integrations.hf_window import run_window
 from spikeguard.runtime.executor import base_policy

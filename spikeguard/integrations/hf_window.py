@@ -76,7 +76,7 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
         return call(hidden_states, top_k_index, top_k_weights)
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
     counts = counts_E[: part.num_experts].tolist()
-    if guard._in_full_region:
+    if guard.in_full_region:
         guard._record(layer, counts, RegionPlan((Action.RECOMPUTE,)))
         return call(hidden_states, top_k_index, top_k_weights)
     decision = guard.decide(layer, sum(counts))

@@ -54,6 +54,18 @@ class SwiGLUExperts(nn.Module):
         return self.down(self.act(self.gate_up(x_ND, tokens_per_expert)), tokens_per_expert)
 
 
+def stage_functions(experts: SwiGLUExperts, tokens_per_expert: list[int]) -> dict:
+    """The four stages of SwiGLUExperts.forward (the planner's operators gate_up, silu,
+    act, down), each a function of the tensors so far, by stage name ("dispatch" is
+    the input): what the executor runs one by one and the cost model times."""
+    return {
+        "gate_up": lambda t: experts.gate_up(t["dispatch"], tokens_per_expert),
+        "silu": lambda t: F.silu(t["gate_up"].chunk(2, dim=-1)[0]),
+        "act": lambda t: t["silu"] * t["gate_up"].chunk(2, dim=-1)[1],
+        "down": lambda t: experts.down(t["act"], tokens_per_expert),
+    }
+
+
 class SwiGLU(nn.Module):
     """A dense SwiGLU feed-forward (the shared expert)."""
 

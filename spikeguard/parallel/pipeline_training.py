@@ -31,7 +31,7 @@ from torch import nn
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.parallel.expert_parallel import expert_parameters, parallelize_experts
 from spikeguard.parallel.mesh import MeshGroups
-from spikeguard.parallel.pipeline_residency import Residency, attach_residency
+from spikeguard.plan.residency import Residency, attach_residency
 from spikeguard.parallel.pipeline_stages import pipeline_stage, stage_loss, stage_module
 from spikeguard.runtime.step import run_steps
 

@@ -87,7 +87,7 @@ class CostModel:
                   dtype: torch.dtype = torch.float32, num_routed: int = 512, reps: int = 3) -> None:
         """Time each stage and the host copies on this device (a few ms)."""
         from spikeguard.model.experts import SwiGLUExperts  # the model's own stages
-        from spikeguard.runtime.executor import stage_functions
+        from spikeguard.model.experts import stage_functions
 
         experts = SwiGLUExperts(num_experts, shape.d_model, shape.d_expert).to(device, dtype)
         counts = [num_routed // num_experts] * num_experts

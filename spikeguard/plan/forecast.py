@@ -8,7 +8,7 @@ same shapes, same bytes), that post-expert part, plus the least their expert pat
 micro-batch with a safety margin; then the output head (measured on earlier micro-batches
 per token, or a conservative estimate before the first one).
 
-Under pipeline parallelism (`residency`, spikeguard/parallel/pipeline_residency.py) it
+Under pipeline parallelism (`residency`, spikeguard/plan/residency.py) it
 also reserves, for every forward the schedule will run on this stage before the next
 backward frees memory, one whole micro-batch at the least it can keep (same estimates).
 Micro-batches already resident need no forecast: their saved bytes are in the ledger.

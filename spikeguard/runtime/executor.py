@@ -18,12 +18,11 @@ import time
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from spikeguard.memory.ledger import Ledger, storage_bytes, storage_key
-from spikeguard.model.experts import SwiGLUExperts
+from spikeguard.model.experts import SwiGLUExperts, stage_functions
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
 from spikeguard.runtime.hooks import Context
 
@@ -46,16 +45,6 @@ def _always_saved_ops() -> frozenset:
 
 
 ALWAYS_SAVED_OPS = _always_saved_ops()
-
-
-def stage_functions(experts: SwiGLUExperts, tokens_per_expert: list[int]) -> dict[str, Callable]:
-    """The four stages of SwiGLUExperts.forward, each reading its inputs by name."""
-    return {
-        "gate_up": lambda t: experts.gate_up(t["dispatch"], tokens_per_expert),
-        "silu": lambda t: F.silu(t["gate_up"].chunk(2, dim=-1)[0]),
-        "act": lambda t: t["silu"] * t["gate_up"].chunk(2, dim=-1)[1],
-        "down": lambda t: experts.down(t["act"], tokens_per_expert),
-    }
 
 
 def base_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

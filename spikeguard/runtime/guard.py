@@ -29,8 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
-from spikeguard.integrations import find_adapter
-from spikeguard.integrations.adapter import SHARED_POLICIES
+from spikeguard.runtime.adapter import SHARED_POLICIES, find_adapter
 from spikeguard.memory.budget import format_bytes, parse_bytes
 from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.static import static_bytes
@@ -240,6 +239,11 @@ class Guard(DecisionWindow):
             finally:
                 self._set_where(PHASE_IDLE, -1)
                 self._step.note_peak(self.meter.peak(), self.meter.peak_where())
+
+    @property
+    def in_full_region(self) -> bool:
+        """Inside a whole-layer checkpoint: what runs there is recomputed already."""
+        return self._in_full_region
 
     def take_step_overflow(self) -> tuple[int, int]:
         """(bytes, position code) of the furthest this deferred step went past the device,

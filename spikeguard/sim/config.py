@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from spikeguard.bench.skew import PATTERNS, SkewConfig
+from spikeguard.routing.skew import PATTERNS, SkewConfig
 from spikeguard.errors import UsageError
 
 SCHEDULES = ("1f1b", "interleaved")

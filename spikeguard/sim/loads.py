@@ -3,11 +3,11 @@
 T = tokens one rank routes per micro-batch, K = top-k, R = ep ranks; the mean a rank
 receives is T*K. Two sources:
 
-  * the skew schedule (spikeguard.bench.skew.SkewSchedule, the production distribution by
+  * the skew schedule (spikeguard.routing.skew.SkewSchedule, the production distribution by
     default: 2.9% spike steps of 1.2x to 2.6x): per step one hot rank receives ratio * T*K
     copies and the others share the rest evenly, in every micro-batch and layer of the
     step, exactly as the runtime's SkewInjector steers every router of a step;
-  * a recorded trace (spikeguard.bench.trace): per step, micro-batch, layer and expert.
+  * a recorded trace (spikeguard.routing.trace): per step, micro-batch, layer and expert.
 
 Load resolution: under the schedule a rank's count is rounded *up* to a multiple of
 mean / `workload.load_resolution` (256 by default: at most 0.4% more than drawn; 0 keeps
@@ -27,7 +27,7 @@ from typing import Union
 
 import numpy as np
 
-from spikeguard.bench.skew import SkewSchedule
+from spikeguard.routing.skew import SkewSchedule
 from spikeguard.errors import UsageError
 from spikeguard.sim.config import SimConfig
 
@@ -69,7 +69,7 @@ class Loads:
 
 
 def _trace_loads(cfg: SimConfig, tokens: int) -> np.ndarray:
-    from spikeguard.bench.trace import load_trace
+    from spikeguard.routing.trace import load_trace
 
     m, lay = cfg.model, cfg.layout
     trace = load_trace(cfg.workload.trace)

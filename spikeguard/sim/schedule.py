@@ -8,7 +8,7 @@ forward of a stage is chunk (k // pp) % v of micro-batch (k // (pp*v))*pp + k % 
 k-th backward is chunk v-1-((k // pp) % v) of the same; warm-up is (pp - s - 1)*2 +
 (v - 1)*pp forwards. Each forward also carries `to_add`: the forwards this stage runs after
 it and before its next backward, which is what the runtime's residency forecast reserves
-(spikeguard/parallel/pipeline_residency.py, read there from torch's own schedule IR).
+(spikeguard/plan/residency.py, read there from torch's own schedule IR).
 The bubble of a step is (pp - 1)/v micro-batch times (each stage idles that long).
 """
 

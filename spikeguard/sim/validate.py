@@ -4,7 +4,7 @@
 
 1. Peak bytes: the runtime trains the `small` preset under each policy with the budget
    runtime_ratios uses (0.85x the ceiling's peak), recording its routing as a trace
-   (spikeguard.bench.trace) and the device's bytes at their peak per step (the emulated
+   (spikeguard.routing.trace) and the device's bytes at their peak per step (the emulated
    device counts every live storage: guard.history's `peak_bytes`); the simulator replays
    the trace with the same budget, the guard's own calibrated cost model, and predicts the
    peak per step and the plans. Single process and 4 processes (PP=2 x EP=2): within 5%
@@ -57,7 +57,7 @@ def compare_peaks(steps: int = 3, batch_size: int = 8, micro_batches: int = 2, s
     """The device's peak bytes per step against the simulated ones, per policy, and the
     plans of every step (save / recompute / offload counts, bytes evicted)."""
     import spikeguard
-    from spikeguard.bench.trace import TraceRecorder, TraceWriter, make_header
+    from spikeguard.routing.trace import TraceRecorder, TraceWriter, make_header
     from spikeguard.data.corpus import load_corpus
     from spikeguard.errors import DeviceOutOfMemory
     from spikeguard.model import build_model, model_config
@@ -235,10 +235,10 @@ def _rank_logs(folder: Path) -> list[list[dict]]:
 def _trace_from_logs(ranks: list[list[dict]], path: Path, *, layers_per_stage: int,
                      num_experts: int, top_k: int, ep: int, micro_batches: int,
                      tokens: int) -> None:
-    """A trace (spikeguard.bench.trace format) of what each rank's log says it received per
+    """A trace (spikeguard.routing.trace format) of what each rank's log says it received per
     (micro-batch, layer): `train --pp` records no trace yet, but its logs carry exactly the
     per-rank loads the simulator uses. Each rank's count is spread over its experts."""
-    from spikeguard.bench.trace import TraceWriter, make_header
+    from spikeguard.routing.trace import TraceWriter, make_header
 
     pp = 1 + max(r[0]["coords"]["pp"] for r in ranks)
     per_rank = num_experts // ep

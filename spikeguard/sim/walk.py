@@ -69,10 +69,10 @@ class WalkResult:
 
 
 def _positions(ops: list[Op]) -> list:
-    """The runtime's own reading of a schedule (parallel/pipeline_residency.positions), fed
+    """The runtime's own reading of a schedule (plan/residency.positions), fed
     the attributes it reads from torch's pipeline IR. All chunks of a stage count as one
     (under the interleaved schedule the unit resident is a micro-batch chunk)."""
-    from spikeguard.parallel.pipeline_residency import positions
+    from spikeguard.plan.residency import positions
 
     actions = [SimpleNamespace(computation_type=SimpleNamespace(value=op.kind), stage_index=0)
                for op in ops]
@@ -109,7 +109,7 @@ def relative(residency, residents: ResidentTracker) -> tuple:
 
 def _residency(schedule_positions, forward: int, host: dict, device: dict):
     """The runtime's Residency object, reading this walk's host and device bytes."""
-    from spikeguard.parallel.pipeline_residency import Residency
+    from spikeguard.plan.residency import Residency
 
     return Residency(schedule_positions, micro_batch=lambda: forward,
                      host_bytes=lambda: dict(host), device_bytes=lambda k: device.get(k, 0))

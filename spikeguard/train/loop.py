@@ -144,7 +144,7 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
     expert-parallel group: its own data shard, scaled loss, gradient all-reduce, skew
     steering, and a cluster summary in every record; only the main rank prints.
 
-    `observers` (e.g. spikeguard.bench.trace's recorder and replayer) get
+    `observers` (e.g. spikeguard.routing.trace's recorder and replayer) get
     `before_step(step)` before a step's first forward and `after_step(step, record)` after
     its optimizer update, on every rank in the same order.
 

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from spikeguard.bench.skew import SkewConfig, SkewInjector, SkewSchedule, bias_for_hot_copies
+from spikeguard.routing.skew import SkewConfig, SkewInjector, SkewSchedule, bias_for_hot_copies
 from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import UsageError
 from spikeguard.model import build_model, model_config

@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 import spikeguard
-from spikeguard.bench.trace import (TraceRecorder, TraceReplayer, TraceWriter, forced_topk,
+from spikeguard.routing.trace import (TraceRecorder, TraceReplayer, TraceWriter, forced_topk,
                                     load_trace, make_header)
 from spikeguard.data import load_corpus
 from spikeguard.errors import UsageError

@@ -12,7 +12,7 @@ import pytest
 
 from spikeguard.errors import UsageError
 from spikeguard.parallel.mesh import ParallelLayout
-from spikeguard.parallel.pipeline_residency import Residency, positions
+from spikeguard.plan.residency import Residency, positions
 from spikeguard.parallel.pipeline_stages import layer_split
 
 

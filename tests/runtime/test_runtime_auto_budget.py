@@ -12,7 +12,7 @@ import torch
 import spikeguard
 from spikeguard.errors import UsageError
 from spikeguard.model import build_model, model_config
-from spikeguard.runtime.auto_budget import AUTO_MARGIN, auto_budget, calm_peak_bytes
+from spikeguard.train.auto_budget import AUTO_MARGIN, auto_budget, calm_peak_bytes
 
 pytestmark = pytest.mark.timeout(120)
 CFG = model_config("tiny")

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from spikeguard.bench.trace import TraceWriter, make_header
+from spikeguard.routing.trace import TraceWriter, make_header
 from spikeguard.plan.planner import Planner
 from spikeguard.sim.calibrate import calibrate_efficiency
 from spikeguard.sim.config import load_config

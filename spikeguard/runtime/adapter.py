@@ -3,7 +3,10 @@
 The guard (spikeguard.runtime.guard) is written against this small protocol, not against
 a block class, so the same decision window, planner, ledger and executor serve the
 built-in `MoEBlock` (spikeguard.integrations.builtin) and the MoE blocks of Hugging Face
-transformers v5 (spikeguard.integrations.hf_blocks), found by their structure.
+transformers v5 (spikeguard.integrations.hf_blocks), found by their structure. The
+protocol lives here, in runtime; the adapters live in integrations, which registers them
+(`register_adapter`) when `spikeguard.attach` first runs: runtime never imports
+integrations.
 
 An adapter answers, for the blocks it found in one model:
   * which blocks, in forward order, and each block's layer index among them;
@@ -24,11 +27,35 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from spikeguard.errors import UsageError
 from spikeguard.runtime.executor import base_policy
 
 # What shared experts and dense (non-MoE) layers do, whatever the routing: they are not
 # planned per micro-batch (their bytes do not move with the counts), only set once.
 SHARED_POLICIES = ("keep", "recompute")
+
+
+_ADAPTERS: list[type] = []   # in the order they are tried
+
+
+def register_adapter(kind: type) -> type:
+    """Make an adapter class (with `find(model)` and `looked_for`) one that `attach` tries."""
+    if kind not in _ADAPTERS:
+        _ADAPTERS.append(kind)
+    return kind
+
+
+def find_adapter(model: nn.Module) -> "BlockAdapter":
+    """The block adapter for `model`; a UsageError naming what was looked for if none."""
+    if not _ADAPTERS:
+        raise UsageError("no block adapter is registered: attach with spikeguard.attach, "
+                         "which registers the built-in and Hugging Face ones")
+    for kind in _ADAPTERS:
+        adapter = kind.find(model)
+        if adapter is not None:
+            return adapter
+    raise UsageError("no MoE block found in the model; looked for: "
+                     + "; or ".join(k.looked_for for k in _ADAPTERS))
 
 
 class BlockAdapter:
@@ -120,7 +147,7 @@ def preserved_rng(device: torch.device):
 
 def _recomputed(adapter: BlockAdapter, guard, module: nn.Module, orig_forward, *args, **kwargs):
     # Inside a whole-layer checkpoint the layer is recomputed already: no nesting.
-    if guard._in_full_region or not torch.is_grad_enabled():
+    if guard.in_full_region or not torch.is_grad_enabled():
         return orig_forward(*args, **kwargs)
     return checkpoint(orig_forward, *args, use_reentrant=False,
                       **adapter.recompute_kwargs(module, kwargs))

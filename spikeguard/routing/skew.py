@@ -1,6 +1,6 @@
 """Routing-skew injection: production-like load spikes on demand, for benchmarks and tests.
 
-    .venv/bin/python -m spikeguard.bench.skew --steps 2000 --ep-size 4
+    .venv/bin/python -m spikeguard.routing.skew --steps 2000 --ep-size 4
 
 T = tokens in the micro-batch, E = experts, K = top-k, R = expert-parallel ranks (ep_size),
 H = experts per rank (E / R), J = min(K, H) hot copies a token can give at most.

@@ -32,7 +32,7 @@ def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                     micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     group=None) -> tuple[int, int]:
     """(peak, static) device bytes of one step over `micro_batches` with everything saved."""
-    from spikeguard.runtime.guard import attach
+    from spikeguard import attach
 
     if not micro_batches:
         raise UsageError("calm_peak_bytes needs at least one micro-batch")

@@ -1,6 +1,6 @@
 """Throughput of a Hugging Face MoE model under the guard, side by side (CPU figures).
 
-    .venv/bin/python -m spikeguard.integrations.hf_bench --hf mixtral --reps 9
+    .venv/bin/python -m spikeguard.bench.hf_bench --hf mixtral --reps 9
 
 One process, the same batches for every policy, runs interleaved (ceiling, none, full,
 experts, adaptive, ceiling, ...) so machine noise hits all alike; medians of the reps

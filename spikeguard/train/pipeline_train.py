@@ -63,7 +63,7 @@ def run_pipeline_train(args, model_cfg, train_cfg) -> int:
 def _skew_config(args, ep: int):
     if args.skew is None:
         return None
-    from spikeguard.bench.skew import SkewConfig, SkewSchedule
+    from spikeguard.routing.skew import SkewConfig, SkewSchedule
 
     spike_max = args.spike_max if args.spike_max is not None else min(2.6, float(ep))
     extra = {"spike_probability": args.spike_prob} if args.spike_prob is not None else {}
@@ -121,7 +121,7 @@ class _RankRun:
                                   batch_size=train_cfg.batch_size, schedule=args.schedule)
         self.injector = None
         if skew_config is not None:
-            from spikeguard.bench.skew import SkewInjector, SkewSchedule
+            from spikeguard.routing.skew import SkewInjector, SkewSchedule
 
             self.injector = SkewInjector(SkewSchedule(skew_config, layout.ep), layout.ep)
             self.injector.attach(self.prank.modules)
@@ -134,7 +134,7 @@ class _RankRun:
         self.monitor = _RoutingMonitor(self.prank)
 
     def _attach_guards(self) -> None:
-        from spikeguard.runtime.guard import attach
+        from spikeguard import attach
 
         optimizer_of = {id(m): o for m, o in zip(self.prank.modules.stages, self.optimizers)}
         kwargs: dict[str, Any] = {}

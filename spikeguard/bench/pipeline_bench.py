@@ -1,6 +1,6 @@
 """Pipeline x expert parallel benchmark: adaptive vs the ceiling vs full recompute, side by side.
 
-    .venv/bin/python -m spikeguard.parallel.pipeline_bench --nproc 4 --pp 2 --ep 2 --reps 9
+    .venv/bin/python -m spikeguard.bench.pipeline_bench --nproc 4 --pp 2 --ep 2 --reps 9
 
 Spawns `nproc` gloo ranks on this machine (CPU, emulated device). Every rank builds three
 copies of the same model, one per policy, each cut into the same stages and sharded the

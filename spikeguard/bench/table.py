@@ -1,0 +1,37 @@
+"""The comparison table, as rows of text: the terminal table (bench_cli) and the docs page
+(bench_docs) print the same rows."""
+
+from __future__ import annotations
+
+from spikeguard.memory.budget import format_bytes
+
+TABLE_HEADER = ["policy", "tok/s", "vs ceiling", "peak", "over budget", "OOM + restarts",
+                "lost s", "effective vs ceiling", "at 284 s/restart", "save/rec/off"]
+
+
+def table_header(report: dict) -> list[str]:
+    header = list(TABLE_HEADER)
+    header[8] = f"at {report['workload']['restart_cost_s']:g} s/restart"
+    return header
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    """The comparison as rows of text (the terminal table and the docs page share them)."""
+    rows = []
+    for name in report["order"]:
+        f = report["policies"][name]
+        label = f"{name} ({f['is']})" if "is" in f else name
+        d = f["decisions"]
+        rows.append([
+            label, _fmt(f["tokens_per_s"], ".0f"), _fmt(f["relative_to_ceiling"], ".3f"),
+            format_bytes(f["peak_bytes"]) if f["peak_bytes"] else "-",
+            str(f["overruns"]), str(f["oom_events"]), _fmt(f["lost_seconds"], ".1f"),
+            _fmt(f.get("effective_relative_to_ceiling"), ".3f"),
+            _fmt(f.get("effective_relative_at_restart_cost"), ".3f"),
+            f"{d['save']}/{d['recompute']}/{d['offload']}",
+        ])
+    return rows
