@@ -130,7 +130,7 @@ def test_errors_during_training(error, code, prefix, monkeypatch, capsys):
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr("spikeguard.train.loop.train", fail)
+    monkeypatch.setattr("spikeguard.train.loop.run_loop", fail)
     assert cli.main(TINY) == code
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(prefix)

@@ -136,7 +136,9 @@ class SkewSchedule:
         # across processes and PYTHONHASHSEED, and neighbouring steps are uncorrelated.
         return random.Random(f"spikeguard.skew:{kind}:{self.config.seed}:{index}")
 
-    def _draw(self, step: int) -> tuple[bool, int, float]:
+    def draw(self, step: int) -> tuple[bool, int, float]:
+        """(is a spike, hot rank, max/mean tokens per rank) of `step`, the same on every
+        rank and every call."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
         cfg = self.config
@@ -165,11 +167,11 @@ class SkewSchedule:
 
         On calm steps hot_rank is the rank the pattern would use; the injector ignores it.
         """
-        _, hot, ratio = self._draw(step)
+        _, hot, ratio = self.draw(step)
         return hot, ratio
 
     def is_spike(self, step: int) -> bool:
-        return self._draw(step)[0]
+        return self.draw(step)[0]
 
 
 def rank_ratio(topk_idx_TK: torch.Tensor, num_experts: int, ep_size: int) -> float:
@@ -243,7 +245,7 @@ class SkewInjector:
         return [self._ratios[i] for i in sorted(self._ratios)]
 
     def set_step(self, step: int) -> None:
-        self._target = self.schedule._draw(step)
+        self._target = self.schedule.draw(step)
 
     def hold(self, ratio: float, hot_rank: int = 0) -> None:
         """Steer `hot_rank` to exactly `ratio` until the next set_step (e.g. the calm
@@ -253,10 +255,12 @@ class SkewInjector:
                              f"{self.ep_size}, got {ratio!r} on rank {hot_rank!r}")
         self._target = (True, hot_rank, float(ratio))
 
-    def attach(self, model: nn.Module) -> "SkewInjector":
+    def attach(self, model) -> "SkewInjector":
+        """Hook the routers of `model` (one model, or a pipeline rank's stage modules)."""
         if self._routers:
             raise UsageError("this SkewInjector is already attached; detach() first")
-        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        modules = [model] if isinstance(model, nn.Module) else list(model)
+        routers = [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]
         if not routers:
             raise UsageError("the model has no TopKRouter to inject skew into")
         cfg = self.schedule.config

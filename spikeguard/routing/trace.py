@@ -195,34 +195,49 @@ class MicroBatchCounter:
             handle.remove()
 
 
-def _routers(model: nn.Module) -> list[TopKRouter]:
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-    if not routers:
+def layer_routers(modules) -> list[tuple[int, TopKRouter, nn.Module]]:
+    """(layer in the whole model, router, the top module it runs under) of every router of
+    `modules` (one model, or a pipeline rank's stage modules, each numbered from its
+    `first_layer`)."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    out = []
+    for module in modules:
+        first = getattr(module, "first_layer", 0)
+        routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+        out += [(first + i, r, module) for i, r in enumerate(routers)]
+    if not out:
         raise UsageError("the model has no TopKRouter to trace")
-    return routers
+    return out
 
 
 class TraceRecorder:
     """Counts the token copies each router sends to each expert, per micro-batch and layer.
 
     Under expert parallelism each rank counts what it routes; `end_step` sums over the
-    group (one all-reduce per step) so every rank holds the global counts."""
+    group (one all-reduce per step) so every rank holds the global counts. A pipeline
+    rank counts the layers it holds (`num_layers`: the whole model's) and the group is
+    the whole job, to which only `contributes` ranks (one data-parallel replica) add:
+    a trace is one replica's routing, replayed on every replica."""
 
-    def __init__(self, model: nn.Module, micro_batches: int,
-                 writer: Optional[TraceWriter] = None, group=None):
-        self.routers = _routers(model)
+    def __init__(self, model, micro_batches: int, writer: Optional[TraceWriter] = None,
+                 group=None, num_layers: Optional[int] = None, contributes: bool = True):
+        routers = layer_routers(model)
         self.writer = writer
         self.group = group
-        self.num_experts = self.routers[0].gate.out_features
+        self.contributes = contributes
+        self.num_experts = routers[0][1].gate.out_features
         self.micro_batches = micro_batches
-        self.counter = MicroBatchCounter(model)
-        self._counts = torch.zeros(micro_batches, len(self.routers), self.num_experts,
+        self.counters = {id(m): MicroBatchCounter(m) for _, _, m in routers}
+        num_layers = num_layers if num_layers is not None else len(routers)
+        self._counts = torch.zeros(micro_batches, num_layers, self.num_experts,
                                    dtype=torch.int64)
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        self._handles = [r.register_forward_hook(self._hook(layer, self.counters[id(m)]))
+                         for layer, r, m in routers]
 
     # The training loop's observer interface (spikeguard.train.loop.train(observers=)).
     def before_step(self, step: int) -> None:
-        self.counter.reset()
+        for counter in self.counters.values():
+            counter.reset()
         self._counts.zero_()
 
     def after_step(self, step: int, record: dict) -> None:
@@ -230,10 +245,10 @@ class TraceRecorder:
         if self.writer is not None:
             self.writer.write_step(step, counts)
 
-    def _hook(self, layer: int):
+    def _hook(self, layer: int, counter: MicroBatchCounter):
         def hook(router: TopKRouter, args, routing: Routing) -> None:
-            mb = self.counter.index
-            if not self.counter.in_forward or not 0 <= mb < self.micro_batches:
+            mb = counter.index
+            if not counter.in_forward or not 0 <= mb < self.micro_batches:
                 return
             # = not +=: a safety-net re-run of the micro-batch routes it again, identically.
             self._counts[mb, layer] = torch.bincount(routing.topk_idx_TK.reshape(-1),
@@ -242,14 +257,15 @@ class TraceRecorder:
 
     def end_step(self, group=None) -> list:
         """The step's global counts, [micro_batch][layer][expert] lists of ints."""
-        counts = self._counts.clone()
+        counts = self._counts.clone() if self.contributes else torch.zeros_like(self._counts)
         if group is not None:
             import torch.distributed as dist
             dist.all_reduce(counts, group=group)
         return counts.tolist()
 
     def detach(self) -> None:
-        self.counter.remove()
+        for counter in self.counters.values():
+            counter.remove()
         for handle in self._handles:
             handle.remove()
         if self.writer is not None:
@@ -281,15 +297,18 @@ class TraceReplayer:
     router's own scores at the forced experts, renormalised, as with a selection bias.
     Until the first `set_step` (or `before_step`) the routers route naturally."""
 
-    def __init__(self, model: nn.Module, trace: Trace, rank: int = 0):
-        self.routers = _routers(model)
+    def __init__(self, model, trace: Trace, rank: int = 0):
+        """`model`: one model, or a pipeline rank's stage modules; `rank`: this process's
+        expert-parallel rank (every data-parallel replica replays the same counts)."""
+        routers = layer_routers(model)
         self.trace = trace
         self.rank = rank
         self.ep = trace.header["ep"]
-        self.counter = MicroBatchCounter(model)
+        self.counters = {id(m): MicroBatchCounter(m) for _, _, m in routers}
         self._step: Optional[int] = None
         self._last: dict[int, torch.Tensor] = {}
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        self._handles = [r.register_forward_hook(self._hook(layer, self.counters[id(m)]))
+                         for layer, r, m in routers]
 
     def before_step(self, step: int) -> None:
         self.set_step(step)
@@ -309,13 +328,15 @@ class TraceReplayer:
         if not 1 <= step <= self.trace.num_steps:
             raise UsageError(f"trace holds steps 1..{self.trace.num_steps}, not {step}")
         self._step = step
-        self.counter.reset()
+        for counter in self.counters.values():
+            counter.reset()
 
-    def _choice(self, layer: int, num_tokens: int, top_k: int) -> Optional[torch.Tensor]:
+    def _choice(self, layer: int, counter: MicroBatchCounter, num_tokens: int,
+                top_k: int) -> Optional[torch.Tensor]:
         if self._step is None:
             return None  # not armed yet (e.g. a budget probe before the first step)
-        if self.counter.in_forward:
-            mb = self.counter.index
+        if counter.in_forward:
+            mb = counter.index
             if mb >= self.trace.counts.shape[1]:
                 raise UsageError(f"trace replay: step {self._step} has no micro-batch {mb} "
                                  f"(the trace has {self.trace.counts.shape[1]} per step)")
@@ -327,9 +348,9 @@ class TraceReplayer:
             return self._last.get(layer)  # recompute: topk's cached output is used anyway
         return None                       # evaluation: natural routing
 
-    def _hook(self, layer: int):
+    def _hook(self, layer: int, counter: MicroBatchCounter):
         def hook(router: TopKRouter, args, routing: Routing) -> Optional[Routing]:
-            idx_TK = self._choice(layer, routing.scores_TE.shape[0], router.top_k)
+            idx_TK = self._choice(layer, counter, routing.scores_TE.shape[0], router.top_k)
             if idx_TK is None:
                 return None
             onehot_TE = torch.zeros_like(routing.scores_TE).scatter_(1, idx_TK, 1.0)
@@ -341,6 +362,7 @@ class TraceReplayer:
         return hook
 
     def detach(self) -> None:
-        self.counter.remove()
+        for counter in self.counters.values():
+            counter.remove()
         for handle in self._handles:
             handle.remove()

@@ -64,6 +64,33 @@ def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return peak, static
 
 
+def pipeline_calm_peak_bytes(engine, micro_batches: Sequence[tuple]) -> tuple[int, int]:
+    """(peak, static) of a pipeline rank's calm step, the worst over the whole job, from a
+    probe `engine` (spikeguard.train.engines.PipelineEngine) built for it alone, with its
+    optimizers: its guards attach before its schedule is built, and the probe is thrown
+    away afterwards (the run's own ranks stay as they were). A rank of the interleaved
+    schedule holds two chunks, each guarded with half the rank's budget: its peak is twice
+    the larger chunk's."""
+    from spikeguard import attach
+
+    engine.attach_guards(lambda m, o: attach(m, budget=_NO_LIMIT, policy="none", optimizer=o))
+    idx_BT = torch.cat([b[0] for b in micro_batches])
+    targets_BT = torch.cat([b[1] for b in micro_batches])
+    engine.prank.step(idx_BT, targets_BT)
+    peaks, statics = [], []
+    for guard, module, optimizer in zip(engine.guards, engine.modules, engine.optimizers):
+        record = guard.history[-1]
+        expected, present = optimizer_state_bytes(module, optimizer)
+        peaks.append(max(record["peak_bytes"] + expected - present,
+                         _optimizer_step_peak(module, optimizer, guard)))
+        statics.append(record["static_bytes"])
+    both = torch.tensor([max(peaks) * len(peaks), max(statics) * len(statics)], dtype=torch.int64)
+    import torch.distributed as dist
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    peak, static = both.tolist()
+    return peak, static
+
+
 def _optimizer_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, guard) -> int:
     """The device's peak over one optimizer step on the probe's gradients; the parameters
     and the optimizer's state are put back exactly as they were."""

@@ -34,7 +34,7 @@ class Checkpointer:
         self.every = every
         self.resume = resume
 
-    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def restore(self, model: nn.Module, optimizer,
                 generator: torch.Generator) -> int:
         """Load the last checkpoint when resuming; returns its step (0: start afresh)."""
         if not self.resume or not self.path.exists():
@@ -42,7 +42,13 @@ class Checkpointer:
         try:
             state = torch.load(self.path, weights_only=True)
             model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            optimizers = _as_list(optimizer)
+            saved = _as_list(state["optimizer"])
+            if len(saved) != len(optimizers):
+                raise ValueError(f"it holds {len(saved)} optimizer states, this rank has "
+                                 f"{len(optimizers)}")
+            for opt, opt_state in zip(optimizers, saved):
+                opt.load_state_dict(opt_state)
         except (RuntimeError, KeyError, ValueError, EOFError) as err:
             raise UsageError(f"checkpoint {self.path} does not fit this run: "
                              f"{str(err).splitlines()[0]}") from None
@@ -50,14 +56,21 @@ class Checkpointer:
         torch.set_rng_state(state["torch_rng"])
         return int(state["step"])
 
-    def after_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def after_step(self, step: int, model: nn.Module, optimizer,
                    generator: torch.Generator, last: bool) -> bool:
         """Save when `step` is on the interval or the last; returns whether it saved."""
         if step % self.every and not last:
             return False
         tmp = self.path.with_name(self.path.name + ".tmp")
         torch.save({"step": step, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                    "optimizer": [o.state_dict() for o in optimizer]
+                    if isinstance(optimizer, (list, tuple)) else optimizer.state_dict(),
+                    "generator": generator.get_state(),
                     "torch_rng": torch.get_rng_state()}, tmp)
         os.replace(tmp, self.path)
         return True
+
+
+def _as_list(value) -> list:
+    """One optimizer (or its state), or a pipeline rank's list of them (one per stage)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]

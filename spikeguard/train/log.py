@@ -63,6 +63,11 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
                      f"off {decisions.get('offload', 0)}")
     if record.get("val_loss") is not None:
         parts.append(f"val {record['val_loss']:.3f}")
+    spike = record.get("spike")   # a pipeline's: where the step's spike was
+    if isinstance(spike, dict):
+        what = "rank" if spike["measure"] == "rank" else "expert"
+        parts.append(f"spike {spike['ratio']:.2f}x {what} r{spike['rank']} s{spike['stage']} "
+                     f"L{spike['layer']} mb{spike['micro_batch']}")
     return " | ".join(parts)
 
 

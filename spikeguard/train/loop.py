@@ -29,7 +29,7 @@ from torch import nn
 from spikeguard.data.corpus import Corpus
 from spikeguard.errors import UsageError
 from spikeguard.model.config import ModelConfig
-from spikeguard.model.dispatch import expert_imbalance
+from spikeguard.model.dispatch import expert_imbalance  # noqa: F401  (exported by spikeguard.train)
 from spikeguard.train.log import open_log, step_line, write_record
 
 # (model, optimizer) -> guard; the guard offers `step()` (a context manager) and `history`.
@@ -129,52 +129,77 @@ def _reporter(console: Console, num_steps: int) -> Iterator[_Reporter]:
 
 def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corpus: Corpus, *,
           guard: Any = None, guard_factory: Optional[GuardFactory] = None,
-          log_path: Optional[str | Path] = None,
-          console: Optional[Console] = None, parallel: Any = None,
+          log_path: Optional[str | Path] = None, console: Optional[Console] = None,
           observers: Sequence[Any] = (), checkpoint: Any = None,
           skip_steps: Collection[int] = ()) -> list[dict[str, Any]]:
-    """Train `model` in place for `train_cfg.steps` steps; returns one record per step.
+    """Train one built-in `model` in place on this process; returns one record per step.
 
     Records hold step, loss (the objective: cross-entropy + aux), ce_loss, aux_loss,
     grad_norm, tokens, step_time_s, tokens_per_s, imbalance (worst layer),
     imbalance_per_layer, val_loss on evaluation steps, val_loss_init (the initial weights'
     validation loss) on the first record, plus whatever the guard recorded for the step.
-
-    `parallel` (spikeguard.parallel.training.ExpertParallelHooks) makes this one rank of an
-    expert-parallel group: its own data shard, scaled loss, gradient all-reduce, skew
-    steering, and a cluster summary in every record; only the main rank prints.
-
-    `observers` (e.g. spikeguard.routing.trace's recorder and replayer) get
-    `before_step(step)` before a step's first forward and `after_step(step, record)` after
-    its optimizer update, on every rank in the same order.
-
-    `checkpoint` (spikeguard.train.checkpoint.Checkpointer) resumes from its last save and
-    saves on its interval; `skip_steps` are dropped (their data drawn, nothing trained), as a
-    job restarted after a crash drops the batch that killed it.
+    This is `run_loop` on a LocalEngine; spikeguard.train.run builds the other layouts.
     """
+    from spikeguard.train.engines import BuiltinFamily, LocalEngine
+
     if guard is not None and guard_factory is not None:
         raise UsageError("pass either guard or guard_factory to train(), not both")
-    seq_len = model_cfg.seq_len
+    engine = LocalEngine(model, BuiltinFamily, grad_clip=train_cfg.grad_clip)
+    if guard is not None:
+        engine.guards = [guard]
+    return run_loop(engine, train_cfg, corpus, seq_len=model_cfg.seq_len,
+                    guard_maker=guard_factory, log_path=log_path, console=console,
+                    observers=observers, checkpoint=checkpoint, skip_steps=skip_steps)
+
+
+def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
+             guard_maker: Optional[GuardFactory] = None, log_path: Optional[str | Path] = None,
+             console: Optional[Console] = None, observers: Sequence[Any] = (),
+             checkpoint: Any = None, skip_steps: Collection[int] = (), shard: int = 0,
+             quiet: bool = False, before_step: Optional[Callable[[int], None]] = None
+             ) -> list[dict[str, Any]]:
+    """The one training loop, whatever the layout: `engine` (spikeguard.train.engines) is
+    what this process holds and how it runs a step.
+
+    `shard`: this process's data shard (its generators are offset by it); `quiet`: not
+    the rank that prints. `guard_maker(module, optimizer)` attaches the guards once the
+    optimizers exist and the checkpoint is restored (it may measure a budget first).
+    `observers` (e.g. spikeguard.routing.trace's recorder and replayer) get
+    `before_step(step)` before a step's first forward and `after_step(step, record)` after
+    its update, on every rank in the same order; `before_step` (the skew injector's step)
+    runs before them. `checkpoint` (spikeguard.train.checkpoint.Checkpointer) resumes from
+    its last save and saves on its interval; `skip_steps` are dropped (their data drawn,
+    nothing trained), as a job restarted after a crash drops the batch that killed it.
+    """
     corpus.check_seq_len(seq_len)
     console = console or Console()
+    family = engine.family
     with contextlib.ExitStack() as stack:
         log_file = stack.enter_context(open_log(log_path)) if log_path is not None else None
         torch.manual_seed(train_cfg.seed)
-        shard = parallel.seed_offset if parallel is not None else 0
-        train_gen = torch.Generator().manual_seed(train_cfg.seed + shard)
-        val_gen = torch.Generator().manual_seed(train_cfg.seed + _VAL_SEED_OFFSET + shard)
-        val_batches = [corpus.get_batch("val", train_cfg.batch_size, seq_len, val_gen)
-                       for _ in range(train_cfg.eval_batches)]
-        optimizer = make_optimizer(model, train_cfg)
-        start = checkpoint.restore(model, optimizer, train_gen) if checkpoint is not None else 0
-        # Before the guard exists: the initial weights' loss needs no memory management.
-        val_loss_init = evaluate(model, val_batches) if start == 0 else None
-        if guard_factory is not None:
-            guard = guard_factory(model, optimizer)
-        model.train()
-        records = []
-        quiet = parallel is not None and not parallel.is_main
-        reporter = stack.enter_context(_reporter(console, train_cfg.steps)) if not quiet else None
+        train_gen = torch.Generator().manual_seed(train_cfg.seed + 1000 * shard)
+        val_gen = torch.Generator().manual_seed(train_cfg.seed + _VAL_SEED_OFFSET + 1000 * shard)
+        val_batches = [family.draw(corpus, "val", train_cfg.batch_size * engine.eval_micro_batches,
+                                   seq_len, val_gen) for _ in range(train_cfg.eval_batches)]
+        engine.build_optimizers(lambda m: make_optimizer(m, train_cfg))
+        start = checkpoint.restore(engine.state_module, engine.checkpoint_optimizers,
+                                   train_gen) if checkpoint is not None else 0
+        # Before the guard exists where it can (the initial weights' loss needs no memory
+        # management); a pipeline's schedule is built once, with its guards, by its first
+        # forward.
+        if guard_maker is not None and engine.guards_before_first_forward:
+            engine.attach_guards(guard_maker)
+        val_loss_init = engine.evaluate(val_batches) if start == 0 else None
+        if guard_maker is not None and not engine.guards_before_first_forward:
+            engine.attach_guards(guard_maker)
+        for module in engine.modules:
+            module.train()
+        records: list[dict[str, Any]] = []
+        reporter = None if quiet else stack.enter_context(_reporter(console, train_cfg.steps))
+
+        def draw_step() -> list:
+            return [family.draw(corpus, "train", train_cfg.batch_size, seq_len, train_gen)
+                    for _ in range(train_cfg.micro_batches)]
 
         def finish(record: dict[str, Any]) -> None:
             """Keep, log, print and checkpoint a finished (or dropped) step."""
@@ -185,106 +210,42 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
                 reporter.line(step_line(record, train_cfg.steps))
                 reporter.advance()
             if checkpoint is not None:
-                checkpoint.after_step(record["step"], model, optimizer, train_gen,
+                checkpoint.after_step(record["step"], engine.state_module,
+                                      engine.checkpoint_optimizers, train_gen,
                                       last=record["step"] == train_cfg.steps)
 
         for step in range(start + 1, train_cfg.steps + 1):
             if step in skip_steps:
-                _skip_step(train_cfg, corpus, train_gen, seq_len)
+                draw_step()   # later steps see the data they would have
                 finish({"step": step, "skipped": True, "tokens": 0, "step_time_s": 0.0})
                 continue
-            if parallel is not None:
-                parallel.before_step(step)
+            if before_step is not None:
+                before_step(step)
             for observer in observers:
                 observer.before_step(step)
-            record = _train_step(model, optimizer, train_cfg, corpus, train_gen, seq_len, guard,
-                                 parallel)
-            record = {"step": step, **record}
+            # Drawn before the step, so that a re-run of the step (the guard's safety
+            # net) sees the same data and produces bitwise the same gradients.
+            batches = draw_step()
+            start_s = time.perf_counter()
+            out = engine.step(batches)
+            step_time_s = time.perf_counter() - start_s
+            tokens = engine.tokens_per_step(
+                len(batches) * train_cfg.batch_size * (seq_len + family.token_offset))
+            record = {"step": step, **out, "tokens": tokens, "step_time_s": step_time_s,
+                      "tokens_per_s": tokens / step_time_s}
             if step == 1 and val_loss_init is not None:
                 record["val_loss_init"] = val_loss_init
             if step % train_cfg.eval_every == 0 or step == train_cfg.steps:
-                record["val_loss"] = evaluate(model, val_batches)
-            if guard is not None and getattr(guard, "history", None):
+                record["val_loss"] = engine.evaluate(val_batches)
+            for guard in engine.guards[:1]:
                 # The loop's own keys win a name clash: "step" must stay the loop's count.
-                for key, value in dict(guard.history[-1]).items():
+                for key, value in dict(guard.history[-1]).items() if guard.history else ():
                     record.setdefault(key, value)
             for observer in observers:
                 observer.after_step(step, record)
-            if parallel is not None:
-                record.update(parallel.summarize(record, record.pop("_received_per_layer")))
-            else:
-                record.pop("_received_per_layer")
+            record.update(engine.summarize(record, step))
             finish(record)
     return records
-
-
-def _skip_step(cfg: TrainConfig, corpus: Corpus, generator: torch.Generator, seq_len: int) -> None:
-    """Draw the dropped step's micro-batches, so later steps see the data they would have."""
-    for _ in range(cfg.micro_batches):
-        corpus.get_batch("train", cfg.batch_size, seq_len, generator)
-
-
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-                corpus: Corpus, generator: torch.Generator, seq_len: int,
-                guard: Any, parallel: Any = None) -> dict[str, Any]:
-    """One optimizer step over cfg.micro_batches micro-batches (gradient accumulation)."""
-    moe_blocks = model.moe_blocks()
-    imbalance_per_layer = [1.0] * len(moe_blocks)
-    received_per_layer = [0] * len(moe_blocks)  # routed copies this process's experts got
-    scale = parallel.loss_scale if parallel is not None else 1.0
-    start_s = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    # Drawn before the step, so that a re-run of the step (the guard's safety net) sees the
-    # same data and produces bitwise the same gradients.
-    batches = [corpus.get_batch("train", cfg.batch_size, seq_len, generator)
-               for _ in range(cfg.micro_batches)]
-
-    def micro_batches() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        loss_sum, ce_sum, aux_sum = torch.zeros(()), torch.zeros(()), torch.zeros(())
-        for i in range(len(moe_blocks)):
-            imbalance_per_layer[i], received_per_layer[i] = 1.0, 0
-        for idx_BT, targets_BT in batches:
-            out = model(idx_BT, targets_BT)
-            # Divide before backward so accumulated gradients equal the mean over
-            # micro-batches, i.e. the gradient of one big batch.
-            (out.loss / cfg.micro_batches * scale).backward()
-            loss_sum += out.loss.detach()
-            ce_sum += out.ce_loss.detach()
-            aux_sum += out.aux_loss.detach()
-            # A spike is a property of one micro-batch (that is what memory sees), so a
-            # layer's imbalance for the step is its worst micro-batch, not the step's sum.
-            for i, block in enumerate(moe_blocks):
-                imbalance_per_layer[i] = max(imbalance_per_layer[i],
-                                             expert_imbalance(block.last_tokens_per_expert))
-                received_per_layer[i] = max(received_per_layer[i],
-                                            sum(block.last_tokens_per_expert))
-        return loss_sum, ce_sum, aux_sum
-
-    if guard is None:
-        loss_sum, ce_sum, aux_sum = micro_batches()
-    elif hasattr(guard, "run_step"):
-        loss_sum, ce_sum, aux_sum = guard.run_step(micro_batches)
-    else:
-        with guard.step():
-            loss_sum, ce_sum, aux_sum = micro_batches()
-    if parallel is not None:
-        parallel.after_backward(model)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    optimizer.step()
-    step_time_s = time.perf_counter() - start_s
-    num_tokens = cfg.micro_batches * cfg.batch_size * seq_len
-    return {
-        "loss": loss_sum.item() / cfg.micro_batches,
-        "ce_loss": ce_sum.item() / cfg.micro_batches,
-        "aux_loss": aux_sum.item() / cfg.micro_batches,
-        "grad_norm": grad_norm.item(),
-        "tokens": num_tokens,
-        "step_time_s": step_time_s,
-        "tokens_per_s": num_tokens / step_time_s,
-        "imbalance": max(imbalance_per_layer, default=1.0),
-        "imbalance_per_layer": imbalance_per_layer,
-        "_received_per_layer": received_per_layer,
-    }
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
     sys.meta_path.insert(0, Refuse())
     import torch
     import spikeguard
-    import spikeguard.integrations.hf_blocks, spikeguard.train.hf_train
+    import spikeguard.integrations.hf_blocks, spikeguard.train.run, spikeguard.train.hf_probe
     from spikeguard.model import build_model, model_config
     model = build_model(model_config("tiny"))
     guard = spikeguard.attach(model, budget="64MiB", policy="adaptive")

@@ -20,7 +20,6 @@ SPIKE = ["--nproc", "2", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike
 @pytest.mark.parametrize("extra,match", [
     (["--nproc", "3"], "divide the number of experts"),
     (["--nproc", "4", "--ep", "3"], "divide the number of processes"),
-    (["--nproc", "4", "--ep", "2"], "data parallelism"),
     (["--nproc", "0"], "positive"),
     (["--skew", "production"], "expert parallelism"),
     (["--nproc", "2", "--skew", "production", "--spike-max", "3"], "spike"),

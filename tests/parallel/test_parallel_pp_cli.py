@@ -26,9 +26,8 @@ TINY = ["train", "--preset", "tiny", "--num-layers", "4", "--num-experts", "8", 
     (["--nproc", "4", "--pp", "2", "--schedule", "interleaved", "--num-layers", "2"],
      "4 pipeline stages must divide the 2 layers"),
     (["--nproc", "4", "--pp", "2", "--ep", "2", "--num-experts", "7"], "number of experts"),
-    (["--nproc", "2", "--pp", "0"], "2 or more"),
+    (["--nproc", "2", "--pp", "0"], "--pp must be a positive integer"),
     (["--nproc", "2", "--pp", "2", "--skew", "production"], "expert parallelism"),
-    (["--nproc", "2", "--pp", "2", "--budget", "auto"], "not available with --pp"),
 ])
 def test_bad_pipeline_layouts_exit_2_before_any_process_starts(extra, match, capsys,
                                                                 monkeypatch):

@@ -1,0 +1,305 @@
+"""What one process holds of the model and how it runs a step: the loop's one seam to the
+layout (spikeguard.train.loop runs every layout through it).
+
+    engine = LocalEngine(model, family, groups)      # one process, EP, DP, DP x EP
+    engine = PipelineEngine(prank, family)            # PP, PP x EP, PP x DP (x EP)
+    engine.attach_guards(lambda module, optimizer: spikeguard.attach(module, ...))
+    out = engine.step(micro_batches)                  # forward, backward, clip, update
+
+B = sequences per micro-batch, T = tokens per sequence, M = micro-batches per step.
+
+A `family` says how a model of its kind is fed and scored (the built-in model:
+`model(idx, targets)`; a Hugging Face one: `model(input_ids=w, labels=w)`), so the same
+engines serve both. Every engine draws nothing: the loop draws the step's micro-batches
+before the step (a re-run by the guard's safety net sees the same data).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spikeguard.model.dispatch import expert_imbalance
+from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, expert_parameters,
+                                                 parallelize_experts)
+from spikeguard.parallel.summary import RoutingMonitor, ep_summary, pipeline_summary
+
+GuardMaker = Callable[[nn.Module, torch.optim.Optimizer], Any]
+
+
+# ---- model families ---------------------------------------------------------------------
+class BuiltinFamily:
+    """spikeguard's own MoE transformer: a micro-batch is (idx_BT, targets_BT)."""
+
+    name = "builtin"
+    token_offset = 0   # tokens counted per sequence: T
+
+    @staticmethod
+    def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
+        return corpus.get_batch(split, batch_size, seq_len, gen)
+
+    @staticmethod
+    def losses(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = model(*batch)
+        return out.loss, out.ce_loss, out.aux_loss
+
+    @staticmethod
+    def eval_loss(model: nn.Module, batch) -> torch.Tensor:
+        return model(*batch).ce_loss
+
+    @staticmethod
+    def counts(block) -> Optional[list[int]]:
+        return getattr(block, "last_tokens_per_expert", None)
+
+
+class HFFamily:
+    """A transformers causal LM: a micro-batch is one window w_BT of T+1 tokens, fed as
+    input and labels (transformers shifts them); the loss is transformers' own
+    (cross-entropy plus the router's load-balancing term)."""
+
+    name = "hf"
+    token_offset = 1
+
+    @staticmethod
+    def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
+        idx_BT, targets_BT = corpus.get_batch(split, batch_size, seq_len, gen)
+        return (torch.cat([idx_BT, targets_BT[:, -1:]], dim=1),)
+
+    @staticmethod
+    def losses(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss = model(input_ids=batch[0], labels=batch[0]).loss
+        return loss, loss, torch.zeros(())
+
+    @staticmethod
+    def eval_loss(model: nn.Module, batch) -> torch.Tensor:
+        return model(input_ids=batch[0], labels=batch[0]).loss
+
+    @staticmethod
+    def counts(block) -> Optional[list[int]]:
+        return None
+
+
+# ---- one process, or EP / DP / DP x EP without a pipeline -------------------------------
+class LocalEngine:
+    """The whole model on this process (its experts sharded over `groups.ep_group` under
+    EP). Each rank's loss is scaled by 1/world, so that summing gradients gives the whole
+    batch's: replicated ones over every rank, expert ones over the dp replicas (the
+    reverse all-to-all already summed the ep peers' contributions)."""
+
+    eval_micro_batches = 1   # a validation batch is one micro-batch's rows
+    guards_before_first_forward = False
+
+    def __init__(self, model: nn.Module, family, groups=None, *, grad_clip: float = 1.0,
+                 skew_target: Optional[Callable[[int], tuple]] = None):
+        self.model, self.family, self.groups = model, family, groups
+        self.grad_clip, self.skew_target = grad_clip, skew_target
+        world = groups.layout.nproc if groups is not None else 1
+        if groups is not None and groups.ep_group is not None:
+            parallelize_experts(model, groups.ep_group)
+        self.loss_scale = 1.0 / world
+        self.modules = [model]
+        self.optimizers: list = []
+        self.guards: list = []
+        self._blocks = list(model.moe_blocks()) if family.name == "builtin" else []
+
+    @property
+    def state_module(self) -> nn.Module:
+        """What a checkpoint saves of the model on this rank."""
+        return self.model
+
+    @property
+    def checkpoint_optimizers(self):
+        return self.optimizers[0]
+
+    @staticmethod
+    def tokens_per_step(mine: int) -> int:
+        """The tokens a step line reports: this rank's (every rank trains as many)."""
+        return mine
+
+    def build_optimizers(self, make: Callable[[nn.Module], torch.optim.Optimizer]) -> None:
+        self.optimizers = [make(self.model)]
+
+    def attach_guards(self, make: GuardMaker) -> None:
+        self.guards = [make(self.model, self.optimizers[0])]
+
+    def step(self, batches: Sequence[tuple]) -> dict:
+        model, family, M = self.model, self.family, len(batches)
+        n = len(self._blocks)
+        imbalance, received = [1.0] * n, [0] * n
+
+        def micro_batches():
+            sums = torch.zeros(3)
+            imbalance[:], received[:] = [1.0] * n, [0] * n
+            for batch in batches:
+                loss, ce, aux = family.losses(model, batch)
+                # Divided before backward: the accumulated gradients are the mean over
+                # micro-batches (and, scaled by 1/world, over the ranks' shards).
+                (loss / M * self.loss_scale).backward()
+                sums += torch.stack([loss.detach(), ce.detach(), aux.detach()])
+                # A spike is a property of one micro-batch (that is what memory sees): a
+                # layer's imbalance for the step is its worst micro-batch.
+                for i, block in enumerate(self._blocks):
+                    counts = block.last_tokens_per_expert
+                    imbalance[i] = max(imbalance[i], expert_imbalance(counts))
+                    received[i] = max(received[i], int(sum(counts)))
+            return sums
+
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        sums = _guarded(self.guards[0], micro_batches) if self.guards else micro_batches()
+        if self.groups is not None:
+            self._reduce_grads()
+        grad_norm = self._clip()
+        for opt in self.optimizers:
+            opt.step()
+        loss, ce, aux = (sums / M).tolist()
+        out = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "grad_norm": grad_norm}
+        if self._blocks:
+            out.update(imbalance=max(imbalance), imbalance_per_layer=list(imbalance),
+                       _received_per_layer=list(received))
+        elif self.guards:
+            out["imbalance"] = self.guards[0].history[-1].get("max_imbalance", 1.0)
+        return out
+
+    def _reduce_grads(self) -> None:
+        allreduce_replicated_grads(self.model, dist.group.WORLD)
+        if self.groups.dp_group is not None:
+            grads = [p.grad for p in expert_parameters(self.model) if p.grad is not None]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self.groups.dp_group)
+                _unflatten(flat, grads)
+
+    def _clip(self) -> float:
+        """The norm of the whole model's gradient, the same on every rank: replicated
+        parameters once, the sharded experts summed over their ep peers."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_clip = self.grad_clip
+        if self.groups is None or self.groups.ep_group is None:
+            return torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
+        experts = {id(p) for p in expert_parameters(self.model)}
+        replicated = sum((p.grad.float() ** 2).sum() for p in params if id(p) not in experts)
+        sharded = torch.as_tensor(sum((p.grad.float() ** 2).sum() for p in params
+                                      if id(p) in experts), dtype=torch.float32).clone()
+        dist.all_reduce(sharded, group=self.groups.ep_group)
+        norm = (torch.as_tensor(replicated, dtype=torch.float32) + sharded).sqrt()
+        coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(coef)
+        return norm.item()
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[tuple]) -> float:
+        """Mean loss (cross-entropy, without the load-balancing term) over this rank's
+        validation batches."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            losses = [self.family.eval_loss(self.model, b) for b in batches]
+        finally:
+            self.model.train(was_training)
+        return torch.stack(losses).mean().item()
+
+    def summarize(self, record: dict, step: int) -> dict:
+        received = record.pop("_received_per_layer", None)
+        if self.groups is None:
+            return {}
+        target = self.skew_target(step) if self.skew_target is not None else None
+        return ep_summary(record, received or [], target)
+
+    def close(self) -> None:
+        for guard in self.guards:
+            guard.detach()
+        self.guards = []
+
+
+# ---- a pipeline rank -------------------------------------------------------------------
+class PipelineEngine:
+    """One rank of a pipeline (spikeguard.parallel.pipeline_training.PipelineRank): its
+    stage module(s), one optimizer and one guard per module (interleaved: two, each with
+    half the rank's budget), the schedule over the step's M micro-batches."""
+
+    guards_before_first_forward = True   # the schedule is built with its guards, once
+
+    def __init__(self, prank, family, *, grad_clip: float = 1.0):
+        self.prank, self.family, self.grad_clip = prank, family, grad_clip
+        self.modules = list(prank.modules.stages)
+        self.optimizers: list = []
+        self.guards: list = []
+        self.monitor = RoutingMonitor(prank)
+        # A validation batch goes through the schedule whole: M micro-batches' rows.
+        self.eval_micro_batches = prank.micro_batches
+
+    @property
+    def state_module(self) -> nn.Module:
+        return self.prank.modules
+
+    @property
+    def checkpoint_optimizers(self):
+        return self.optimizers
+
+    def tokens_per_step(self, mine: int) -> int:
+        """The cluster's tokens: every data shard trains `mine`."""
+        return mine * self.groups.num_shards
+
+    @property
+    def groups(self):
+        return self.prank.groups
+
+    def build_optimizers(self, make: Callable[[nn.Module], torch.optim.Optimizer]) -> None:
+        self.optimizers = [make(m) for m in self.modules]
+
+    def attach_guards(self, make: GuardMaker) -> None:
+        optimizer_of = {id(m): o for m, o in zip(self.modules, self.optimizers)}
+        self.guards = self.prank.attach_guards(lambda m: make(m, optimizer_of[id(m)]))
+
+    def step(self, batches: Sequence[tuple]) -> dict:
+        idx_BT = torch.cat([b[0] for b in batches])
+        targets_BT = torch.cat([b[1] for b in batches])
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.monitor.begin_step()
+        losses = self.prank.step(idx_BT, targets_BT)
+        grad_norm = self.prank.clip_grad_norm_(self.grad_clip).item()
+        for opt in self.optimizers:
+            opt.step()
+        return {"loss": (sum(x.item() for x in losses) / len(losses)) if losses else None,
+                "grad_norm": grad_norm}
+
+    def evaluate(self, batches: Sequence[tuple]) -> float:
+        """The last stages' mean loss, the same on every rank."""
+        losses = []
+        for idx_BT, targets_BT in batches:
+            losses += [x.item() for x in self.prank.evaluate(idx_BT, targets_BT)]
+        mine = sum(losses) / len(losses) if losses else None
+        everyone: list = [None] * self.groups.layout.nproc
+        dist.all_gather_object(everyone, mine)
+        values = [v for v in everyone if v is not None]
+        return sum(values) / len(values)
+
+    def summarize(self, record: dict, step: int) -> dict:
+        return pipeline_summary(self.prank, self.guards, self.monitor, record)
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.prank.close()
+        self.guards = []
+
+
+def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _guarded(guard, micro_batches):
+    """The step under the guard: its safety net reaches backward (`run_step`); a guard
+    without one (a test's stand-in) opens its forward-only step scope."""
+    if hasattr(guard, "run_step"):
+        return guard.run_step(micro_batches)
+    with guard.step():
+        return micro_batches()

@@ -1,0 +1,382 @@
+"""`spikeguard train`, every layout: check, relaunch under torchrun, build this rank, train.
+
+    code = run_training(RunConfig.from_dict({...}))
+
+Outside torchrun with nproc > 1 the configuration is checked (every mistake is exit 2
+before any process starts) and the command runs again under torchrun, one process per
+rank. Inside, each rank builds what it holds (spikeguard.train.engines: the whole model,
+its experts sharded under EP, or its pipeline stages) and runs the one loop
+(spikeguard.train.loop.run_loop) with every feature of the run: guards (with `--budget
+auto` measured on a calm step first), skew, traces recorded and replayed, checkpoints and
+resume, skipped steps, per-rank logs (`run.jsonl` for rank 0, `run.rank{r}.jsonl`), the
+cluster summary in each record. Rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from spikeguard.errors import UsageError
+from spikeguard.train.config import RunConfig
+
+AUTO_PROBE_SEED = 7919   # the budget probe's micro-batches are drawn apart from the training data
+HF_AUTO_FRACTION = 0.85  # --hf without a budget: this much of the unguarded step's peak
+
+
+def run_training(cfg: RunConfig) -> int:
+    """The whole `train` command for `cfg`; returns the exit code."""
+    from spikeguard.parallel.launch import launch_job, under_torchrun
+
+    check_files(cfg)
+    if cfg.parallel.distributed and not under_torchrun():
+        return launch_job(cfg.parallel.nproc, list(cfg.argv))
+    threads_before = torch.get_num_threads()
+    if cfg.files.threads is not None:
+        torch.set_num_threads(cfg.files.threads)
+    try:
+        return _run_rank(cfg)
+    finally:
+        # The command may run inside a longer-lived process (tests): leave it as found.
+        torch.set_num_threads(threads_before)
+
+
+def rank_log(path: Optional[str], rank: int) -> Optional[str]:
+    """Rank 0 writes `path`; rank r, `stem.rank{r}.ext`."""
+    if path is None or not rank:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}.rank{rank}.{ext}" if dot else f"{path}.rank{rank}"
+
+
+def check_files(cfg: RunConfig) -> None:
+    """What the run reads and writes: every mistake before any process starts."""
+    from spikeguard.train.log import check_log_path
+
+    files = cfg.files
+    if files.log is not None:
+        check_log_path(files.log)
+    if files.checkpoint_dir is not None and Path(files.checkpoint_dir).is_file():
+        raise UsageError(f"--checkpoint-dir {files.checkpoint_dir} is a file")
+    if files.resume and not Path(files.checkpoint_dir).is_dir():
+        raise UsageError(f"cannot resume: --checkpoint-dir {files.checkpoint_dir} does not exist")
+    if files.record_trace is not None:
+        folder = Path(files.record_trace).parent
+        if Path(files.record_trace).is_dir() or not folder.is_dir():
+            raise UsageError(f"--record-trace needs a file in an existing folder, "
+                             f"got {files.record_trace}")
+    if files.trace is not None:
+        _load_trace(cfg)
+
+
+def _load_trace(cfg: RunConfig):
+    from spikeguard.routing.trace import load_trace
+
+    model = cfg.model.builtin
+    trace = load_trace(cfg.files.trace)
+    trace.check_matches(steps=cfg.train.steps, num_layers=model.num_layers,
+                        num_experts=model.num_experts, top_k=model.top_k, ep=cfg.layout.ep,
+                        micro_batches=cfg.train.micro_batches,
+                        tokens_per_micro_batch=cfg.tokens_per_micro_batch)
+    return trace
+
+
+def _run_rank(cfg: RunConfig) -> int:
+    from spikeguard.parallel.launch import init_worker
+
+    worker = init_worker() if cfg.parallel.distributed else None
+    if worker is not None and worker.world_size != cfg.parallel.nproc:
+        # Started by torchrun by hand (several nodes): the world is torchrun's.
+        cfg = cfg.with_world(worker.world_size)
+    run = RankRun(cfg, worker.rank if worker is not None else 0)
+    try:
+        code = run.train()
+    except BaseException:
+        # Nothing that talks to the peers, which may be blocked in a collective; torchrun
+        # stops them once this rank exits with its error.
+        run.close(clean=False)
+        raise
+    run.close(clean=True)
+    del run
+    if worker is not None:
+        # The group's threads end only once nothing refers to it (models do through
+        # their dispatchers): drop, destroy, collect while the interpreter is whole.
+        dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()
+    return code
+
+
+class RankRun:
+    """Everything one rank holds for the run."""
+
+    def __init__(self, cfg: RunConfig, rank: int):
+        from spikeguard.data.corpus import load_corpus
+
+        self.cfg, self.rank = cfg, rank
+        self.console = Console(quiet=rank != 0)
+        self.corpus = load_corpus(cfg.files.data)
+        self.groups = self._groups()
+        self.family, model, self.seq_len = self._model()
+        self.corpus.check_seq_len(self.seq_len)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.engine = self._engine(model)
+        self.injector = self._injector()
+        self.observers: list = []
+
+    # ---- building ---------------------------------------------------------------------
+    def _groups(self):
+        if not self.cfg.parallel.distributed:
+            return None
+        from spikeguard.parallel.mesh import MeshGroups
+        return MeshGroups.build(self.cfg.layout)
+
+    def _model(self):
+        from spikeguard.train.engines import BuiltinFamily, HFFamily
+
+        cfg = self.cfg
+        if cfg.model.hf is None:
+            from spikeguard.model.transformer import build_model
+            model_cfg = cfg.model.builtin
+            return BuiltinFamily, build_model(model_cfg, seed=cfg.train.seed), model_cfg.seq_len
+        from spikeguard.integrations.hf_models import HFSizes, build_hf_model
+
+        self.hf_sizes = HFSizes(**cfg.model.overrides)
+        return HFFamily, build_hf_model(cfg.model.hf, self.hf_sizes, seed=cfg.train.seed), \
+            self.hf_sizes.seq_len
+
+    def _engine(self, model):
+        from spikeguard.train.engines import LocalEngine, PipelineEngine
+
+        cfg = self.cfg
+        if cfg.layout.pp == 1:
+            target = None
+            if cfg.skew_config is not None:
+                from spikeguard.routing.skew import SkewSchedule
+                target = SkewSchedule(cfg.skew_config, cfg.layout.ep).draw
+            return LocalEngine(model, self.family, self.groups, grad_clip=cfg.train.grad_clip,
+                               skew_target=target)
+        from spikeguard.parallel.pipeline_training import PipelineRank
+
+        prank = PipelineRank(model, self.groups, micro_batches=cfg.train.micro_batches,
+                             batch_size=cfg.train.batch_size, schedule=cfg.parallel.schedule)
+        return PipelineEngine(prank, self.family, grad_clip=cfg.train.grad_clip)
+
+    def _injector(self):
+        skew = self.cfg.skew_config
+        if skew is None:
+            return None
+        from spikeguard.routing.skew import SkewInjector, SkewSchedule
+
+        ep = self.cfg.layout.ep
+        injector = SkewInjector(SkewSchedule(skew, ep), ep).attach(self.engine.modules)
+        injector.set_step(0)  # the evaluation before the first step
+        return injector
+
+    def _trace_observers(self) -> list:
+        from spikeguard.routing.trace import TraceRecorder, TraceReplayer, TraceWriter, make_header
+
+        cfg, files = self.cfg, self.cfg.files
+        modules = self.engine.modules
+        ep_rank = self.groups.ep_rank if self.groups is not None else 0
+        observers = []
+        if files.trace is not None:
+            observers.append(TraceReplayer(modules, _load_trace(cfg), rank=ep_rank))
+        if files.record_trace is not None:
+            model_cfg = cfg.model.builtin
+            writer = None
+            if self.rank == 0:
+                skew = cfg.skew_config.to_dict() if cfg.skew_config is not None else None
+                writer = TraceWriter(files.record_trace, make_header(
+                    num_layers=model_cfg.num_layers, num_experts=model_cfg.num_experts,
+                    top_k=model_cfg.top_k, ep=cfg.layout.ep,
+                    micro_batches=cfg.train.micro_batches,
+                    tokens_per_micro_batch=cfg.tokens_per_micro_batch,
+                    preset=cfg.model.preset, seed=cfg.train.seed, skew=skew))
+            # One data-parallel replica's routing (dp 0) is the trace; the whole job sums.
+            dp0 = self.groups is None or self.groups.dp_rank == 0
+            observers.append(TraceRecorder(
+                modules, cfg.train.micro_batches, writer,
+                group=dist.group.WORLD if self.groups is not None else None,
+                num_layers=model_cfg.num_layers, contributes=dp0))
+        return observers
+
+    def _checkpointer(self):
+        files = self.cfg.files
+        if files.checkpoint_dir is None:
+            return None
+        from spikeguard.train.checkpoint import Checkpointer
+        return Checkpointer(files.checkpoint_dir, files.checkpoint_every, rank=self.rank,
+                            resume=files.resume)
+
+    # ---- the guard ----------------------------------------------------------------------
+    def _guard_maker(self):
+        guard_cfg = self.cfg.guard
+        if self.cfg.model.hf is not None and guard_cfg.budget is None:
+            guard_cfg = type(guard_cfg)(budget="auto", policy=guard_cfg.policy or "adaptive",
+                                        shared_policy=guard_cfg.shared_policy)
+        if not guard_cfg.enabled:
+            return None
+        import spikeguard
+        from spikeguard.memory.budget import format_bytes
+
+        budget = [guard_cfg.budget_bytes]
+        per_module = len(self.engine.modules)
+
+        def make(module, optimizer):
+            if guard_cfg.auto and budget[0] is None:
+                budget[0] = self._auto_budget()
+            kwargs: dict[str, Any] = {"optimizer": optimizer,
+                                      "shared_policy": guard_cfg.shared_policy}
+            if budget[0] is not None:
+                # Interleaved: one guard per model chunk (no shared per-rank ledger), so
+                # the rank's budget is split evenly between its chunks.
+                kwargs["budget"] = budget[0] // per_module
+            if guard_cfg.policy is not None:
+                kwargs["policy"] = guard_cfg.policy
+            guard = spikeguard.attach(module, **kwargs)
+            if self.cfg.model.hf is not None:
+                self._say(f"guard: {len(guard.moe_blocks)} MoE blocks "
+                          f"({type(guard.moe_blocks[0]).__name__}), experts call planned as one "
+                          f"region; bytes per routed copy {guard.shape.source}: keep "
+                          f"{guard.shape.save_per_token} B, recompute keeps "
+                          f"{guard.shape.recompute_per_token} B")
+            return guard
+
+        self._say("memory: CPU run, peak / budget are the emulated device's (every live "
+                  "storage, as an allocator counts)" + (
+                      f"; budget {format_bytes(budget[0])}" if budget[0] is not None else "")
+                  + ("; interleaved: each of a rank's 2 chunks has its own guard and half "
+                     "the budget, peak is the larger chunk's" if per_module > 1 else ""))
+        return make
+
+    def _auto_budget(self) -> int:
+        from spikeguard.memory.budget import format_bytes
+        from spikeguard.train.auto_budget import AUTO_MARGIN, auto_budget, calm_peak_bytes
+
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(cfg.train.seed + AUTO_PROBE_SEED + self.rank)
+        batches = [self.family.draw(self.corpus, "train", cfg.train.batch_size, self.seq_len, gen)
+                   for _ in range(cfg.train.micro_batches)]
+        held = ""
+        if self.injector is not None:
+            calm = self.injector.schedule.config.calm_max_ratio
+            self.injector.hold(calm)
+            held = f", routing held at the calm maximum {calm:g}x on rank 0"
+        if cfg.model.hf is not None:
+            from spikeguard.train.hf_probe import measure_unguarded_peak
+            peak = measure_unguarded_peak(self.engine.model, self.engine.optimizers[0], batches)
+            budget = int(HF_AUTO_FRACTION * peak)
+            self._say(f"memory: budget {format_bytes(budget)} = {HF_AUTO_FRACTION} x the "
+                      f"unguarded peak {format_bytes(peak)} (emulated device)")
+            return budget
+        if cfg.layout.pp > 1:
+            peak, static = self._pipeline_probe(batches)
+        else:
+            group = dist.group.WORLD if self.groups is not None else None
+            peak, static = calm_peak_bytes(self.engine.model, self.engine.optimizers[0],
+                                           batches, group=group)
+        budget = auto_budget(peak, static)
+        self._say(f"memory: budget auto = {format_bytes(budget)}: a calm step with everything "
+                  f"saved peaks at {format_bytes(peak)} (worst rank{held}; "
+                  f"{format_bytes(static)} of it parameters, gradients and optimizer state), "
+                  f"plus {AUTO_MARGIN:.0%} of its activations (emulated device)")
+        return budget
+
+    def _pipeline_probe(self, batches) -> tuple[int, int]:
+        """A calm step of a pipeline built for the probe alone (same weights, same layout),
+        thrown away after: the run's schedule is built once, with its own guards."""
+        from spikeguard.train.auto_budget import pipeline_calm_peak_bytes
+        from spikeguard.train.loop import make_optimizer
+
+        probe = self._engine(self._model()[1])
+        try:
+            probe.build_optimizers(lambda m: make_optimizer(m, self.cfg.train))
+            return pipeline_calm_peak_bytes(probe, batches)
+        finally:
+            probe.close()
+            del probe
+            gc.collect()
+
+    # ---- training -----------------------------------------------------------------------
+    def train(self) -> int:
+        from spikeguard.train.log import memory_summary
+        from spikeguard.train.loop import run_loop, summarize
+
+        cfg = self.cfg
+        self._say_model()
+        self.observers = self._trace_observers()
+        records = run_loop(
+            self.engine, cfg.train, self.corpus, seq_len=self.seq_len,
+            guard_maker=self._guard_maker(), log_path=rank_log(cfg.files.log, self.rank),
+            console=self.console, observers=self.observers, checkpoint=self._checkpointer(),
+            skip_steps=cfg.files.skip_steps,
+            shard=self.groups.data_shard if self.groups is not None else 0,
+            quiet=self.rank != 0,
+            before_step=self.injector.set_step if self.injector is not None else None)
+        if self.engine.guards:
+            self._say(memory_summary(records))
+        self._say_done(summarize(records), records)
+        return 0
+
+    def _say_model(self) -> None:
+
+        cfg, train_cfg = self.cfg, self.cfg.train
+        tokens = train_cfg.micro_batches * train_cfg.batch_size * (self.seq_len + self.family.token_offset)
+        if cfg.model.hf is None:
+            m = cfg.model.builtin
+            what = (f"model {cfg.model.preset}: {m.num_layers} layers, {m.num_experts} experts "
+                    f"top-{m.top_k}")
+        else:
+            s, kind = self.hf_sizes, self.engine.model.config.model_type
+            what = (f"model {cfg.model.hf} ({kind}, transformers, random weights): "
+                    f"{s.num_layers} layers, {s.num_experts} experts top-{s.top_k}")
+        self._say(f"{what}, {self.num_params / 1e6:.2f}M params | {train_cfg.steps} steps x "
+                  f"{tokens} tokens | CPU threads {torch.get_num_threads()}")
+        self._say(f"data: {self.corpus.source}")
+        L = cfg.layout
+        if L.pp > 1:
+            self._say(f"pipeline: {L.nproc} ranks = pp {L.pp} x dp {L.dp} x ep {L.ep} (gloo, "
+                      f"{cfg.parallel.schedule}), {train_cfg.micro_batches} micro-batches of "
+                      f"{train_cfg.batch_size} x {self.seq_len} tokens per shard; step lines "
+                      f"are rank 0's, loss the last stage's, peak and spike the cluster's")
+        elif L.nproc > 1:
+            self._say(f"expert parallel: {L.ep} ranks (gloo)"
+                      + (f" x data parallel {L.dp}" if L.dp > 1 else "")
+                      + f", {cfg.model.builtin.num_experts // L.ep} experts each; skew "
+                      f"{cfg.skew.pattern or 'none'}; step lines are rank 0's, rank-imb and "
+                      f"peak are the cluster's")
+
+    def _say_done(self, s: dict, records: list) -> None:
+        from spikeguard.train.log import format_rate
+
+        if not s:
+            self._say(f"done: no step trained ({len(records)} dropped or resumed past)")
+            return
+        seconds = s["train_time_s"]
+
+        def pair(first, last) -> str:
+            return f"{'-' if first is None else f'{first:.3f}'} -> {'-' if last is None else f'{last:.3f}'}"
+
+        self._say(f"done: {s['steps']} steps in {seconds:.{1 if seconds >= 10 else 2}f} s "
+                  f"(training only) | train loss {pair(s['loss_first'], s['loss_last'])} | "
+                  f"val loss {pair(s['val_loss_init'], s['val_loss_final'])} | "
+                  f"{format_rate(s['tokens_per_s'])} tok/s")
+
+    def _say(self, text: str) -> None:
+        if text:
+            self.console.print(text, soft_wrap=True, markup=False, highlight=False)
+
+    def close(self, clean: bool) -> None:
+        for observer in self.observers:
+            observer.detach()
+        if self.injector is not None:
+            self.injector.detach()
+        self.engine.close()
+        self.observers, self.injector, self.engine = [], None, None
+
