@@ -159,14 +159,8 @@ def attach_residency(guard, schedule, stage_index: int, pp_rank: int,
                          f"{pp_rank}: its residency cannot be read")
     residency = Residency(positions(order[pp_rank], stage_index),
                           micro_batch=lambda: guard.ctx.micro_batch,
-                          host_bytes=lambda: _host_bytes_by_layer(guard.engine),
+                          host_bytes=guard.engine.host_bytes_by_layer,
                           device_bytes=lambda mb: guard.ledger.bytes_by(micro_batch=mb),
                           enabled=enabled)
     guard.forecast.residency = residency
     return residency
-
-
-def _host_bytes_by_layer(engine) -> dict:
-    """(micro-batch, layer) -> bytes of it on the host now (offloaded or evicted)."""
-    return {key: sum(stored.num_bytes for stored in stored_list)
-            for key, stored_list in engine._by_layer.items() if stored_list}

@@ -136,7 +136,9 @@ class SkewSchedule:
         # across processes and PYTHONHASHSEED, and neighbouring steps are uncorrelated.
         return random.Random(f"spikeguard.skew:{kind}:{self.config.seed}:{index}")
 
-    def _draw(self, step: int) -> tuple[bool, int, float]:
+    def draw(self, step: int) -> tuple[bool, int, float]:
+        """(spike?, hot rank, max/mean ratio) of `step`: a pure function of the seed and
+        the step, so every rank and a resumed run draw the same."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
         cfg = self.config
@@ -165,11 +167,15 @@ class SkewSchedule:
 
         On calm steps hot_rank is the rank the pattern would use; the injector ignores it.
         """
-        _, hot, ratio = self._draw(step)
+        _, hot, ratio = self.draw(step)
         return hot, ratio
 
     def is_spike(self, step: int) -> bool:
-        return self._draw(step)[0]
+        return self.draw(step)[0]
+
+    # The old name, still read by spikeguard/parallel/training.py (edited on another
+    # branch): remove once that reads `draw`.
+    _draw = draw
 
 
 def rank_ratio(topk_idx_TK: torch.Tensor, num_experts: int, ep_size: int) -> float:
@@ -243,7 +249,7 @@ class SkewInjector:
         return [self._ratios[i] for i in sorted(self._ratios)]
 
     def set_step(self, step: int) -> None:
-        self._target = self.schedule._draw(step)
+        self._target = self.schedule.draw(step)
 
     def hold(self, ratio: float, hot_rank: int = 0) -> None:
         """Steer `hot_rank` to exactly `ratio` until the next set_step (e.g. the calm
