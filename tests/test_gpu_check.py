@@ -41,12 +41,12 @@ def test_cpu_dry_run_passes_and_ends_in_the_one_line():
 
 def test_different_gradients_are_a_fail(monkeypatch, capsys):
     gpu_check = _load()
-    run_experts = Guard._run_experts
+    run_experts = Guard.run_experts
 
     def off_by_a_bit(self, block, dispatched):
         return run_experts(self, block, dispatched) * (1 + 2**-20)
 
-    monkeypatch.setattr(Guard, "_run_experts", off_by_a_bit)
+    monkeypatch.setattr(Guard, "run_experts", off_by_a_bit)
     assert gpu_check.main(["--device", "cpu", "--reps", "1"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("gpu_check: FAIL (bitwise: none: "), last

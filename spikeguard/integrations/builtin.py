@@ -12,6 +12,7 @@ from typing import Optional
 
 from torch import nn
 
+from spikeguard.parallel.agreement import agreement_for
 from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import ExpertShape
@@ -36,11 +37,14 @@ class BuiltinAdapter(BlockAdapter):
         return next((b.dispatcher.group for b in self.blocks
                      if getattr(b.dispatcher, "group", None) is not None), None)
 
+    def agreement(self):
+        return agreement_for(self.group())
+
     def top_k(self) -> int:
         return self.blocks[0].router.top_k
 
     def install(self, block: MoEBlock, guard) -> None:
-        block.expert_runner = guard._run_experts
+        block.expert_runner = guard.run_experts
 
     def uninstall(self, block: MoEBlock) -> None:
         block.expert_runner = None

@@ -90,7 +90,7 @@ class RegionBytes:
                 start = _now(param.device)
                 experts(*args)
                 samples.append(_now(param.device) - start)
-            cost._calibrate_copies(param.device, param.dtype)
+            cost.calibrate_copies(param.device, param.dtype)
         per_stage = statistics.median(samples) / (tokens * top_k) / len(EXPERT_STAGES)
         for stage in EXPERT_STAGES:
             cost.stage_s_per_token[stage] = per_stage

@@ -32,8 +32,9 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from spikeguard.memory.ledger import storage_bytes, storage_key
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
-from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
-from spikeguard.runtime.hooks import _unpack
+from spikeguard.runtime.executor import ALWAYS_SAVED_OPS, release_all
+from spikeguard.runtime.hooks import unpack
+from spikeguard.runtime.offload import prefetch_below
 
 OP = "experts"
 
@@ -72,16 +73,16 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
     def call(hidden_states, top_k_index, top_k_weights):
         return orig_forward(hidden_states, top_k_index, top_k_weights, *more, **rest)
 
-    if not guard._in_forward or not torch.is_grad_enabled():
+    if not guard.in_forward or not torch.is_grad_enabled():
         return call(hidden_states, top_k_index, top_k_weights)
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
     counts = counts_E[: part.num_experts].tolist()
     if guard.in_full_region:
-        guard._record(layer, counts, RegionPlan((Action.RECOMPUTE,)))
+        guard.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
         return call(hidden_states, top_k_index, top_k_weights)
     decision = guard.decide(layer, sum(counts))
     action = region_action(decision.plan)
-    guard._record(layer, counts, RegionPlan((action,)))
+    guard.record_plan(layer, counts, RegionPlan((action,)))
     guard.ctx.op = OP
     inputs = (hidden_states, top_k_index, top_k_weights)
     if action is Action.RECOMPUTE:
@@ -100,11 +101,11 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
     # Where backward is, as the built-in expert path marks it: the experts call's backward
     # starts at its output's gradient and is done at its input's (layer 0's "dispatch" is
     # what tells the guard this micro-batch's backward working set is behind it).
-    guard._mark_backward(out, layer, "experts")
-    guard._mark_backward(hidden_states, layer, "dispatch")
+    guard.position.mark_backward(out, layer, "experts")
+    guard.position.mark_backward(hidden_states, layer, "dispatch")
     if hidden_states.requires_grad and layer > 0:
         # When backward has passed this layer's experts, bring the layer below back.
-        hidden_states.register_hook(functools.partial(_prefetch, guard.engine,
+        hidden_states.register_hook(functools.partial(prefetch_below, guard.engine,
                                                       guard.ctx.micro_batch, layer - 1))
     return out
 
@@ -126,9 +127,9 @@ def _recompute(guard, call, inputs):
     if cached:
         if out.requires_grad:
             # SAC's cache is freed by the region's backward, which starts when this grad arrives.
-            out.register_hook(functools.partial(_release_all, ledger, tuple(cached)))
+            out.register_hook(functools.partial(release_all, ledger, tuple(cached)))
         else:
-            _release_all(ledger, cached, None)
+            release_all(ledger, cached)
     return out
 
 
@@ -145,7 +146,7 @@ def _offload(guard, call, inputs):
 
     try:
         # Innermost hooks win (torch 2.13): the tracker's own pair is shadowed here.
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return call(*inputs)
     finally:
         for t in tagged.values():  # the intermediates die with the call; their addresses get reused
@@ -163,14 +164,3 @@ def tensors_in(value) -> list:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_in(v)]
     return []
-
-
-def _release_all(ledger, keys, grad):
-    for key in keys:
-        ledger.release(key)
-    return None
-
-
-def _prefetch(engine, micro_batch: int, layer: int, grad):
-    engine.prefetch_layer(micro_batch, layer)
-    return None

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
-from spikeguard.errors import DeviceOutOfMemory
 from spikeguard.memory.device import make_device
 
 StorageKey = tuple[object, int]
@@ -56,11 +54,6 @@ class Ledger:
     def __post_init__(self) -> None:
         self.is_cuda = self.device.type == "cuda"
         self.meter = make_device(self.device, self.budget_bytes)
-        # Under expert parallelism a rank must not stop mid-forward (the others would wait
-        # in the next all-to-all): a plan found infeasible is recorded here, and the group
-        # decides together once the forward is done.
-        self.defer_overflow = False
-        self.overflow: Optional[DeviceOutOfMemory] = None
 
     def in_use(self) -> int:
         """Bytes in use on the device now, as its allocator counts them."""

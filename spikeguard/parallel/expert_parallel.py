@@ -44,6 +44,7 @@ from spikeguard.errors import UsageError
 from spikeguard.model.dispatch import Dispatched
 from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing
+from spikeguard.runtime.guard import attached_guard
 
 
 @dataclass
@@ -131,7 +132,7 @@ def parallelize_experts(model: nn.Module, group: dist.ProcessGroup) -> nn.Module
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     if not blocks:
         raise UsageError("no MoE block found in the model (looked for spikeguard MoEBlock)")
-    if getattr(model, "_spikeguard", None) is not None:
+    if attached_guard(model) is not None:
         raise UsageError("parallelize_experts() must come before spikeguard.attach(): the "
                          "guard has already counted the full expert weights")
     ep_size = dist.get_world_size(group)

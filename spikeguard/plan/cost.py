@@ -102,10 +102,12 @@ class CostModel:
                     tensors[stage] = fns[stage](tensors)
                     samples.append(_now(device) - start)
                 self.stage_s_per_token[stage] = statistics.median(samples) / num_routed
-            self._calibrate_copies(device, dtype)
+            self.calibrate_copies(device, dtype)
         self.copies_overlap = device.type == "cuda"
 
-    def _calibrate_copies(self, device: torch.device, dtype: torch.dtype, num_bytes: int = 4 << 20):
+    def calibrate_copies(self, device: torch.device, dtype: torch.dtype, num_bytes: int = 4 << 20):
+        """Seconds per byte of a device-to-host and a host-to-device copy (medians of 3);
+        what an offload or a reload costs, read by every adapter's calibration."""
         src = torch.randn(num_bytes // 4, device=device).to(dtype)
         host = torch.empty(src.shape, dtype=dtype, pin_memory=device.type == "cuda")
         d2h, h2d = [], []

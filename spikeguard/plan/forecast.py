@@ -20,9 +20,26 @@ figures and change nothing; spikeguard.plan.room turns them into the planner's i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 from torch import nn
+
+
+class PipelineResidency(Protocol):
+    """What the forecast and the decision window ask of a pipeline stage's residency
+    (spikeguard.plan.residency.Residency is the one implementation; tests fake it)."""
+
+    def reserve(self, layer: int, whole_micro_batch_bytes: int) -> tuple[int, int]:
+        """(forward bytes, backward bytes) to reserve for the other micro-batches."""
+        ...
+
+    def evictable(self, tracker) -> int:
+        """Bytes of the older resident micro-batches that could go to the host."""
+        ...
+
+    def evict(self, tracker, num_bytes: int) -> int:
+        """Move up to `num_bytes` of them to the host; the bytes freed."""
+        ...
 
 
 @dataclass
@@ -36,11 +53,10 @@ class Forecast:
     # (T*K of them, not this rank's received count), which the catalogue does not model.
     combine_bytes_per_token: float = 0.0
     resident_bytes: int = 0  # reserved for other micro-batches, fixed
-    # Pipeline schedule: `reserve(layer, whole_micro_batch_bytes) -> bytes` for the
-    # micro-batches it will add before the next backward, and then `backward_reserve`, the
-    # bytes they will hold on this stage while this one's backward runs (None outside a
-    # pipeline).
-    residency: Optional[object] = None
+    # Pipeline schedule: `reserve(layer, whole_micro_batch_bytes) -> (forward, backward)`,
+    # the bytes of the micro-batches it will add before the next backward, and those they
+    # will hold on this stage while this one's backward runs (None outside a pipeline).
+    residency: Optional[PipelineResidency] = None
 
     def _micro_batch(self, layer_part_bytes: int, max_routed_seen: float,
                      min_expert_bytes_per_token: int, num_tokens: int) -> tuple[float, float, int]:
@@ -55,9 +71,8 @@ class Forecast:
         """(forward reserve, backward reserve) of the schedule at this decision."""
         if self.residency is None:
             return 0, 0
-        forward = self.residency.reserve(layer, whole_micro_batch_bytes)
-        # Residency.reserve sets its backward figure with the forward one; read at once.
-        return forward, self.residency.backward_reserve
+        forward, backward = self.residency.reserve(layer, whole_micro_batch_bytes)
+        return forward, backward
 
     def still_to_come(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
                       min_expert_bytes_per_token: int, num_tokens: int) -> int:

@@ -34,7 +34,7 @@ the order of F and B actions, which is all that is used here, is right.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 FORWARD_KINDS = ("F",)
 BACKWARD_KINDS = ("B", "I")  # a full backward, or the input half of a split one
@@ -77,6 +77,13 @@ def positions(actions: Sequence, stage_index: int) -> list[SchedulePosition]:
     return out
 
 
+class Reserve(NamedTuple):
+    """What a pipeline stage reserves at one decision, for the other micro-batches."""
+
+    forward_bytes: int    # the forwards the schedule runs here before the next backward
+    backward_bytes: int   # what the others hold while this micro-batch's backward runs
+
+
 @dataclass
 class Residency:
     """The forecast's pipeline hook; `micro_batch()` says which forward the guard is in."""
@@ -89,7 +96,6 @@ class Residency:
     device_bytes: Callable[[int], int] = lambda mb: 0
     enabled: bool = True
     log: list[dict] = field(default_factory=list)
-    backward_reserve: int = 0
     _seen: set = field(default_factory=set)
 
     def begin_step(self) -> None:
@@ -99,18 +105,18 @@ class Residency:
         k = self.micro_batch()
         return self.schedule_positions[k] if 0 <= k < len(self.schedule_positions) else None
 
-    def reserve(self, layer: int, whole_micro_batch_bytes: int) -> int:
-        """Bytes to reserve at this decision for the forwards still to come before the next
-        backward; logs the first consultation of each (micro-batch, layer)."""
+    def reserve(self, layer: int, whole_micro_batch_bytes: int) -> Reserve:
+        """Bytes to reserve at this decision: for the forwards still to come before the
+        next backward, and beside this micro-batch's backward. Changes nothing but the log,
+        which gets the first consultation of each (micro-batch, layer)."""
         pos = self.position()
         if pos is None or not self.enabled:
-            self.backward_reserve = 0
-            return 0
+            return Reserve(0, 0)
         older = set(pos.older)
         reload = max((n for (mb, _), n in self.host_bytes().items() if mb in older), default=0)
         reserved = pos.to_add * whole_micro_batch_bytes + reload
-        self.backward_reserve = (pos.at_backward * whole_micro_batch_bytes
-                                 - sum(self.device_bytes(mb) for mb in older))
+        backward = (pos.at_backward * whole_micro_batch_bytes
+                    - sum(self.device_bytes(mb) for mb in older))
         key = (pos.forward, layer)
         if key not in self._seen:
             self._seen.add(key)
@@ -118,8 +124,8 @@ class Residency:
                              "resident": pos.resident, "to_add": pos.to_add,
                              "at_backward": pos.at_backward, "reserved_bytes": reserved,
                              "older_reload_bytes": reload,
-                             "backward_reserved_bytes": self.backward_reserve})
-        return reserved
+                             "backward_reserved_bytes": backward})
+        return Reserve(reserved, backward)
 
 
     # ---- eviction of resident micro-batches ----------------------------------------
@@ -159,14 +165,8 @@ def attach_residency(guard, schedule, stage_index: int, pp_rank: int,
                          f"{pp_rank}: its residency cannot be read")
     residency = Residency(positions(order[pp_rank], stage_index),
                           micro_batch=lambda: guard.ctx.micro_batch,
-                          host_bytes=lambda: _host_bytes_by_layer(guard.engine),
+                          host_bytes=guard.engine.host_bytes_by_layer,
                           device_bytes=lambda mb: guard.ledger.bytes_by(micro_batch=mb),
                           enabled=enabled)
     guard.forecast.residency = residency
     return residency
-
-
-def _host_bytes_by_layer(engine) -> dict:
-    """(micro-batch, layer) -> bytes of it on the host now (offloaded or evicted)."""
-    return {key: sum(stored.num_bytes for stored in stored_list)
-            for key, stored_list in engine._by_layer.items() if stored_list}

@@ -137,8 +137,8 @@ class SkewSchedule:
         return random.Random(f"spikeguard.skew:{kind}:{self.config.seed}:{index}")
 
     def draw(self, step: int) -> tuple[bool, int, float]:
-        """(is a spike, hot rank, max/mean tokens per rank) of `step`, the same on every
-        rank and every call."""
+        """(spike?, hot rank, max/mean ratio) of `step`: a pure function of the seed and
+        the step, so every rank and a resumed run draw the same."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
         cfg = self.config

@@ -28,6 +28,7 @@ from torch import nn
 
 from spikeguard.errors import UsageError
 from spikeguard.model.router import Routing, TopKRouter, load_balancing_loss
+from spikeguard.runtime.guard import attached_guard
 
 TRACE_FORMAT = "spikeguard-trace"
 TRACE_VERSION = 1
@@ -182,7 +183,7 @@ class MicroBatchCounter:
             self.index += 1
             # A guard's step-level safety net runs the step again from its first
             # micro-batch: the guard's own count says which one this is.
-            guard = getattr(module, "_spikeguard", None)
+            guard = attached_guard(module)
             if guard is not None and guard.micro_batch_index() is not None:
                 self.index = guard.micro_batch_index()
             self.in_forward = True

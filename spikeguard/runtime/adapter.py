@@ -111,6 +111,12 @@ class BlockAdapter:
         """The expert-parallel process group, if the experts are sharded; else None."""
         return None
 
+    def agreement(self):
+        """How the ranks of the expert-parallel group agree on a micro-batch's overflow
+        (spikeguard.runtime.agreement.OverflowAgreement); None where the experts are not
+        sharded: a rank then decides alone."""
+        return None
+
     def top_k(self) -> int:
         raise NotImplementedError
 

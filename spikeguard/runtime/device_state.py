@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spikeguard.errors import UsageError
 from spikeguard.memory import device as device_memory
-from spikeguard.memory.budget import format_bytes
+from spikeguard.memory.budget import format_bytes, parse_bytes
 from spikeguard.plan.layer_room import MICRO_BATCH_CODES
 
 PHASE_IDLE, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER = 0, 1, 2, 3
@@ -60,6 +61,21 @@ def oom_text(place: str, meter, err: BaseException) -> str:
                 f"on a device of {format_bytes(meter.capacity_bytes)}")
     first = (str(err).splitlines() or ["out of memory"])[0]
     return f"{place}: {first}"
+
+
+CUDA_MARGIN_FRACTION = 0.05  # of capacity left to the allocator's fragmentation and NCCL
+
+
+def resolve_budget(budget, device: torch.device) -> int:
+    """The budget in bytes: as given ("24GiB", an int), or on CUDA the device's capacity
+    less a margin; on CPU there is nothing to measure, so one must be given."""
+    if budget is not None:
+        return parse_bytes(budget)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total * (1 - CUDA_MARGIN_FRACTION))
+    raise UsageError("on CPU there is no device memory to measure: give a budget "
+                     "(e.g. budget='512MiB'); the CPU allocator emulates a device of that size")
 
 
 def state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):

@@ -51,6 +51,11 @@ class StepRecorder:
     def begin_attempt(self) -> None:
         self.attempt = Counter()
 
+    def uncount_attempt(self) -> None:
+        """A finished attempt the group refused: its micro-batch and decisions un-counted."""
+        self.micro_batches -= 1
+        self.decisions.subtract(self.attempt)
+
     def end_attempt(self) -> None:
         self.micro_batches += 1
         self.decisions.update(self.attempt)

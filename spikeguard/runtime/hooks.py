@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -68,6 +68,16 @@ class Packed:
             self.stored.release()
 
 
+class Tag(NamedTuple):
+    """What the executor said of one storage: the op that made it, how to keep it, and the
+    serial of the tagging (a freed address reused within a forward gets a new serial, so
+    the offload engine does not hand out the old host copy)."""
+
+    op: str
+    action: Action
+    serial: int
+
+
 @dataclass
 class Context:
     """Where the forward is now: which micro-batch, layer and operator."""
@@ -75,7 +85,8 @@ class Context:
     micro_batch: int = 0
     layer: int = -1
     op: str = "embed"
-    tags: dict[StorageKey, tuple] = field(default_factory=dict)
+    # storage -> (its tag, a weak reference to the tagged tensor)
+    tags: dict[StorageKey, tuple[Tag, weakref.ref]] = field(default_factory=dict)
     serial: int = 0
 
     def tag(self, t: torch.Tensor, op: str, action: Action) -> None:
@@ -84,13 +95,14 @@ class Context:
         The tag holds a weak reference to `t`: once `t` is gone its storage may be freed
         and the address reused by an unrelated tensor, which must not inherit the tag."""
         self.serial += 1
-        self.tags[storage_key(t)] = (op, action, self.serial, weakref.ref(t))
+        self.tags[storage_key(t)] = (Tag(op, action, self.serial), weakref.ref(t))
 
-    def lookup(self, key: StorageKey) -> tuple[str, Action, int]:
-        tag = self.tags.get(key)
-        if tag is None or tag[3]() is None:
-            return (self.op, Action.SAVE, -1)
-        return tag[:3]
+    def lookup(self, key: StorageKey) -> Tag:
+        """The storage's tag while its tensor lives; else kept, attributed to the op now."""
+        found = self.tags.get(key)
+        if found is None or found[1]() is None:
+            return Tag(self.op, Action.SAVE, -1)
+        return found[0]
 
     def untag(self, t: torch.Tensor) -> None:
         self.tags.pop(storage_key(t), None)
@@ -112,19 +124,19 @@ class SavedTensorTracker:
         self.static_keys: set[StorageKey] = set()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
 
     def pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         if key in self.static_keys:
             return t
-        op, action, serial = self.ctx.lookup(key)
-        where = (self.ctx.micro_batch, self.ctx.layer, op)
+        tag = self.ctx.lookup(key)
+        where = (self.ctx.micro_batch, self.ctx.layer, tag.op)
         t = t.detach()
-        if action is Action.OFFLOAD:
+        if tag.action is Action.OFFLOAD:
             packed = Packed(t, key, None)
-            packed.to_host(self.engine.offload(t, where, serial))
+            packed.to_host(self.engine.offload(t, where, tag.serial))
             packed.stored.refs -= 1  # offload() already counted this holder
             return packed
         num_bytes = storage.nbytes()
@@ -177,7 +189,9 @@ class SavedTensorTracker:
             del self.holders[key]
 
 
-def _unpack(packed):
+def unpack(packed):
+    """The unpack hook paired with every pack hook of spikeguard's (this tracker's, or an
+    inner one that hands tensors to the tracker)."""
     return packed.unpack() if isinstance(packed, Packed) else packed
 
 

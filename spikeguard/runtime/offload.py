@@ -74,7 +74,7 @@ class OffloadedStorage:
             host = self.host[: self.num_bytes].view(self.dtype)
             self.reloaded, self.reload_event = self.engine.copy_to_device(
                 host, self.device, self.copy_event)
-            self.engine.ledger.acquire(self._reload_key(), self.num_bytes, self.where)
+            self.engine.ledger.acquire(self.reload_key(), self.num_bytes, self.where)
 
     def view(self, size, stride, offset) -> torch.Tensor:
         self.prefetch()
@@ -83,7 +83,8 @@ class OffloadedStorage:
             self.reloaded.record_stream(torch.cuda.current_stream(self.device))
         return self.reloaded.as_strided(size, stride, offset)
 
-    def _reload_key(self) -> StorageKey:
+    def reload_key(self) -> StorageKey:
+        """The ledger's key of the reloaded copy (it has no storage of its own yet)."""
         return ("reload", id(self))
 
     def release(self) -> None:
@@ -129,6 +130,11 @@ class OffloadEngine:
         stored.refs += 1
         return stored
 
+    def host_bytes_by_layer(self) -> dict[tuple[int, int], int]:
+        """(micro-batch, layer) -> bytes of it on the host now (offloaded or evicted)."""
+        return {key: sum(stored.num_bytes for stored in stored_list)
+                for key, stored_list in self._by_layer.items() if stored_list}
+
     def prefetch_layer(self, micro_batch: int, layer: int) -> None:
         if not self.prefetch_enabled:
             return
@@ -142,7 +148,7 @@ class OffloadEngine:
         if stored in layer_list:
             layer_list.remove(stored)
         if stored.reloaded is not None:
-            self.ledger.release(stored._reload_key())
+            self.ledger.release(stored.reload_key())
             stored.reloaded = None
         self.wait(stored.copy_event)
         self.pool.give_back(stored.host)
@@ -190,3 +196,10 @@ class OffloadEngine:
     def wait(self, event) -> None:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+
+def prefetch_below(engine: OffloadEngine, micro_batch: int, layer: int, grad):
+    """A gradient hook: backward has passed a layer's experts, so the offloaded tensors of
+    the layer below (`layer`) start coming back (a no-op unless prefetch is enabled)."""
+    engine.prefetch_layer(micro_batch, layer)
+    return None

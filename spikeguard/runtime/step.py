@@ -72,9 +72,9 @@ def group_overflow(guards: Sequence, failed: Optional[dict] = None) -> Optional[
 
 def _check_can_open(guards: Sequence) -> None:
     for guard in guards:
-        if guard._step is not None:
+        if guard.recorder is not None:
             raise UsageError("a step of this guard is already open: steps do not nest")
-        if getattr(guard.model, "_spikeguard", None) is not guard:
+        if not guard.attached:
             raise UsageError("this guard is detached: attach a new one to guard a step")
 
 
@@ -120,8 +120,8 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
         log.warning("step %d ran out of memory (%s); re-running it with full recompute",
                     len(guards[0].history), failure)
         for guard in guards:
-            guard._step.restart("step", failure)
-        with opened(guards, recorders=[g._step for g in guards]):
+            guard.recorder.restart("step", failure)
+        with opened(guards, recorders=[g.recorder for g in guards]):
             for guard in guards:
                 guard.full_recompute = True
             try:
@@ -140,7 +140,7 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
             return result
     finally:
         for guard in guards:
-            if guard._step is not None:
+            if guard.recorder is not None:
                 guard.finish_step()
 
 

@@ -118,7 +118,7 @@ def test_run_step_net_reaches_backward(case):
     step(model, [earlier])
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
     guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
-    guard._layer_cannot_fit = lambda layer: False
+    guard.window.layer_cannot_fit = lambda layer: False
     try:
         guard.run_step(lambda: accumulate(later))
         record = guard.history[-1]
@@ -141,16 +141,16 @@ def test_window_marks_where_backward_is(case):
     model, _, peak = case
     guard = spikeguard.attach(model, budget=int(1.05 * peak), policy="adaptive")
     entered = []
-    enter = guard._enter_backward
+    enter = guard.position.enter_backward
 
     def spy(mb, layer, op, grad):
         entered.append((mb, layer, op))
         return enter(mb, layer, op, grad)
 
-    guard._enter_backward = spy
+    guard.position.enter_backward = spy
     try:
         step(model, BATCHES, guard)
-        pending = dict(guard._pending_backward)
+        pending = dict(guard.window.pending_backward)
     finally:
         guard.detach()
     assert pending == {}
@@ -232,7 +232,7 @@ def test_whole_layer_recompute_with_the_kv_cache_on(policy):
     model.config.use_cache = True
     reference = step(model, BATCHES)
     guard = spikeguard.attach(model, budget=HUGE, policy=policy)
-    guard._layer_cannot_fit = lambda layer: True  # adaptive: every layer takes the fallback
+    guard.window.layer_cannot_fit = lambda layer: True  # adaptive: every layer takes the fallback
     try:
         actual = step(model, BATCHES, guard)
         assert guard.history[-1]["decisions"]["recompute"] == 4

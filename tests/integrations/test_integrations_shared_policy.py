@@ -72,7 +72,7 @@ def test_recomputed_shared_modules_bitwise_and_smaller(which, policy):
     kept = {}
     for shared_policy in ("keep", "recompute"):
         guard = spikeguard.attach(model, budget=HUGE, policy=policy, shared_policy=shared_policy)
-        wrapped = list(guard._recomputed_modules)
+        wrapped = list(guard.recomputed_modules)
         try:
             grads, kept[shared_policy] = _run(model, loss_of, batches, guard)
         finally:
@@ -91,7 +91,7 @@ def test_dense_layers_are_found():
     try:
         dense = guard.adapter.dense_layers()
         assert [type(m).__name__ for m in dense] == ["DeepseekV3DecoderLayer"] * 2
-        assert all(m in guard._recomputed_modules for m in dense)
+        assert all(m in guard.recomputed_modules for m in dense)
     finally:
         guard.detach()
 

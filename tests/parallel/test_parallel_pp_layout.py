@@ -56,14 +56,14 @@ def test_residency_reserves_whole_micro_batches_and_logs_once_per_layer():
     r = Residency(positions(_actions("FFFBFBBB"), 0), micro_batch=lambda: current["mb"],
                   host_bytes=lambda: {(0, 1): 300, (0, 0): 100, (5, 0): 999},
                   device_bytes=lambda mb: 1000)
-    assert r.reserve(0, 50) == 100 and r.backward_reserve == 100
+    assert r.reserve(0, 50) == (100, 100)
     r.reserve(0, 50)
     current["mb"] = 2   # mb 0 and 1 resident; mb 0's largest host layer comes back first
-    assert r.reserve(0, 50) == 300
-    assert r.backward_reserve == 50 - 2000  # both older ones are freed before its backward
+    # both older ones are freed before its backward
+    assert r.reserve(0, 50) == (300, 50 - 2000)
     assert [(e["micro_batch"], e["to_add"]) for e in r.log] == [(0, 2), (2, 0)]
     r.enabled = False
-    assert r.reserve(1, 50) == 0 and r.backward_reserve == 0
+    assert r.reserve(1, 50) == (0, 0)
 
 
 class _Tracker:

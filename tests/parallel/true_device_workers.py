@@ -54,7 +54,7 @@ def blind_prevention(guard) -> None:
     guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
     # `decide` replaced whole (where the layer's own peaks are checked and evicted for),
     # not the slopes set to 0: each step without a re-run calibrates them again.
-    guard._layer_cannot_fit = lambda layer: False
+    guard.window.layer_cannot_fit = lambda layer: False
 
 
 def _step_fn(model, data, world_size: int, meter=None):

@@ -16,17 +16,15 @@ from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs
 
 
 class FakeResidency:
-    """Residency.reserve's contract: returns the forward reserve, sets `backward_reserve`."""
+    """Residency.reserve's contract: returns (forward reserve, backward reserve)."""
 
     def __init__(self, forward: int, backward: int):
         self.forward, self.backward = forward, backward
         self.wholes: list[tuple[int, int]] = []
-        self.backward_reserve = -1
 
-    def reserve(self, layer: int, whole_micro_batch_bytes: int) -> int:
+    def reserve(self, layer: int, whole_micro_batch_bytes: int) -> tuple[int, int]:
         self.wholes.append((layer, whole_micro_batch_bytes))
-        self.backward_reserve = self.backward
-        return self.forward
+        return self.forward, self.backward
 
 
 def _forecast(residency=None) -> Forecast:

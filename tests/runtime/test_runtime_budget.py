@@ -91,13 +91,13 @@ def test_adaptive_saves_what_fits_and_plans_the_rest_under_budget(uneven):
     model = build_model(CFG, seed=0)
     guard = spikeguard.attach(model, budget=uneven["budget"], policy="adaptive")
     plans = []   # (step, micro-batch, layer, plan) of every decision
-    record = guard._record
+    record = guard.record_plan
 
     def spy(layer, counts, plan):
         plans.append((len(guard.history), guard.ctx.micro_batch, layer, plan))
         return record(layer, counts, plan)
 
-    guard._record = spy
+    guard.record_plan = spy
     _step(model, SMALL[:2], guard)
     model.zero_grad(set_to_none=True)
     _step(model, [SMALL[2], BIG], guard)
@@ -198,13 +198,13 @@ def _fail_adaptive(budget: int):
     model = build_model(CFG, seed=0)
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
     attempts = []   # was full recompute on, at each forward attempt
-    forward = guard._forward_micro_batch
+    forward = guard.forward_micro_batch
 
     def spy(*args, **kwargs):
-        attempts.append(guard._full_recompute)
+        attempts.append(guard.full_recompute)
         return forward(*args, **kwargs)
 
-    guard._forward_micro_batch = spy
+    guard.forward_micro_batch = spy
     with pytest.raises(spikeguard.BudgetInfeasible) as info:
         _step(model, IMPOSSIBLE_BATCHES, guard)
     return guard, attempts, info.value

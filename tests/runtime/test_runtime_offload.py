@@ -19,7 +19,7 @@ from spikeguard.memory.ledger import Ledger, storage_bytes
 from spikeguard.model import build_model, model_config
 from spikeguard.plan.catalogue import ALL_SAVE, Action
 from spikeguard.plan.planner import Decision
-from spikeguard.runtime.hooks import Context, Packed, SavedTensorTracker, _unpack
+from spikeguard.runtime.hooks import Context, Packed, SavedTensorTracker, unpack
 from spikeguard.runtime.offload import HostPool, OffloadEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +52,7 @@ def test_a_tensor_and_its_views_come_back_bitwise_with_their_layout():
     assert engine.pool.allocated_bytes == storage_bytes(x_ND)
 
     x_ND.zero_()   # what comes back must be the host copy, not the device tensor
-    unpacked = [_unpack(p) for p in packed]
+    unpacked = [unpack(p) for p in packed]
     for got, want, layout in zip(unpacked, expected, layouts):
         assert (got.size(), got.stride(), got.storage_offset()) == layout
         assert torch.equal(got, want)
@@ -68,7 +68,7 @@ def test_a_tensor_and_its_views_come_back_bitwise_with_their_layout():
     tracker.ctx.tag(y_ND, "act", Action.OFFLOAD)
     again = tracker.pack(y_ND)
     assert engine.pool.allocated_bytes == storage_bytes(x_ND)
-    assert torch.equal(_unpack(again), y_ND)
+    assert torch.equal(unpack(again), y_ND)
 
 
 def test_saved_views_offloaded_through_autograd_give_bitwise_gradients():

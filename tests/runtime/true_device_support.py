@@ -60,7 +60,7 @@ def blind_prevention(guard) -> None:
     # `decide` replaced whole, not the layer room's slopes set to 0: each step without a
     # step-level re-run calibrates them again from the device (that would undo the
     # blinding), and `decide` is where the layer's own peaks are checked and evicted for.
-    guard._layer_cannot_fit = lambda layer: False
+    guard.window.layer_cannot_fit = lambda layer: False
 
 
 # ---- the meter ----------------------------------------------------------------------------

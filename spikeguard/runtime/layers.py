@@ -1,0 +1,72 @@
+"""The transformer layers around the MoE blocks: their entry, and whole-layer recompute.
+
+One part of the guard (spikeguard.runtime.guard), which puts `forward` in place of each
+layer's forward. At a layer's entry in a guarded forward it moves the position and tells
+the window (the device's figure there is what the layer's growth is measured from); the
+layer runs whole under a non-reentrant checkpoint when every layer is recomputed (policy
+"full", or the safety net's re-run) or when the window finds it cannot fit even at the
+least plan. The flag `in_full_region` is set inside the checkpointed function, so
+backward's recompute takes the same path as the forward did.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from spikeguard.memory.ledger import Ledger
+from spikeguard.runtime.position import Position, forget_aux_loss
+from spikeguard.runtime.window import DecisionWindow
+
+
+class GuardedLayers:
+    """Entry bookkeeping and whole-layer recompute of the layers holding the MoE blocks."""
+
+    def __init__(self, adapter, blocks: list, position: Position, window: DecisionWindow,
+                 ledger: Ledger, full_recompute: bool):
+        self.adapter = adapter
+        self.blocks = blocks
+        self.position = position
+        self.window = window
+        self.ledger = ledger
+        self.full_recompute = full_recompute   # every layer recomputed whole
+        self.in_full_region = False            # inside a whole-layer checkpoint
+
+    def forward(self, layer, orig_forward, layer_idx, *args, **kwargs):
+        """In place of `layer.forward` (bound with functools.partial by the guard)."""
+        if not self.position.in_forward:
+            return self._body(layer, orig_forward, layer_idx, args, kwargs)
+        self.position.enter_layer(layer_idx)
+        self.window.enter_layer(self.ledger.in_use())
+        if layer_idx == 0 and args and torch.is_tensor(args[0]) and args[0].requires_grad:
+            # When backward reaches the first layer's input, the micro-batch's backward
+            # through every guarded layer is done (recomputed whole or not).
+            args[0].register_hook(functools.partial(self.window.backward_done,
+                                                    self.position.ctx.micro_batch))
+        out = self._body(layer, orig_forward, layer_idx, args, kwargs)
+        self.position.mark_backward(out, layer_idx, "combine")
+        return out
+
+    def _body(self, layer, orig_forward, layer_idx, args, kwargs):
+        if torch.is_grad_enabled() and (self.full_recompute or (
+                self.position.in_forward and self.window.layer_cannot_fit(layer_idx))):
+            kwargs = self.adapter.recompute_kwargs(layer, kwargs)
+            return checkpoint(functools.partial(self._full_region, orig_forward, layer_idx), *args,
+                              use_reentrant=False, **kwargs,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                           self.adapter.layer_policy))
+        return orig_forward(*args, **kwargs)
+
+    def _full_region(self, orig_forward, layer_idx, *args, **kwargs):
+        outer, self.in_full_region = self.in_full_region, True
+        try:
+            return orig_forward(*args, **kwargs)
+        finally:
+            self.in_full_region = outer
+            if not self.position.in_forward and torch.is_grad_enabled():
+                # Backward's recompute of the layer (stopped early by torch's non-reentrant
+                # checkpoint, so no forward hook of the block runs): the block's aux loss
+                # would keep the recomputed graph alive past backward.
+                forget_aux_loss(self.blocks[layer_idx])
