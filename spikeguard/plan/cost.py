@@ -29,6 +29,13 @@ class CostModel:
     d2h_s_per_byte: float = 1e-10
     h2d_s_per_byte: float = 1e-10
     copies_overlap: bool = False
+    # Frozen: timings no longer move the rates (a validation run compares the runtime's
+    # plans with the simulator's, which must rank plans with the same rates throughout).
+    frozen: bool = False
+
+    def freeze(self) -> "CostModel":
+        self.frozen = True
+        return self
 
     @classmethod
     def from_rates(cls, shape: ExpertShape, flop_per_s: float, memory_bytes_per_s: float,
@@ -45,14 +52,14 @@ class CostModel:
 
     def observe(self, stage: str, num_routed: int, seconds: float) -> None:
         """Exponential average of a measured stage time (ignores tiny samples)."""
-        if num_routed < 64 or seconds <= 0:
+        if self.frozen or num_routed < 64 or seconds <= 0:
             return
         old = self.stage_s_per_token[stage]
         self.stage_s_per_token[stage] = (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds / num_routed
 
     def observe_copy(self, direction: str, num_bytes: int, seconds: float) -> None:
         """Exponential average of a measured host copy (ignores copies under 64 KiB)."""
-        if num_bytes < (64 << 10) or seconds <= 0:
+        if self.frozen or num_bytes < (64 << 10) or seconds <= 0:
             return
         name = "d2h_s_per_byte" if direction == "d2h" else "h2d_s_per_byte"
         old = getattr(self, name)

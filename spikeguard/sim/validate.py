@@ -71,6 +71,10 @@ def compare_peaks(steps: int = 3, batch_size: int = 8, micro_batches: int = 2, s
     def run(policy: str, budget: int, record: bool = False):
         model = build_model(cfg, seed=seed)
         guard = spikeguard.attach(model, budget=budget, policy=policy)
+        # The rates calibrated at attach rank every plan of the run: timings measured on
+        # this shared machine mid-run would re-rank them, and the simulator, given the
+        # rates, could not follow (the runtime's plans moved with the machine's load).
+        guard.cost.freeze()
         recorder = None
         if record:
             header = make_header(num_layers=cfg.num_layers, num_experts=cfg.num_experts,

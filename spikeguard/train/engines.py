@@ -50,10 +50,6 @@ class BuiltinFamily:
     def eval_loss(model: nn.Module, batch) -> torch.Tensor:
         return model(*batch).ce_loss
 
-    @staticmethod
-    def counts(block) -> Optional[list[int]]:
-        return getattr(block, "last_tokens_per_expert", None)
-
 
 class HFFamily:
     """A transformers causal LM: a micro-batch is one window w_BT of T+1 tokens, fed as
@@ -76,10 +72,6 @@ class HFFamily:
     @staticmethod
     def eval_loss(model: nn.Module, batch) -> torch.Tensor:
         return model(input_ids=batch[0], labels=batch[0]).loss
-
-    @staticmethod
-    def counts(block) -> Optional[list[int]]:
-        return None
 
 
 # ---- one process, or EP / DP / DP x EP without a pipeline -------------------------------
