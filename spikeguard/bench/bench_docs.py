@@ -3,7 +3,8 @@ written from a bench report so they never drift from what was measured: `spikegu
 ... --docs docs/bench.md` regenerates its page whole. Each page links the other bench
 pages beside it. A page can be written again from its report, without re-running it:
 
-    .venv/bin/python -m spikeguard.bench.bench_docs docs/bench.json docs/bench.md --plots docs/img/bench
+    .venv/bin/python -m spikeguard.bench.bench_docs docs/bench.json docs/bench.md \
+        --plots docs/img/bench
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def _model_text(w: dict) -> str:
     return f"the built-in `{w['preset']}` model" + (f" ({', '.join(sizes)})" if sizes else "")
 
 
+def _shard_text(w: dict) -> str:
+    """Who draws its own batch: an EP rank, or under a pipeline one chain of its stages."""
+    pp = w.get("pp", 1)
+    if pp == 1:
+        return "rank"
+    return f"data shard (one per (dp, ep) coordinate, through its {pp} stages)"
+
+
 def _siblings(docs_dir: Path, own: str) -> list[str]:
     """The other bench pages in the same folder (bench.md, bench_pp.md, ...)."""
     return sorted(p.name for p in Path(docs_dir).glob("bench*.md") if p.name != own)
@@ -67,7 +76,7 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         "",
         f"Workload: {_model_text(w)}, {layout_text(w)} "
         f"(torchrun, gloo), {w['steps']} steps of {w['micro_batches']} x {w['batch_size']} "
-        f"sequences per {'pipeline' if w.get('pp', 1) > 1 else 'rank'}, routing skew `{w['pattern'] or 'from the given trace'}`; "
+        f"sequences per {_shard_text(w)}, routing skew `{w['pattern'] or 'from the given trace'}`; "
         f"spike steps in the trace: {w['spike_steps'] or 'none'}. Every policy replays the "
         f"same routing trace, so every policy sees exactly the same loads. Policies take "
         f"turns every {w['steps'] // w['segments']} steps ({w['segments']} segments), "
