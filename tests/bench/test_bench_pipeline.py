@@ -4,7 +4,8 @@ checkpoints), and a bad layout refused in one line, exit 2, before any process s
 
     .venv/bin/python -m pytest tests/bench/test_bench_pipeline.py -q
 
-The real run is 6 jobs of 4 processes each (about 65 s on 2 CPU cores).
+The real run is 6 jobs of 4 processes each: about 60 s on 2 idle CPU cores, 190 s on
+2 cores shared with other jobs (hence the generous timeouts).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from spikeguard import cli
 from spikeguard.bench.runner import read_log
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 TINY_PIPELINE = ["--preset", "tiny", "--num-layers", "4", "--num-experts", "8",
                  "--pp", "2", "--ep", "2"]
@@ -47,7 +48,7 @@ def test_a_short_real_pipeline_bench(tmp_path):
          "--segments", "1", "--checkpoint-every", "1", "--pattern", "one-hot-rank",
          "--spike-prob", "0.5", "--spike-max", "2", "--policies", ",".join(policies),
          "--work", str(work), "--json", str(out)],
-        capture_output=True, text=True, timeout=280)
+        capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     w = report["workload"]
