@@ -1,4 +1,5 @@
-"""Throughput per run: bars against the ceiling, effective (crash-discounted) beside them (spikeguard.bench.plots)."""
+"""Throughput per run (spikeguard.bench.plots): bars against the ceiling, and the effective
+(crash-discounted) figure beside them."""
 
 from __future__ import annotations
 
