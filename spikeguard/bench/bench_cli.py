@@ -39,10 +39,18 @@ def add_parser(commands) -> None:
                                               "side by side (crashes and restarts included)")
     work = bench.add_argument_group("workload")
     work.add_argument("--preset", default="small", help="model preset (default small)")
-    work.add_argument("--ep", type=int, default=2, help="expert-parallel processes (default 2)")
+    work.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
+    work.add_argument("--pp", type=int, default=1,
+                      help="pipeline stages (default 1: none); processes = pp x ep x dp")
+    work.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    work.add_argument("--schedule", default="1f1b", choices=("1f1b", "interleaved"),
+                      help="pipeline schedule (default 1f1b)")
+    work.add_argument("--num-layers", type=int, default=None, help="override the preset's")
+    work.add_argument("--num-experts", type=int, default=None, help="override the preset's")
     work.add_argument("--steps", type=int, default=200)
     work.add_argument("--batch-size", type=int, default=8)
-    work.add_argument("--micro-batches", type=int, default=1)
+    work.add_argument("--micro-batches", type=int, default=None,
+                      help="per optimizer step (default 1; with --pp, --pp)")
     work.add_argument("--seed", type=int, default=0)
     work.add_argument("--pattern", default="production", choices=PATTERNS,
                       help="routing skew (default production: 2.9%% spike steps)")
@@ -78,12 +86,30 @@ def _positive(name: str, value) -> None:
         raise UsageError(f"--{name} must be positive, got {value}")
 
 
-def _validate(args) -> list[str]:
-    from spikeguard.model.config import PRESETS
+def _run_config(args):
+    """The measurement pass's RunConfig: spikeguard.train.config checks the model, the
+    layout (pp x ep x dp processes, layers per stage, experts per rank, micro-batches per
+    stage) and the skew exactly as `train` will, before any process starts."""
+    from spikeguard.train.config import RunConfig
 
-    if args.preset not in PRESETS:
-        raise UsageError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("ep", "steps", "batch_size", "micro_batches", "segments", "checkpoint_every"):
+    model = {"preset": args.preset, **{k: getattr(args, k) for k in ("num_layers", "num_experts")
+                                        if getattr(args, k) is not None}}
+    train = {"steps": args.steps, "batch_size": args.batch_size, "seed": args.seed}
+    if args.micro_batches is not None:
+        train["micro_batches"] = args.micro_batches
+    skew = {} if args.trace is not None else {
+        "pattern": args.pattern, "seed": args.skew_seed, "spike_prob": args.spike_prob,
+        "spike_max": args.spike_max}
+    return RunConfig.from_dict({
+        "model": model, "train": train, "skew": skew,
+        "parallel": {"nproc": args.pp * args.ep * args.dp, "pp": args.pp, "ep": args.ep,
+                     "schedule": args.schedule},
+        "guard": {"policy": "none", "budget": NO_LIMIT},
+        "files": {"trace": args.trace, "checkpoint_every": args.checkpoint_every}})
+
+
+def _validate(args) -> list[str]:
+    for name in ("ep", "pp", "dp", "steps", "batch_size", "segments", "checkpoint_every"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.ep < 2:
         raise UsageError("--ep must be at least 2: spikes are one rank receiving more than its share")
@@ -99,6 +125,9 @@ def _validate(args) -> list[str]:
     if args.budget != "auto":
         from spikeguard.memory.budget import parse_bytes
         args.budget_bytes = parse_bytes(args.budget)
+    cfg = _run_config(args)
+    args.micro_batches = cfg.train.micro_batches   # what the schedule needs, resolved
+    args.nproc = cfg.layout.nproc
     for flag, path in (("--json", args.json), ("--docs", args.docs)):
         if path is not None and (Path(path).is_dir() or not Path(path).parent.is_dir()):
             raise UsageError(f"{flag} needs a file in an existing folder, got {path}")
@@ -114,7 +143,12 @@ def _validate(args) -> list[str]:
 
 def _workload(args) -> list[str]:
     """The `train` arguments every job of the bench shares (model, layout, data)."""
-    return ["--preset", args.preset, "--nproc", str(args.ep), "--batch-size", str(args.batch_size),
+    model = [a for k in ("num_layers", "num_experts") if getattr(args, k) is not None
+             for a in ("--" + k.replace("_", "-"), str(getattr(args, k)))]
+    layout = ["--nproc", str(args.nproc), "--ep", str(args.ep)]
+    if args.pp > 1:
+        layout += ["--pp", str(args.pp), "--schedule", args.schedule]
+    return ["--preset", args.preset, *model, *layout, "--batch-size", str(args.batch_size),
             "--micro-batches", str(args.micro_batches), "--seed", str(args.seed),
             "--threads", "1", "--eval-every", str(args.steps), "--eval-batches", "1"]
 
@@ -140,10 +174,22 @@ def _measure(args, work: Path, echo) -> tuple[Path, list[dict]]:
             extra += ["--spike-prob", str(args.spike_prob)]
         extra += ["--spike-max", str(args.spike_max if args.spike_max is not None
                                      else min(2.6, float(args.ep)))]
-    job = JobRunner(base, work, args.ep, echo).run("measure", extra, 1, args.steps, "measure")
+    job = JobRunner(base, work, args.nproc, echo).run("measure", extra, 1, args.steps, "measure")
     if job.crashed_step is not None:
         raise UsageError("the measurement pass ran out of a 1 TiB budget")
-    return trace, job.records
+    return trace, _mark_spikes(job.records, trace)
+
+
+def _mark_spikes(records: list[dict], trace: Path) -> list[dict]:
+    """Every step's `skew_spike` from the trace's own loads (a pipeline's step record has
+    no injector target), where the measurement pass's record did not say."""
+    if all("skew_spike" in r for r in records):
+        return records
+    from spikeguard.routing.trace import load_trace
+
+    loaded = load_trace(trace)
+    return [r if "skew_spike" in r else {**r, "skew_spike": loaded.rank_ratio(r["step"])[1]}
+            for r in records]
 
 
 def _budget_from(records: list[dict]) -> tuple[int, int, int]:
@@ -156,6 +202,12 @@ def _budget_from(records: list[dict]) -> tuple[int, int, int]:
     peak = max(r["max_peak_bytes"] for r in calm)
     static = max(r["static_bytes"] for r in calm)
     return auto_budget(peak, static), peak, static
+
+
+def _layout_text(args) -> str:
+    parts = [f"PP={args.pp}"] if args.pp > 1 else []
+    parts += [f"DP={args.dp}"] if args.dp > 1 else []
+    return " x ".join(parts + [f"EP={args.ep}"]) + f" ({args.nproc} processes)"
 
 
 def _segments(steps: int, count: int) -> list[tuple[int, int]]:
@@ -180,7 +232,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="spikeguard-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    echo(f"bench: {args.preset}, EP={args.ep} processes, {args.steps} steps, work in {work}")
+    echo(f"bench: {args.preset}, {_layout_text(args)}, {args.steps} steps, work in {work}")
     echo("measurement pass (everything saved, no limit; records the routing trace):")
     trace, measured = _measure(args, work, echo)
     spikes = [r["step"] for r in measured if r.get("skew_spike")]
@@ -193,7 +245,7 @@ def run_bench(args: argparse.Namespace) -> int:
         budget, how = args.budget_bytes, "given"
     echo(f"budget {format_bytes(budget)} per rank ({how}); spike steps in the trace: {spikes}")
     segments = _segments(args.steps, args.segments)
-    runner = JobRunner(_common(args, trace), work, args.ep, echo)
+    runner = JobRunner(_common(args, trace), work, args.nproc, echo)
     runs = {p: PolicyRun(p) for p in policies}
     for i, (first, last) in enumerate(segments):
         echo(f"segment {i + 1}/{len(segments)}: steps {first}-{last}")
@@ -218,7 +270,8 @@ def run_bench(args: argparse.Namespace) -> int:
     plot_files = _plots(args, runs, figures, measured, echo)
     if args.docs:
         from spikeguard.bench.bench_docs import page
-        _write_atomic(Path(args.docs), page(report, plot_files, Path(args.docs).parent))
+        docs = Path(args.docs)
+        _write_atomic(docs, page(report, plot_files, docs.parent, docs.name))
         echo(f"wrote {args.docs}")
     return 0
 
@@ -232,7 +285,10 @@ def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[s
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__,
                     "device": "CPU only: the device is emulated by the CPU allocator (every live storage)"},
-        "workload": {"preset": args.preset, "ep": args.ep, "steps": args.steps,
+        "workload": {"preset": args.preset, "ep": args.ep, "pp": args.pp, "dp": args.dp,
+                     "nproc": args.nproc, "schedule": args.schedule if args.pp > 1 else None,
+                     "num_layers": args.num_layers, "num_experts": args.num_experts,
+                     "steps": args.steps,
                      "batch_size": args.batch_size, "micro_batches": args.micro_batches,
                      "pattern": None if args.trace else args.pattern,
                      "trace": str(trace), "spike_steps": spikes,

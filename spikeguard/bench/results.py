@@ -5,7 +5,8 @@ Definitions (also in docs/bench.md):
                           process start-up, evaluation and checkpoint writes excluded)
   relative_to_ceiling     median over segments of this policy's segment throughput / the
                           ceiling's in the same segment (segments are interleaved, so the
-                          ratio compares runs from the same minutes of the machine)
+                          ratio compares runs from the same minutes of the machine); the
+                          table shows the lowest and highest segment's beside it
   lost_seconds            measured: per crash, the time of the steps the restart re-does
                           (as they first ran) + the crashed job's wall time beyond its
                           completed steps (start-up, the partial step, teardown)
@@ -96,6 +97,12 @@ def policy_figures(run: PolicyRun, budget: int, segments: list[tuple[int, int]],
     }
 
 
+def segment_ratios(f: dict, ceiling: dict) -> list[float]:
+    """Per segment, the policy's throughput over the ceiling's in the same segment."""
+    return [a / b for a, b in zip(f["segment_tokens_per_s"], ceiling["segment_tokens_per_s"])
+            if a and b]
+
+
 def add_ratios(figures: dict[str, dict]) -> None:
     """relative_to_ceiling (median of per-segment ratios) and effective ratios, in place."""
     ceiling = figures.get("ceiling")
@@ -103,8 +110,7 @@ def add_ratios(figures: dict[str, dict]) -> None:
         if ceiling is None:
             f["relative_to_ceiling"] = None
             continue
-        ratios = [a / b for a, b in zip(f["segment_tokens_per_s"], ceiling["segment_tokens_per_s"])
-                  if a and b]
+        ratios = segment_ratios(f, ceiling)
         rel = statistics.median(ratios) if ratios else None
         f["relative_to_ceiling"] = rel
         seconds = f["train_seconds"]

@@ -19,6 +19,15 @@ def _fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
+def _relative(f: dict, ceiling) -> str:
+    """The median ratio to the ceiling, with the lowest and highest segment's (the spread)."""
+    from spikeguard.bench.results import segment_ratios
+
+    text = _fmt(f["relative_to_ceiling"], ".3f")
+    ratios = segment_ratios(f, ceiling) if ceiling is not None and f is not ceiling else []
+    return f"{text} ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else text
+
+
 def table_rows(report: dict) -> list[list[str]]:
     """The comparison as rows of text (the terminal table and the docs page share them)."""
     rows = []
@@ -27,7 +36,7 @@ def table_rows(report: dict) -> list[list[str]]:
         label = f"{name} ({f['is']})" if "is" in f else name
         d = f["decisions"]
         rows.append([
-            label, _fmt(f["tokens_per_s"], ".0f"), _fmt(f["relative_to_ceiling"], ".3f"),
+            label, _fmt(f["tokens_per_s"], ".0f"), _relative(f, report["policies"].get("ceiling")),
             format_bytes(f["peak_bytes"]) if f["peak_bytes"] else "-",
             str(f["overruns"]), str(f["oom_events"]), _fmt(f["lost_seconds"], ".1f"),
             _fmt(f.get("effective_relative_to_ceiling"), ".3f"),

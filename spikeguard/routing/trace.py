@@ -53,6 +53,16 @@ class Trace:
         ep = self.header["ep"]
         return self.counts.reshape(s, m, l, ep, e // ep).sum(axis=-1)
 
+    def rank_ratio(self, step: int) -> tuple[float, bool]:
+        """(the step's max/mean routed copies per EP rank over its micro-batches and layers,
+        whether that is a spike: above the recorded skew's calm maximum, default 1.2x)."""
+        m, l, e = self.counts.shape[1:]
+        ep = self.header["ep"]
+        loads = self.counts[step - 1].reshape(m, l, ep, e // ep).sum(axis=-1)  # [mb, layer, rank]
+        ratio = float((loads.max(axis=-1) / loads.mean(axis=-1)).max())
+        calm = (self.header.get("skew") or {}).get("calm_max_ratio", 1.2)
+        return ratio, ratio > calm
+
     def check_matches(self, steps: Optional[int] = None, **expected: int) -> None:
         """A clear error when this trace was recorded for another model or layout."""
         for key, want in expected.items():
@@ -319,11 +329,7 @@ class TraceReplayer:
         whether that is a spike (above the recorded skew's calm maximum, default 1.2x)."""
         if self.ep < 2:
             return
-        loads = self.trace.rank_loads()[step - 1]           # [micro_batch, layer, rank]
-        ratio = float((loads.max(axis=-1) / loads.mean(axis=-1)).max())
-        calm = (self.trace.header.get("skew") or {}).get("calm_max_ratio", 1.2)
-        record["trace_rank_ratio"] = ratio
-        record["skew_spike"] = ratio > calm
+        record["trace_rank_ratio"], record["skew_spike"] = self.trace.rank_ratio(step)
 
     def set_step(self, step: int) -> None:
         if not 1 <= step <= self.trace.num_steps:

@@ -127,3 +127,19 @@ def test_ratios_are_interleaved_medians_discounted_by_lost_time():
     assert figs["none"]["effective_relative_to_ceiling"] == pytest.approx(0.9 * 10 / 20)
     assert figs["none"]["effective_relative_at_restart_cost"] == pytest.approx(0.9 * 10 / 295)
     assert results.pick_safe_static(figs) is None   # `none` crashed
+
+
+def test_the_table_shows_the_median_ratio_with_its_spread_over_segments():
+    from spikeguard.bench.table import table_rows
+
+    base = {"tokens_per_s": 100.0, "peak_bytes": 0, "overruns": 0, "oom_events": 0,
+            "lost_seconds": 0.0, "decisions": {"save": 0, "recompute": 0, "offload": 0}}
+    figs = {"ceiling": {**base, "segment_tokens_per_s": [100.0, 50.0, 80.0],
+                        "train_seconds": 1.0, "redone_seconds": 0.0, "restart_cost_s": 284.0},
+            "none": {**base, "segment_tokens_per_s": [90.0, 50.0, 60.0], "train_seconds": 1.0,
+                     "redone_seconds": 0.0, "restart_cost_s": 284.0}}
+    results.add_ratios(figs)
+    report = {"order": ["ceiling", "none"], "policies": figs,
+              "workload": {"restart_cost_s": 284.0}}
+    ceiling, none = table_rows(report)
+    assert ceiling[2] == "1.000" and none[2] == "0.900 (0.75-1.00)"
