@@ -64,6 +64,11 @@ class ModelConfig:
 TRAINING_BYTES_PER_PARAM = 4 * 4
 
 
+def _gib(num_bytes: int) -> str:
+    # model/ sits below memory/ (and its format_bytes): the rooms import downwards only
+    return f"{num_bytes / 2**30:.3g} GiB"
+
+
 def host_memory_bytes() -> int:
     """This machine's physical memory (0 where the platform does not say)."""
     import os
@@ -80,17 +85,15 @@ def check_trainable_size(num_params: int, activation_bytes: int = 0,
     optimizer state, plus a lower bound of one micro-batch's activations, exceed this
     machine's memory (the model is built on the host first): a typo such as
     --d-model 10000000 otherwise dies in the allocator a minute in."""
-    from spikeguard.memory.budget import format_bytes
-
     state = num_params * TRAINING_BYTES_PER_PARAM
     have = host_memory_bytes()
     if have and state + activation_bytes > have:
         raise UsageError(f"{what} has {num_params:.3g} parameters: training it needs at least "
-                         f"{format_bytes(state + activation_bytes, round_up=True)} "
-                         f"({format_bytes(state, round_up=True)} of fp32 weights, gradients "
-                         f"and AdamW state, {format_bytes(activation_bytes, round_up=True)} "
+                         f"{_gib(state + activation_bytes)} "
+                         f"({_gib(state)} of fp32 weights, gradients "
+                         f"and AdamW state, {_gib(activation_bytes)} "
                          f"of one micro-batch's activations), more than this machine's "
-                         f"{format_bytes(have)} of memory")
+                         f"{_gib(have)} of memory")
 
 
 def activation_bytes_floor(num_tokens: int, vocab_size: int, d_model: int,
