@@ -21,10 +21,28 @@ from spikeguard.errors import DeviceOutOfMemory, UsageError
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-    """argparse prints usage plus a message; we want the one-line contract of UsageError."""
+    """argparse prints usage plus a message; we want the one-line contract of UsageError.
+    No abbreviations (every command's parser is of this class): `--step` must not quietly
+    mean `--steps`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
+        if message.endswith("expected one argument"):
+            # argparse reads `--budget -1GiB` as two flags
+            message += " (a value that starts with '-' is written --flag=VALUE)"
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spikeguard")
+    except PackageNotFoundError:   # a source tree that was not installed
+        return "unknown"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -37,6 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog="spikeguard",
         description="Keep MoE training under the device memory limit through routing spikes.")
+    parser.add_argument("--version", action="version",
+                        version=f"spikeguard {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(commands)
     add_demo_parser(commands)
@@ -63,11 +83,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.argv = list(sys.argv[1:] if argv is None else argv)
         return args.run(args)
     except UsageError as exc:
-        print(f"spikeguard: error: {_one_line(exc)}", file=sys.stderr)
+        _usage_line(f"spikeguard: error: {_one_line(exc)}")
         return 2
     except DeviceOutOfMemory as exc:
         rank = f" on rank {os.environ['RANK']}" if "RANK" in os.environ else ""
-        print(f"spikeguard: out of memory{rank}: {_one_line(exc)}", file=sys.stderr)
+        _stderr_line(f"spikeguard: out of memory{rank}: {_one_line(exc)}")
         return 3
     except KeyboardInterrupt:
         print("spikeguard: interrupted", file=sys.stderr)
@@ -89,6 +109,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"spikeguard: rank {os.environ.get('RANK', '?')} stopped: another rank of "
               f"the group failed ({_one_line(exc).split('. ')[0]})", file=sys.stderr)
         return 1
+
+
+def _stderr_line(text: str) -> None:
+    """One write per line: print() writes the text and its newline apart, so two ranks'
+    messages sharing the terminal could land on one line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _usage_line(text: str) -> None:
+    """A usage error; in a rank that launch_job started, handed to the launcher, which
+    prints each distinct line once (every rank usually finds the same mistake)."""
+    from spikeguard.parallel.launch import rank_usage_file
+
+    path = rank_usage_file()
+    if path is not None:
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(text + "\n")
+            return
+        except OSError:
+            pass
+    _stderr_line(text)
 
 
 # What gloo and NCCL say in a surviving rank when a peer's process is gone.

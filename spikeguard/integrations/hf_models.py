@@ -54,6 +54,15 @@ class HFSizes:
             raise UsageError(f"d_model {self.d_model} must divide into {self.num_heads} heads, "
                              f"and the heads into {self.num_kv_heads} key/value heads")
 
+    @property
+    def num_params(self) -> int:
+        """About the parameters a model of these sizes has (attention, router, SwiGLU
+        experts, byte embeddings and head), from the shape: to refuse an absurd size before
+        transformers allocates it. Shared experts and dense layers are not counted."""
+        d, f = self.d_model, self.d_expert
+        per_layer = 4 * d * d + d * self.num_experts + self.num_experts * 3 * d * f + 2 * d
+        return 2 * BYTE_VOCAB * d + d + self.num_layers * per_layer
+
 
 def _transformers():
     try:

@@ -9,24 +9,43 @@ from spikeguard.errors import UsageError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+# Beyond any device (an exbibyte): a figure above this is a typo, and float arithmetic on
+# it would overflow or lose the bytes (a budget of 400 nines).
+MAX_BYTES = 2**60
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from an int or a string with an optional unit; positive or UsageError."""
+def parse_bytes(value: int | float | str, what: str = "budget") -> int:
+    """Bytes from an int or a string with an optional unit; positive, finite and at most
+    MAX_BYTES, or UsageError (`what` names the setting in the message)."""
     if isinstance(value, bool):
-        raise UsageError(f"budget must be a byte count, got {value!r}")
+        raise UsageError(f"{what} must be a byte count, got {value!r}")
     if isinstance(value, (int, float)):
-        num_bytes = int(value)
+        amount: float | int = value
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if not match or match.group(2).lower() not in _UNITS:
-            raise UsageError(f"cannot read {value!r} as a byte size (e.g. 24GiB, 500MB, 1048576)")
-        num_bytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            raise UsageError(f"cannot read {what} {value!r} as a byte size "
+                             f"(e.g. 24GiB, 500MB, 1048576)")
+        number, unit = match.group(1), _UNITS[match.group(2).lower()]
+        try:   # an integer stays exact; a float of 400 digits is inf
+            amount = int(number) * unit
+        except ValueError:
+            amount = float(number) * unit
     else:
-        raise UsageError(f"budget must be an int or a string like '24GiB', got {type(value).__name__}")
+        raise UsageError(f"{what} must be an int or a string like '24GiB', "
+                         f"got {type(value).__name__}")
+    if isinstance(amount, float) and not math.isfinite(amount):
+        raise UsageError(f"{what} must be a finite byte size, got {value!r}")
+    if amount <= 0:
+        raise UsageError(f"{what} must be positive, got {value!r}")
+    if amount > MAX_BYTES:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:24]}... ({len(str(value))} characters)"
+        raise UsageError(f"{what} {shown} is beyond any device (more than 2**60 bytes, "
+                         f"1 EiB)")
+    num_bytes = int(amount)
     if num_bytes <= 0:
-        raise UsageError(f"budget must be positive, got {value!r}")
+        raise UsageError(f"{what} must be at least one byte, got {value!r}")
     return num_bytes
 
 

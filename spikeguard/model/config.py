@@ -47,6 +47,61 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def num_params(self) -> int:
+        """Parameters of the built model, counted from the shape (nothing is allocated)."""
+        d, f = self.d_model, self.d_expert
+        per_layer = (4 * d * d                               # qkv, proj
+                     + d * self.num_experts                  # router
+                     + self.num_experts * 3 * d * f          # w13, w2
+                     + self.num_shared_experts * 3 * d * f   # the shared SwiGLU
+                     + 2 * d)                                # norms
+        return (self.vocab_size * d * 2 + self.seq_len * d + d   # embeddings, head, norm
+                + self.num_layers * per_layer)
+
+
+# fp32 parameter, its gradient, and AdamW's two moments
+TRAINING_BYTES_PER_PARAM = 4 * 4
+
+
+def _gib(num_bytes: int) -> str:
+    # model/ sits below memory/ (and its format_bytes): the rooms import downwards only
+    return f"{num_bytes / 2**30:.3g} GiB"
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (0 where the platform does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_trainable_size(num_params: int, activation_bytes: int = 0,
+                         what: str = "the model") -> None:
+    """Refuse, before anything is allocated, a run whose parameters, gradients and
+    optimizer state, plus a lower bound of one micro-batch's activations, exceed this
+    machine's memory (the model is built on the host first): a typo such as
+    --d-model 10000000 otherwise dies in the allocator a minute in."""
+    state = num_params * TRAINING_BYTES_PER_PARAM
+    have = host_memory_bytes()
+    if have and state + activation_bytes > have:
+        raise UsageError(f"{what} has {num_params:.3g} parameters: training it needs at least "
+                         f"{_gib(state + activation_bytes)} "
+                         f"({_gib(state)} of fp32 weights, gradients "
+                         f"and AdamW state, {_gib(activation_bytes)} "
+                         f"of one micro-batch's activations), more than this machine's "
+                         f"{_gib(have)} of memory")
+
+
+def activation_bytes_floor(num_tokens: int, vocab_size: int, d_model: int,
+                           num_layers: int) -> int:
+    """What a micro-batch of `num_tokens` keeps at the least, fp32: its logits and their
+    gradient, and one hidden state per layer."""
+    return num_tokens * 4 * (2 * vocab_size + num_layers * d_model)
+
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(seq_len=32, d_model=32, num_layers=2, num_heads=2, num_experts=4,

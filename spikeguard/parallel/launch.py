@@ -50,7 +50,33 @@ def check_layout(nproc: int, ep: int, num_experts: int) -> None:
 ARGV_ENV = "SPIKEGUARD_ARGV"
 
 
-def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
+USAGE_DIR_ENV = "SPIKEGUARD_USAGE_DIR"
+USAGE_EXIT = 2   # a rank's usage error (spikeguard.cli): quiet_torchrun passes it on
+
+
+def rank_usage_file() -> Optional[str]:
+    """Where a relaunched rank writes its usage error for the launcher to print once (None
+    outside a rank started by launch_job: print it)."""
+    folder = os.environ.get(USAGE_DIR_ENV)
+    if folder is None or not under_torchrun():
+        return None
+    return os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt")
+
+
+def usage_errors(folder: str) -> list[str]:
+    """The ranks' usage errors, each distinct line once, in rank order."""
+    lines: list[str] = []
+    names = sorted(os.listdir(folder), key=lambda n: int("".join(filter(str.isdigit, n)) or 0))
+    for name in names:
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+            for line in f.read().splitlines():
+                if line and line not in lines:
+                    lines.append(line)
+    return lines
+
+
+def relaunch_under_torchrun(nproc: int, argv: Sequence[str],
+                            usage_dir: Optional[str] = None) -> int:
     """Run `spikeguard <argv>` on `nproc` local processes; returns torchrun's exit code.
 
     The arguments travel in an environment variable, not on torchrun's command line: its
@@ -63,13 +89,24 @@ def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONUNBUFFERED="1")
     env[ARGV_ENV] = json.dumps(list(argv))
+    if usage_dir is not None:
+        env[USAGE_DIR_ENV] = usage_dir
     return subprocess.call(cmd, env=env)
 
 
 def launch_job(nproc: int, argv: Sequence[str]) -> int:
     """The launching process's whole job: relaunch under torchrun and turn its exit code
-    into the command's (0 done, 3 a rank failed; the rank printed why)."""
-    code = relaunch_under_torchrun(nproc, argv)
+    into the command's (0 done, 2 a rank's usage error, printed here once however many
+    ranks found it; 3 a rank failed, the rank printed why)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="spikeguard-usage-") as usage_dir:
+        code = relaunch_under_torchrun(nproc, argv, usage_dir)
+        errors = usage_errors(usage_dir)
+    if errors or code == USAGE_EXIT:
+        for line in errors or ["spikeguard: error: a rank refused its input (torchrun exit 2)"]:
+            sys.stderr.write(line + "\n")
+        return USAGE_EXIT
     if code:
         print(f"spikeguard: a rank failed (torchrun exit {code}); its message is above",
               file=sys.stderr)

@@ -363,7 +363,7 @@ def _copies_per_rank(eff_TE: torch.Tensor, top_k: int, per_rank: int, num_ranks:
 
 
 def _main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--ep-size", type=int, default=4)
     parser.add_argument("--pattern", default="production", choices=PATTERNS)

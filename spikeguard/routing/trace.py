@@ -104,10 +104,16 @@ def _check_header(header: dict, where: str) -> None:
 def load_trace(path: str | Path) -> Trace:
     """Read and check a trace file; every defect is one UsageError naming the line."""
     path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--trace {path} is a folder, not a trace file")
     if not path.is_file():
         raise UsageError(f"trace file {path} does not exist")
-    with path.open() as f:
-        lines = [line for line in f if line.strip()]
+    try:
+        with path.open(encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a trace file (not UTF-8 text; a trace is JSON "
+                         f"lines)") from None
     if not lines:
         raise UsageError(f"trace file {path} is empty")
     header = _parse(lines[0], path, 1)
@@ -145,6 +151,9 @@ def _parse(line: str, path: Path, number: int) -> dict:
     try:
         value = json.loads(line)
     except json.JSONDecodeError as err:
+        if number == 1:
+            raise UsageError(f"{path} is not a trace file (its first line is not JSON: "
+                             f"{err.msg})") from None
         raise UsageError(f"{path}:{number}: not JSON ({err.msg})") from None
     if not isinstance(value, dict):
         raise UsageError(f"{path}:{number}: expected a JSON object")

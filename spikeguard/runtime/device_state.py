@@ -44,12 +44,14 @@ def place_text(phase: int, micro_batch: int, layer: int, op: str, num_layers: in
     """'backward of micro-batch 0, layer 2, op experts' (the embedding and the head by name)."""
     if phase == PHASE_OPTIMIZER:
         return "the optimizer step"
-    if layer < 0:
+    # By the op where it is known: a pipeline stage's layers are numbered globally, so
+    # its head's position can share a layer's number.
+    if op == "embed" or (layer < 0 and op in ("", "attn")):
         part = "the embedding"
-    elif layer >= num_layers:
+    elif op == "head" or layer >= num_layers:
         part = "the output head"
     else:
-        part = f"layer {layer}, op {op}"
+        part = f"layer {layer}, op {op}" if op else f"layer {layer}"
     return f"{PHASE_NAMES[phase]} of micro-batch {micro_batch}, {part}"
 
 

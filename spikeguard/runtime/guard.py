@@ -6,6 +6,10 @@
             model(micro_batch.x, micro_batch.y).loss.backward()
     guard.run_step(step)   # or `with guard.step(): step()`, whose net reaches forward only
     guard.history[-1]      # peak_bytes (the device's true peak), budget_bytes, decisions, ...
+    with torch.no_grad():  # evaluation: outside a step, a forward with gradients is refused
+        model(x)
+    with guard.unguarded():   # ... unless said so: the model's own forward, nothing counted
+        model(x).loss.backward()
     guard.detach()
 
 The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
@@ -131,6 +135,7 @@ class Guard:
                                     self.ledger, full_recompute=policy == "full")
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
+        self._unguarded = 0   # depth of `with guard.unguarded():`
         self._handles: list = []
         self._trained = [p for p in model.parameters() if p.requires_grad]
         self._install()
@@ -322,10 +327,32 @@ class Guard:
 
     # ---- forward: one call is one micro-batch -----------------------------------------
     def _guarded_forward(self, orig_forward, *args, **kwargs):
+        if self._unguarded and self._recorder is None:
+            self.position.plain = True   # no recompute follows: the aux losses are read
+            try:
+                return orig_forward(*args, **kwargs)
+            finally:
+                self.position.plain = False
         with self.meter.active(), self.meter.enforcing():
             if not torch.is_grad_enabled():
                 return orig_forward(*args, **kwargs)
+            if self._recorder is None:
+                raise UsageError(
+                    "a forward with gradients outside guard.step() / guard.run_step() would "
+                    "run unguarded: train inside a step; evaluate under torch.no_grad(), or "
+                    "under `with guard.unguarded():` where gradients are wanted")
             return self.net.forward(orig_forward, args, kwargs)
+
+    @contextlib.contextmanager
+    def unguarded(self):
+        """Forwards outside a step run as the model's own, gradients or not, with nothing
+        planned or counted (evaluation that needs gradients; a probe). Inside a step the
+        guard still guards."""
+        self._unguarded += 1
+        try:
+            yield self
+        finally:
+            self._unguarded -= 1
 
     def forward_micro_batch(self, orig_forward, mb: int, args, kwargs):
         """One attempt at micro-batch `mb`'s forward (the net decides what to do with it)."""

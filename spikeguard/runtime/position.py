@@ -30,6 +30,7 @@ class Position:
         self.budget_bytes = budget_bytes
         self.phase = PHASE_IDLE
         self.in_forward = False        # False during backward's recompute and evaluation
+        self.plain = False             # guard.unguarded(): forwards are the model's own
 
     def set_where(self, phase: int, layer: int) -> int:
         """Move the device's position code; returns the previous one."""
@@ -80,7 +81,7 @@ class Position:
         if self.in_forward:
             self.ctx.tags.clear()
             self.ctx.op = "attn"
-        elif torch.is_grad_enabled():   # a recompute in backward re-ran the block: nothing
+        elif torch.is_grad_enabled() and not self.plain:   # a recompute in backward re-ran the block: nothing
             forget_aux_loss(block)      # reads its aux loss there (evaluation does)
 
     def enter_head(self, module, args, output) -> None:

@@ -43,7 +43,7 @@ def time_preset(preset: str, steps: int, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--presets", default="188b,500b,1t")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=3)

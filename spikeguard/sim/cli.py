@@ -73,7 +73,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
             out[key] = value
     if args.capacity is not None:
         from spikeguard.memory.budget import parse_bytes
-        out["device.capacity_bytes"] = parse_bytes(args.capacity)
+        out["device.capacity_bytes"] = parse_bytes(args.capacity, "--capacity")
     if args.policies is not None:
         out["run.policies"] = [p.strip() for p in args.policies.split(",") if p.strip()]
     return out

@@ -305,11 +305,16 @@ def load_config(preset: Optional[str] = None, toml_path: Optional[str] = None,
 
 def _read_toml(path: str) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--config {p} is a folder, not a config file")
     if not p.is_file():
         raise UsageError(f"config file {p} does not exist")
     try:
         with p.open("rb") as f:
             return tomllib.load(f)
+    except UnicodeDecodeError:
+        raise UsageError(f"{p} is not a config file (not UTF-8 text; settings are "
+                         f"TOML)") from None
     except tomllib.TOMLDecodeError as err:
         raise UsageError(f"config file {p} is not valid TOML: {err}") from None
 

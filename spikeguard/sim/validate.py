@@ -331,7 +331,7 @@ def compare_pp_ep(policies=(("none", "1GiB"), ("full", "1GiB"), ("adaptive", "ti
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--pp-ep", action="store_true",

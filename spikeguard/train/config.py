@@ -28,11 +28,13 @@ from spikeguard.model.config import PRESETS, ModelConfig, model_config
 from spikeguard.parallel.mesh import ParallelLayout
 from spikeguard.routing.skew import PATTERNS, SkewConfig
 from spikeguard.runtime.policies import POLICIES
-from spikeguard.train.loop import TrainConfig
+from spikeguard.train.loop import MAX_SEED, TrainConfig
 
 SCHEDULES = ("1f1b", "interleaved")
 SHARED_POLICIES = ("keep", "recompute")
 SECTIONS = ("model", "parallel", "train", "guard", "skew", "files")
+MAX_THREADS = 4096
+MAX_NPROC = 4096   # processes on this machine
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +87,8 @@ class ParallelConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"--{name} must be a positive integer, got {value!r}")
+            if value > MAX_NPROC:
+                raise UsageError(f"--{name} must be at most {MAX_NPROC}, got {value:.3g}")
         if self.schedule not in SCHEDULES:
             raise UsageError(f"unknown schedule {self.schedule!r}; choose one of "
                              f"{', '.join(SCHEDULES)}")
@@ -155,6 +159,13 @@ class SkewChoice:
             value = getattr(self, name)
             if value is not None and (not _is_real(value) or not math.isfinite(value)):
                 raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value!r}")
+        if self.spike_prob is not None and not 0 <= self.spike_prob <= 1:
+            raise UsageError(f"--spike-prob is a probability, in [0, 1], got {self.spike_prob!r}")
+        if self.spike_max is not None and self.spike_max < 1:
+            raise UsageError(f"--spike-max is a ratio max/mean, at least 1, got {self.spike_max!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or \
+                not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--skew-seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
 
     def config(self, ep: int) -> Optional[SkewConfig]:
         if self.pattern is None:
@@ -189,8 +200,11 @@ class FilesConfig:
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every <= 0:
             raise UsageError(f"--checkpoint-every must be a positive integer, "
                              f"got {self.checkpoint_every}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
-            raise UsageError(f"--threads must be a positive integer, got {self.threads}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0
+                                         or self.threads > MAX_THREADS):
+            # torch.set_num_threads(10**8) ends the process with a segmentation fault
+            raise UsageError(f"--threads must be a positive integer, at most {MAX_THREADS}, "
+                             f"got {self.threads}")
         if self.resume and self.checkpoint_dir is None:
             raise UsageError("--resume needs --checkpoint-dir")
         if self.record_trace is not None and self.trace is not None and \
@@ -235,6 +249,14 @@ class RunConfig:
         if skew is not None:
             from spikeguard.routing.skew import SkewSchedule
             SkewSchedule(skew, layout.ep)   # its checks (e.g. a spike above ep) fail here
+        late = sorted(s for s in self.files.skip_steps if s > self.train.steps)
+        if late:
+            raise UsageError(f"--skip-steps {','.join(map(str, late))}: the run has "
+                             f"{self.train.steps} steps (--steps)")
+        from spikeguard.model.config import activation_bytes_floor, check_trainable_size
+        check_trainable_size(model.num_params, activation_bytes_floor(
+            self.train.batch_size * model.seq_len, getattr(model, "vocab_size", 256),
+            model.d_model, model.num_layers), f"model {self.model.name}")
 
     @property
     def layout(self) -> ParallelLayout:
@@ -287,6 +309,15 @@ class RunConfig:
         return cls.from_dict(data, argv=argv)
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """What the ranks would find wrong with the data, found once before torchrun starts
+    them (each rank would otherwise print the same error): the corpus and its length."""
+    from spikeguard.data.corpus import load_corpus
+
+    seq_len = cfg.model.shape.seq_len
+    load_corpus(cfg.files.data).check_seq_len(seq_len)
+
+
 def read_toml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
@@ -296,7 +327,8 @@ def read_toml(path: str | Path) -> dict:
     except FileNotFoundError:
         raise UsageError(f"--config {path} does not exist") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise UsageError(f"--config {path} is not a TOML file: {str(err).splitlines()[0]}") from None
+        raise UsageError(f"--config {path} is not a config file (TOML): "
+                         f"{str(err).splitlines()[0]}") from None
 
 
 def _build(kind: type, values: Any, section: str):

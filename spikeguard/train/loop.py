@@ -40,6 +40,12 @@ GuardFactory = Callable[[nn.Module, torch.optim.Optimizer], Any]
 _VAL_SEED_OFFSET = 1_000_003
 
 
+# Steps, batch sizes, micro-batches: far past any real run, and where torch's int64
+# arithmetic (and the seeds offset per shard) stays exact.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**62
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """How long and how to train; validated on creation (UsageError on a bad value)."""
@@ -59,8 +65,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UsageError(f"train.{name} must be a positive integer, got {value!r}")
+            if value > MAX_COUNT:
+                raise UsageError(f"train.{name} must be at most {MAX_COUNT}, got {value:.3g}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise UsageError(f"train.seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed > MAX_SEED:
+            raise UsageError(f"train.seed must be at most {MAX_SEED} (torch's generators take "
+                             f"64-bit seeds, offset per shard), got {self.seed:.3g}")
         for name in ("lr", "grad_clip"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value) or value <= 0:

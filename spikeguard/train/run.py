@@ -35,6 +35,8 @@ def run_training(cfg: RunConfig) -> int:
 
     check_files(cfg)
     if cfg.parallel.distributed and not under_torchrun():
+        from spikeguard.train.config import check_inputs
+        check_inputs(cfg)   # once here, not once per rank
         return launch_job(cfg.parallel.nproc, list(cfg.argv))
     threads_before = torch.get_num_threads()
     if cfg.files.threads is not None:

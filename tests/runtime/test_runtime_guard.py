@@ -47,7 +47,8 @@ def test_detach_leaves_the_model_as_it_was():
     # A budget that nothing but the parameters fits: any guarded training forward fails.
     guard = spikeguard.attach(model, budget=_static_bytes() + 1024, policy="none")
     with pytest.raises(spikeguard.DeviceOutOfMemory):
-        _forward_backward(model, tokens)
+        with guard.step():
+            _forward_backward(model, tokens)
     guard.detach()
 
     assert "forward" not in vars(model)
