@@ -175,9 +175,10 @@ class FilesConfig:
     trace: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 50
-    resume: bool = False
+    resume: Union[bool, str] = False   # True, or "auto": start afresh when nothing is saved
     skip_steps: frozenset = frozenset()
     threads: Optional[int] = None
+    overwrite: bool = False            # replace existing outputs (logs, trace, checkpoint)
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_steps, str):
@@ -191,6 +192,7 @@ class FilesConfig:
                              f"got {self.checkpoint_every}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
             raise UsageError(f"--threads must be a positive integer, got {self.threads}")
+        _check_resume(self)
         if self.resume and self.checkpoint_dir is None:
             raise UsageError("--resume needs --checkpoint-dir")
         if self.record_trace is not None and self.trace is not None and \
@@ -297,6 +299,13 @@ def read_toml(path: str | Path) -> dict:
         raise UsageError(f"--config {path} does not exist") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         raise UsageError(f"--config {path} is not a TOML file: {str(err).splitlines()[0]}") from None
+
+
+def _check_resume(files: "FilesConfig") -> None:
+    if files.resume not in (True, False, "auto"):
+        raise UsageError(f"--resume takes nothing or 'auto', got {files.resume!r}")
+    if not isinstance(files.overwrite, bool):
+        raise UsageError(f"files.overwrite must be true or false, got {files.overwrite!r}")
 
 
 def _build(kind: type, values: Any, section: str):
