@@ -115,7 +115,7 @@ class Checkpointer:
 
     def __init__(self, folder: str | Path, every: int, rank: int = 0, resume: Any = False,
                  *, nproc: int = 1, layout: Optional[dict] = None,
-                 model: Optional[dict] = None, group: Any = None, overwrite: bool = True):
+                 model: Optional[dict] = None, group: Any = None):
         if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
             raise UsageError(f"checkpoint interval must be a positive integer, got {every!r}")
         folder = Path(folder)
