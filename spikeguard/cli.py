@@ -5,7 +5,7 @@
 
 Commands: train and demo (spikeguard.train.command), bench and report
 (spikeguard.bench), simulate (spikeguard.sim.cli). Exit codes: 0 done, 2 usage error (bad
-argument, file, or setting; one line on stderr), 3 out of memory (one line on stderr),
+argument, file, or setting; one line on stderr), 3 out of memory or out of disk once work began (one line on stderr),
 130 interrupted. User mistakes never print a traceback: every argparse error goes
 through the same one-line path as a UsageError.
 """
@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from spikeguard.errors import DeviceOutOfMemory, UsageError
+from spikeguard.errors import DeviceOutOfMemory, OutputError, UsageError
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -85,6 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         _usage_line(f"spikeguard: error: {_one_line(exc)}")
         return 2
+    except OutputError as exc:     # disk full once work began; the previous file is kept
+        print(f"spikeguard: error: {_one_line(exc)}", file=sys.stderr)
+        return 3
     except DeviceOutOfMemory as exc:
         rank = f" on rank {os.environ['RANK']}" if "RANK" in os.environ else ""
         _stderr_line(f"spikeguard: out of memory{rank}: {_one_line(exc)}")

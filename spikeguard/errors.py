@@ -22,3 +22,8 @@ class DeviceOutOfMemory(RuntimeError):
 
 class BudgetInfeasible(DeviceOutOfMemory):
     """The planner found no plan under the budget; says what budget would work."""
+
+
+class OutputError(RuntimeError):
+    """An output could not be written once work began (disk full, I/O error): one line,
+    exit code 3. spikeguard.files leaves the previous file intact."""

@@ -162,18 +162,21 @@ def _parse(line: str, path: Path, number: int) -> dict:
 
 class TraceWriter:
     """Appends one line per step; the header goes first. Each line is flushed, so a run
-    that dies keeps every step it finished."""
+    that dies keeps every step it finished. `overwrite`: an existing file is replaced when
+    the writer closes (spikeguard.files.LineFile); without it, it is refused."""
 
-    def __init__(self, path: str | Path, header: dict):
-        self._file = open(path, "w")
+    def __init__(self, path: str | Path, header: dict, overwrite: bool = False):
+        from spikeguard.files import LineFile
+
+        self._file = LineFile(path, mode="overwrite" if overwrite else "new",
+                              what="--record-trace")
         self._write(header)
 
     def write_step(self, step: int, counts: list) -> None:
         self._write({"step": step, "counts": counts})
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
+        self._file.write_line(json.dumps(record, separators=(",", ":")))
 
     def close(self) -> None:
         self._file.close()

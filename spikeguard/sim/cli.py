@@ -55,6 +55,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                      help="steps per scaling row (default: --steps)")
     out.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     out.add_argument("--plots", default=None, metavar="DIR", help="write sim_*.png there")
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace existing --json and --plots files (refused without it)")
     p.set_defaults(run=run)
     return p
 
@@ -112,6 +114,19 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"--json {args.json} is a folder; give a file name")
     if args.plots is not None and not Path(args.plots).is_dir():
         raise UsageError(f"--plots {args.plots}: not a folder")
+    _check_overwrites(args)
+
+
+def _check_overwrites(args: argparse.Namespace) -> None:
+    """No output is the --config or --trace it reads; an existing one needs --overwrite
+    (the README's `--plots docs/img` must not silently replace a tracked image)."""
+    from spikeguard.files import check_outputs
+    from spikeguard.sim.plots import plot_paths
+
+    plots = plot_paths(args.plots, args.scaling is not None) if args.plots is not None else None
+    check_outputs({"--json": args.json, "--plots": plots},
+                  inputs={"--config": args.config, "--trace": args.trace},
+                  overwrite=getattr(args, "overwrite", False))
 
 
 def run(args: argparse.Namespace) -> int:

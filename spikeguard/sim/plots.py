@@ -17,6 +17,12 @@ from spikeguard.sim.engine import SimResult
 PUBLISHED_MFU = {"full": 0.246, "none": 0.30, "adaptive": 0.329}
 
 
+def plot_paths(folder: str, scaling: bool, prefix: str = "sim_") -> list[Path]:
+    """The files `write_plots` writes (so a command can refuse existing ones first)."""
+    names = ["peaks", "mfu"] + (["scaling"] if scaling else [])
+    return [Path(folder) / f"{prefix}{name}.png" for name in names]
+
+
 def write_plots(result: SimResult, folder: str, scaling_rows: Optional[list[dict]] = None,
                 prefix: str = "sim_") -> list[str]:
     import matplotlib
@@ -82,7 +88,12 @@ def write_plots(result: SimResult, folder: str, scaling_rows: Optional[list[dict
 def _save(fig, path: Path) -> str:
     import matplotlib.pyplot as plt
 
+    from spikeguard.files import atomic_write
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:   # a reader sees the old image or the new one, never half of one
+        atomic_write(path, overwrite=True, what="plot",
+                     writer=lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return str(path)

@@ -51,9 +51,12 @@ def to_json(result: SimResult, path: str, extra: Optional[dict] = None) -> None:
     target = Path(path)
     if target.parent and not target.parent.is_dir():
         raise UsageError(f"--json {path}: folder {target.parent} does not exist")
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=_plain))
-    tmp.replace(target)   # an earlier file is only replaced by a complete one
+    from spikeguard.files import atomic_write
+
+    # An earlier file is only replaced by a complete one; whether it may be replaced at
+    # all is the command's check (simulate --overwrite), made before the simulation.
+    atomic_write(target, json.dumps(data, indent=1, default=_plain), overwrite=True,
+                 what="--json")
 
 
 def _plain(value):

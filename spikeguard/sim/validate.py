@@ -80,7 +80,7 @@ def compare_peaks(steps: int = 3, batch_size: int = 8, micro_batches: int = 2, s
             header = make_header(num_layers=cfg.num_layers, num_experts=cfg.num_experts,
                                  top_k=cfg.top_k, ep=1, micro_batches=micro_batches,
                                  tokens_per_micro_batch=batch_size * cfg.seq_len, preset="small")
-            recorder = TraceRecorder(model, micro_batches, TraceWriter(trace_path, header))
+            recorder = TraceRecorder(model, micro_batches, TraceWriter(trace_path, header, overwrite=True))
         crashed = False
         try:
             for step, step_batches in enumerate(batches, start=1):
@@ -248,7 +248,7 @@ def _trace_from_logs(ranks: list[list[dict]], path: Path, *, layers_per_stage: i
     per_rank = num_experts // ep
     writer = TraceWriter(path, make_header(num_layers=pp * layers_per_stage, num_experts=num_experts,
                                            top_k=top_k, ep=ep, micro_batches=micro_batches,
-                                           tokens_per_micro_batch=tokens))
+                                           tokens_per_micro_batch=tokens), overwrite=True)
     for step in range(len(ranks[0])):
         counts = [[[0] * num_experts for _ in range(pp * layers_per_stage)]
                   for _ in range(micro_batches)]

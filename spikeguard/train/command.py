@@ -40,7 +40,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "record_trace": ("files", "record_trace"), "trace": ("files", "trace"),
     "checkpoint_dir": ("files", "checkpoint_dir"),
     "checkpoint_every": ("files", "checkpoint_every"), "resume": ("files", "resume"),
-    "skip_steps": ("files", "skip_steps"),
+    "skip_steps": ("files", "skip_steps"), "overwrite": ("files", "overwrite"),
 }
 
 
@@ -107,11 +107,23 @@ def add_train_parser(commands) -> None:
                       help="save a checkpoint per rank here (atomically: write, then rename)")
     runs.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                       help="steps between checkpoints (default 50; also after the last step)")
-    runs.add_argument("--resume", action="store_true", default=None,
-                      help="continue from the checkpoint in --checkpoint-dir")
+    runs.add_argument("--resume", nargs="?", const=True, default=None, choices=(True, "auto"),
+                      type=_resume_value, metavar="auto",
+                      help="continue from the checkpoint in --checkpoint-dir (verified "
+                           "against its manifest); 'auto': start afresh when it holds none; "
+                           "appends to an existing --log")
+    runs.add_argument("--overwrite", action="store_true", default=None,
+                      help="replace existing outputs (--log, --record-trace, a checkpoint "
+                           "in --checkpoint-dir); without it they are refused")
     runs.add_argument("--skip-steps", default=None, metavar="LIST",
                       help="comma-separated steps to drop, e.g. the one a crash happened on")
     train.set_defaults(run=run_train)
+
+
+def _resume_value(text: str):
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"takes nothing or 'auto', got {text!r}")
+    return text
 
 
 def add_demo_parser(commands) -> None:
@@ -122,6 +134,7 @@ def add_demo_parser(commands) -> None:
                       help="expert-parallel processes (default 2, with routing spikes and the "
                            "adaptive guard); 1 trains one plain process")
     add_io_args(demo, with_data=False)
+    demo.add_argument("--overwrite", action="store_true", help="replace an existing --log")
     demo.set_defaults(run=run_demo)
 
 
@@ -178,7 +191,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "model": {"preset": DEMO_PRESET},
         "train": {"steps": args.steps, "seed": args.seed, "batch_size": DEMO_BATCH,
                   "eval_every": max(1, min(DEMO_EVAL_EVERY, args.steps))},
-        "files": {"log": args.log, "threads": args.threads}}
+        "files": {"log": args.log, "threads": args.threads,
+                  "overwrite": bool(getattr(args, "overwrite", False))}}
     if args.nproc != 1:
         argv += ["--nproc", str(args.nproc), *DEMO_SKEW, "--budget", "auto", "--policy",
                  "adaptive"]
@@ -190,4 +204,6 @@ def run_demo(args: argparse.Namespace) -> int:
     for flag, value in (("--log", args.log), ("--threads", args.threads)):
         if value is not None:
             argv += [flag, str(value)]
+    if getattr(args, "overwrite", False):
+        argv.append("--overwrite")
     return run_training(RunConfig.from_dict(data, argv=tuple(argv)))

@@ -186,9 +186,10 @@ class FilesConfig:
     trace: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 50
-    resume: bool = False
+    resume: Union[bool, str] = False   # True, or "auto": start afresh when nothing is saved
     skip_steps: frozenset = frozenset()
     threads: Optional[int] = None
+    overwrite: bool = False            # replace existing outputs (logs, trace, checkpoint)
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_steps, str):
@@ -205,6 +206,7 @@ class FilesConfig:
             # torch.set_num_threads(10**8) ends the process with a segmentation fault
             raise UsageError(f"--threads must be a positive integer, at most {MAX_THREADS}, "
                              f"got {self.threads}")
+        _check_resume(self)
         if self.resume and self.checkpoint_dir is None:
             raise UsageError("--resume needs --checkpoint-dir")
         if self.record_trace is not None and self.trace is not None and \
@@ -329,6 +331,13 @@ def read_toml(path: str | Path) -> dict:
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         raise UsageError(f"--config {path} is not a config file (TOML): "
                          f"{str(err).splitlines()[0]}") from None
+
+
+def _check_resume(files: "FilesConfig") -> None:
+    if files.resume not in (True, False, "auto"):
+        raise UsageError(f"--resume takes nothing or 'auto', got {files.resume!r}")
+    if not isinstance(files.overwrite, bool):
+        raise UsageError(f"files.overwrite must be true or false, got {files.overwrite!r}")
 
 
 def _build(kind: type, values: Any, section: str):

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from spikeguard.errors import UsageError
 from spikeguard.memory.budget import byte_unit, format_bytes
 
 
@@ -83,29 +82,31 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def check_log_path(path: str | Path) -> Path:
-    """UsageError unless `path` can be a log file: lets the CLI fail before any work."""
-    p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"--log path is a directory: {p}")
-    if not p.parent.is_dir():
-        raise UsageError(f"--log folder does not exist: {p.parent}")
-    return p
+def check_log_path(path: str | Path, *, mode: str = "new") -> Path:
+    """UsageError unless `path` can be this run's log (spikeguard.files' rules: an existing
+    file needs mode "append" (--resume) or "overwrite"): lets the CLI fail before any work."""
+    from spikeguard.files import check_output
+
+    return check_output("--log", path, overwrite=mode == "overwrite", append=mode == "append")
 
 
-def open_log(path: str | Path) -> IO[str]:
-    """Open (truncate) a JSON-lines log; a bad path is a UsageError."""
-    p = check_log_path(path)
-    try:
-        return open(p, "w", encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot open --log file {p}: {exc.strerror or exc}") from None
+def open_log(path: str | Path, mode: str = "new"):
+    """Open a JSON-lines log (spikeguard.files.LineFile): "new" refuses an existing file,
+    "append" (a resumed run) adds to it, "overwrite" replaces it when the run ends."""
+    from spikeguard.files import LineFile
+
+    p = check_log_path(path, mode=mode)
+    return LineFile(p, mode=mode, what="--log")
 
 
-def write_record(log_file: IO[str], record: dict[str, Any]) -> None:
+def write_record(log_file, record: dict[str, Any]) -> None:
     """One JSON object per line, flushed so an interrupted run keeps its steps."""
-    log_file.write(json.dumps(_json_safe(record), default=str) + "\n")
-    log_file.flush()
+    line = json.dumps(_json_safe(record), default=str)
+    if hasattr(log_file, "write_line"):
+        log_file.write_line(line)
+    else:   # any text file the caller opened
+        log_file.write(line + "\n")
+        log_file.flush()
 
 
 def memory_summary(records: list[dict[str, Any]]) -> str:

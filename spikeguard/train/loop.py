@@ -167,8 +167,8 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
              guard_maker: Optional[GuardFactory] = None, log_path: Optional[str | Path] = None,
              console: Optional[Console] = None, observers: Sequence[Any] = (),
              checkpoint: Any = None, skip_steps: Collection[int] = (), shard: int = 0,
-             quiet: bool = False, before_step: Optional[Callable[[int], None]] = None
-             ) -> list[dict[str, Any]]:
+             quiet: bool = False, before_step: Optional[Callable[[int], None]] = None,
+             log_mode: str = "new") -> list[dict[str, Any]]:
     """The one training loop, whatever the layout: `engine` (spikeguard.train.engines) is
     what this process holds and how it runs a step.
 
@@ -181,12 +181,14 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
     runs before them. `checkpoint` (spikeguard.train.checkpoint.Checkpointer) resumes from
     its last save and saves on its interval; `skip_steps` are dropped (their data drawn,
     nothing trained), as a job restarted after a crash drops the batch that killed it.
+    `log_mode` (spikeguard.files.LineFile): "new" refuses an existing log, "append" (a
+    resumed run) adds to it, "overwrite" replaces it.
     """
     corpus.check_seq_len(seq_len)
     console = console or Console()
     family = engine.family
     with contextlib.ExitStack() as stack:
-        log_file = stack.enter_context(open_log(log_path)) if log_path is not None else None
+        log_file = stack.enter_context(open_log(log_path, log_mode)) if log_path is not None else None
         torch.manual_seed(train_cfg.seed)
         train_gen = torch.Generator().manual_seed(train_cfg.seed + 1000 * shard)
         val_gen = torch.Generator().manual_seed(train_cfg.seed + _VAL_SEED_OFFSET + 1000 * shard)

@@ -57,23 +57,102 @@ def rank_log(path: Optional[str], rank: int) -> Optional[str]:
 
 
 def check_files(cfg: RunConfig) -> None:
-    """What the run reads and writes: every mistake before any process starts."""
-    from spikeguard.train.log import check_log_path
+    """What the run reads and writes: every mistake before any process starts. Under
+    torchrun the launcher checked whether outputs exist (a rank would see its peers'
+    new files); each rank still opens its own exclusively."""
+    from spikeguard.parallel.launch import under_torchrun
 
     files = cfg.files
-    if files.log is not None:
-        check_log_path(files.log)
     if files.checkpoint_dir is not None and Path(files.checkpoint_dir).is_file():
         raise UsageError(f"--checkpoint-dir {files.checkpoint_dir} is a file")
-    if files.resume and not Path(files.checkpoint_dir).is_dir():
+    if files.resume is True and not Path(files.checkpoint_dir).is_dir():
         raise UsageError(f"cannot resume: --checkpoint-dir {files.checkpoint_dir} does not exist")
     if files.record_trace is not None:
         folder = Path(files.record_trace).parent
         if Path(files.record_trace).is_dir() or not folder.is_dir():
             raise UsageError(f"--record-trace needs a file in an existing folder, "
                              f"got {files.record_trace}")
+    launcher = not under_torchrun()
+    check_outputs_of(cfg, exist=launcher)
     if files.trace is not None:
         _load_trace(cfg)
+    check_resume(cfg)
+
+
+def check_outputs_of(cfg: RunConfig, exist: bool = True) -> None:
+    """No output is an input or another output; with `exist`, an existing output needs
+    --overwrite (the log: or --resume, which appends to it). spikeguard.files' rules."""
+    from spikeguard.files import check_outputs, same_file
+    from spikeguard.train.checkpoint import MANIFEST, has_checkpoint
+
+    files = cfg.files
+    nproc = cfg.parallel.nproc
+    logs = [rank_log(files.log, r) for r in range(nproc)] if files.log is not None else None
+    ck = Path(files.checkpoint_dir) if files.checkpoint_dir is not None else None
+    ck_files = [ck / f"rank{r}.pt" for r in range(nproc)] + [ck / MANIFEST] if ck else None
+    inputs = {"--trace": files.trace, "--data": files.data,
+              "--config": _config_path(cfg.argv)}
+    outputs = {"--log": logs, "--record-trace": files.record_trace}
+    if exist:
+        check_outputs(outputs, inputs=inputs, overwrite=files.overwrite,
+                      append=("--log",) if files.resume else ())
+        if ck is not None and not files.resume and not files.overwrite and has_checkpoint(ck):
+            raise UsageError(f"--checkpoint-dir {ck} holds a checkpoint; pass --resume to "
+                             f"continue it or --overwrite to replace it")
+    else:
+        check_outputs(outputs, inputs=inputs, overwrite=True)
+    for name, paths in (("--log", logs), ("--record-trace", [files.record_trace])):
+        for path in paths or ():
+            for other in (ck_files or []) + [p for p in (files.trace, files.data) if p]:
+                if path is not None and same_file(path, other):
+                    raise UsageError(f"{name} {path} would overwrite {other}; write it elsewhere")
+
+
+def _config_path(argv) -> str | None:
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def checkpoint_identity(cfg: RunConfig) -> tuple[dict, dict]:
+    """(layout, model) as a checkpoint's manifest records them (plain JSON values)."""
+    import json
+
+    L = cfg.layout
+    layout = {"nproc": L.nproc, "pp": L.pp, "dp": L.dp, "ep": L.ep,
+              "schedule": cfg.parallel.schedule}
+    if cfg.model.hf is None:
+        model = {"family": "builtin", **cfg.model.builtin.to_dict()}
+    else:
+        model = {"family": "hf", "hf": cfg.model.hf, **cfg.model.overrides}
+    return layout, json.loads(json.dumps(model))
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """--resume: the checkpoint's manifest and files, checked on every rank before any
+    collective (every rank reads the same bytes, so all refuse alike); an empty folder is
+    refused unless --resume auto; a checkpoint at or past --steps leaves nothing to do."""
+    from spikeguard.train.checkpoint import has_checkpoint, verify
+
+    files = cfg.files
+    if not files.resume:
+        return
+    folder = Path(files.checkpoint_dir)
+    if not has_checkpoint(folder):
+        if files.resume == "auto":
+            return
+        raise UsageError(f"cannot resume: --checkpoint-dir {folder} holds no checkpoint "
+                         f"(--resume auto starts afresh when there is none)")
+    layout, model = checkpoint_identity(cfg)
+    manifest = verify(folder, nproc=cfg.parallel.nproc, layout=layout, model=model)
+    if manifest["step"] >= cfg.train.steps:
+        raise UsageError(f"cannot resume: the checkpoint in {folder} is at step "
+                         f"{manifest['step']}, and --steps is {cfg.train.steps}: nothing left "
+                         f"to train (raise --steps)")
 
 
 def _load_trace(cfg: RunConfig):
@@ -199,7 +278,8 @@ class RankRun:
                     top_k=model_cfg.top_k, ep=cfg.layout.ep,
                     micro_batches=cfg.train.micro_batches,
                     tokens_per_micro_batch=cfg.tokens_per_micro_batch,
-                    preset=cfg.model.preset, seed=cfg.train.seed, skew=skew))
+                    preset=cfg.model.preset, seed=cfg.train.seed, skew=skew),
+                    overwrite=files.overwrite)
             # One data-parallel replica's routing (dp 0) is the trace; the whole job sums.
             dp0 = self.groups is None or self.groups.dp_rank == 0
             observers.append(TraceRecorder(
@@ -213,8 +293,11 @@ class RankRun:
         if files.checkpoint_dir is None:
             return None
         from spikeguard.train.checkpoint import Checkpointer
+        layout, model = checkpoint_identity(self.cfg)
         return Checkpointer(files.checkpoint_dir, files.checkpoint_every, rank=self.rank,
-                            resume=files.resume)
+                            resume=files.resume, nproc=self.cfg.parallel.nproc, layout=layout,
+                            model=model,
+                            group=dist.group.WORLD if self.groups is not None else None)
 
     # ---- the guard ----------------------------------------------------------------------
     def _guard_maker(self):
@@ -317,7 +400,7 @@ class RankRun:
             self.engine, cfg.train, self.corpus, seq_len=self.seq_len,
             guard_maker=self._guard_maker(), log_path=rank_log(cfg.files.log, self.rank),
             console=self.console, observers=self.observers, checkpoint=self._checkpointer(),
-            skip_steps=cfg.files.skip_steps,
+            skip_steps=cfg.files.skip_steps, log_mode=self._log_mode(),
             shard=self.groups.data_shard if self.groups is not None else 0,
             quiet=self.rank != 0,
             before_step=self.injector.set_step if self.injector is not None else None)
@@ -325,6 +408,10 @@ class RankRun:
             self._say(memory_summary(records))
         self._say_done(summarize(records), records)
         return 0
+
+    def _log_mode(self) -> str:
+        files = self.cfg.files
+        return "append" if files.resume else "overwrite" if files.overwrite else "new"
 
     def _say_model(self) -> None:
 
