@@ -22,3 +22,11 @@ class DeviceOutOfMemory(RuntimeError):
 
 class BudgetInfeasible(DeviceOutOfMemory):
     """The planner found no plan under the budget; says what budget would work."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the command: it stops, exit 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
