@@ -13,8 +13,11 @@ through the same one-line path as a UsageError.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import time
 from typing import Optional, Sequence
 
 from spikeguard.errors import DeviceOutOfMemory, OutputError, UsageError
@@ -72,9 +75,47 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
+    from spikeguard.parallel.launch import rank_started
+
     if argv is None:
         from spikeguard.parallel.launch import worker_argv
         argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
+    rank_started()  # under torchrun: die with it (a no-op elsewhere)
+    stops = _StopSignals()
+    with stops.installed():
+        try:
+            code = _run(argv)
+        except KeyboardInterrupt as exc:
+            code = _stopped(getattr(exc, "signum", None) or stops.signum or signal.SIGINT)
+        except Exception:
+            if stops.signum is None:
+                raise
+            # After SIGINT/SIGTERM, whatever ends the command is its consequence (a
+            # peer's broken collective): the stop, not a traceback.
+            code = _stopped(stops.signum)
+    if "RANK" in os.environ and code:
+        _exit_now(code)
+    return code
+
+
+PEER_STOP_WAIT_S = 1.0
+
+
+def _exit_now(code: int) -> None:
+    """A rank failed or stopped with its process group alive, its files closed by the
+    unwinding: go at once (torchrun sees the root cause first) and
+    leave without the interpreter's and torch's teardown, which would print c10d's
+    "there are still N unwaited collective calls" or abort in gloo's threads (see
+    parallel/launch_utils.close_gloo)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _run(argv: Optional[Sequence[str]]) -> int:
     try:
         try:
             args = _build_parser().parse_args(argv)
@@ -92,9 +133,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rank = f" on rank {os.environ['RANK']}" if "RANK" in os.environ else ""
         _stderr_line(f"spikeguard: out of memory{rank}: {_one_line(exc)}")
         return 3
-    except KeyboardInterrupt:
-        print("spikeguard: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         # Output piped into `head`: stop quietly, and keep Python's exit-time flush of
         # stdout from raising the same error again.
@@ -105,12 +143,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(exc, DeviceBuildError):   # no compiler: the machine, not the input
             print(f"spikeguard: error: {_one_line(exc)}", file=sys.stderr)
             return 1
-        if not _peer_failed(exc):
+        peer = _peer_failure(exc)
+        if peer is None:
             raise
-        # A rank of the group died (its own message is printed): this one's collective
-        # broke. One line, not a traceback of the broken collective.
+        from spikeguard.parallel.launch import LAUNCHER_ENV
+        if LAUNCHER_ENV in os.environ:
+            # The peer may have stopped on a SIGINT/SIGTERM the launcher forwarded to the
+            # whole job, and this rank's is on its way (it lands here as Interrupted).
+            time.sleep(PEER_STOP_WAIT_S)
+        # A rank of the group died (the launcher names it): this one's collective broke.
+        # One line, not a traceback of the broken collective.
         print(f"spikeguard: rank {os.environ.get('RANK', '?')} stopped: another rank of "
-              f"the group failed ({_one_line(exc).split('. ')[0]})", file=sys.stderr)
+              f"the group failed ({_one_line(peer).split('. ')[0]})", file=sys.stderr)
         return 1
 
 
@@ -137,10 +181,108 @@ def _usage_line(text: str) -> None:
     _stderr_line(text)
 
 
+def _stopped(signum: int) -> int:
+    """SIGINT: 130, SIGTERM: 143. A rank of a launched job says nothing: the launcher
+    prints the job's one line."""
+    from spikeguard.parallel.launch import LAUNCHER_ENV
+
+    if LAUNCHER_ENV not in os.environ:
+        name = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+        print(f"spikeguard: interrupted{name}", file=sys.stderr)
+    return 128 + signum
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM raise Interrupted once; a repeat (torchrun forwards what the
+    launcher already sent) is ignored, so it cannot break the unwinding of the first.
+
+    Python runs a signal handler wherever the main thread is, finalizers included: a
+    KeyboardInterrupt raised inside a `__del__` or a weakref callback is printed as
+    "Exception ignored in: ..." and dropped, and the run goes on (seen with
+    runtime/hooks.py's Packed, 2 of 4 trials). sys.unraisablehook sees every such drop:
+    the interrupt is delivered again, to run as soon as the finalizer is left."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._redeliver = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._handle)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        try:
+            yield
+        finally:
+            if self._redeliver:
+                sys.setprofile(None)
+            sys.unraisablehook = previous_hook
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and not self._redeliver:
+            return
+        self.signum = self.signum or signum
+        if _in_finalizer(frame):
+            self._defer()
+            return
+        self._redeliver = False
+        from spikeguard.errors import Interrupted
+        raise Interrupted(self.signum)
+
+    def _defer(self) -> None:
+        """Raise it at the first call or return outside every finalizer. (Re-arming the
+        signal with _thread.interrupt_main would run this handler again at once, still
+        inside the finalizer.) A profile function's exception propagates into the code
+        it profiles (CPython 3.11, sys.setprofile)."""
+        self.signum = self.signum or signal.SIGINT
+        self._redeliver = True
+
+        def deliver(frame, event, arg):
+            if self._redeliver and not _in_finalizer(frame):
+                sys.setprofile(None)
+                self._redeliver = False
+                from spikeguard.errors import Interrupted
+                raise Interrupted(self.signum)
+
+        sys.setprofile(deliver)
+
+    def _unraisable(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            self._defer()
+            return
+        sys.__unraisablehook__(unraisable)
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether a `__del__` or this module's unraisable hook is on the stack (a weakref
+    callback elsewhere is caught by the hook instead)."""
+    depth = 0
+    while frame is not None and depth < 64:
+        if frame.f_code.co_name in ("__del__", "_unraisable"):
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
 # What gloo and NCCL say in a surviving rank when a peer's process is gone.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
               "NCCL communicator was aborted")
 
 
-def _peer_failed(exc: BaseException) -> bool:
-    return "RANK" in os.environ and any(text in str(exc) for text in _PEER_GONE)
+def _peer_failure(exc: BaseException) -> Optional[BaseException]:
+    """The error of a broken collective in `exc` or what caused it (torch.distributed's
+    pipelining wraps it: "[Stage 0] failed to run forward"), under torchrun only."""
+    if "RANK" not in os.environ:
+        return None
+    seen = 0
+    while exc is not None and seen < 16:
+        if any(text in str(exc) for text in _PEER_GONE):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None

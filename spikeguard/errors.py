@@ -27,3 +27,11 @@ class BudgetInfeasible(DeviceOutOfMemory):
 class OutputError(RuntimeError):
     """An output could not be written once work began (disk full, I/O error): one line,
     exit code 3. spikeguard.files leaves the previous file intact."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the command: it stops, exit 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum

@@ -34,7 +34,7 @@ def test_bad_pipeline_layouts_exit_2_before_any_process_starts(extra, match, cap
     def no_launch(*args, **kwargs):
         raise AssertionError("torchrun was started for a bad layout")
 
-    monkeypatch.setattr(launch, "relaunch_under_torchrun", no_launch)
+    monkeypatch.setattr(launch, "launch_job", no_launch)
     assert cli.main(TINY + extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0], err

@@ -1,0 +1,75 @@
+"""Ctrl-C is never swallowed: SIGINT to a single-process guarded run exits 130 with one
+line, also when it lands inside a finalizer (`__del__`), where Python drops it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spikeguard import cli
+
+pytestmark = pytest.mark.timeout(240)
+
+GUARDED = ["train", "--preset", "tiny", "--steps", "100000", "--threads", "1",
+           "--budget", "4MiB", "--policy", "adaptive"]
+
+
+def test_sigint_to_a_guarded_run_exits_130_with_one_line(tmp_path):
+    """Three runs at once, each interrupted at a different moment of its steps."""
+    procs = []
+    for k in range(3):
+        log = tmp_path / f"run{k}.jsonl"
+        procs.append((subprocess.Popen([sys.executable, "-m", "spikeguard", *GUARDED, "--log",
+                                        str(log)], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True,
+                                       env=dict(os.environ, OMP_NUM_THREADS="1")), log, k))
+    try:
+        for proc, log, k in procs:
+            deadline = time.monotonic() + 150
+            while not (log.exists() and log.read_text().count("\n") >= 1 + k):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.05)
+            time.sleep(0.05 * k)
+            os.kill(proc.pid, signal.SIGINT)
+        results = [(proc.wait(timeout=30), proc.stderr.read()) for proc, _, _ in procs]
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for code, err in results:
+        assert code == 130 and err.splitlines() == ["spikeguard: interrupted"], (code, err)
+
+
+def test_an_interrupt_inside_a_finalizer_still_stops_the_run(monkeypatch, capsys):
+    """The SIGINT arrives while a `__del__` runs (as it did in runtime/hooks.py's Packed):
+    Python prints "Exception ignored" and goes on; the command must still stop."""
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))   # the handler runs here, inside __del__
+
+    def train(*args, **kwargs):
+        Finalized()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            sum(range(1000))
+        return []
+
+    monkeypatch.setattr("spikeguard.train.loop.run_loop", train)
+    assert cli.main(["train", "--preset", "tiny", "--steps", "3"]) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["spikeguard: interrupted"], err
+
+
+def test_sigterm_to_a_single_process_run_exits_143(monkeypatch, capsys):
+    def train(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)
+        return []
+
+    monkeypatch.setattr("spikeguard.train.loop.run_loop", train)
+    assert cli.main(["train", "--preset", "tiny", "--steps", "3"]) == 143
+    assert capsys.readouterr().err.splitlines() == ["spikeguard: interrupted by SIGTERM"]
