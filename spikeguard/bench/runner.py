@@ -130,8 +130,7 @@ def run_policy_segment(runner: JobRunner, run: PolicyRun, policy_args: list[str]
 
 
 def checkpoint_step(folder: Path) -> int:
-    """The step of rank 0's checkpoint in `folder` (0 if none)."""
-    import torch
+    """The step of the committed checkpoint in `folder`: its manifest's (0 if none)."""
+    from spikeguard.train.checkpoint import MANIFEST, read_manifest
 
-    path = folder / "rank0.pt"
-    return int(torch.load(path, weights_only=True)["step"]) if path.exists() else 0
+    return int(read_manifest(folder)["step"]) if (folder / MANIFEST).exists() else 0

@@ -23,7 +23,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from spikeguard.parallel.launch import FAILURES_ENV, LAUNCHER_ENV, TORCHRUN_ENV, watch_parent
+    from spikeguard.parallel.launch import LAUNCHER_ENV, TORCHRUN_ENV, watch_parent
 
     if LAUNCHER_ENV in os.environ:
         watch_parent(int(os.environ[LAUNCHER_ENV]))

@@ -14,15 +14,23 @@ barrier under a process group), rank 0 writes `manifest.json`, last and atomical
 `--resume` reads the manifest on every rank before any collective (`verify`): the same
 files, checksums, layout and model on every rank give every rank the same verdict, so a
 bad checkpoint is one UsageError naming the file and what differs, never a collective
-that some ranks enter and others do not. A crash between the ranks' renames and the
-manifest leaves files that no longer match it: resume refuses them by name rather than
-resuming a mixture. A resumed run continues bitwise where the checkpointed one was (test).
+that some ranks enter and others do not. A resumed run continues bitwise where the
+checkpointed one was (test).
+
+A save is a two-phase commit, so that a job that dies in the middle of one (a pipeline
+stage that finished its step and saved while a peer ran out of memory) still resumes
+from a whole checkpoint: every rank writes `rank{r}.pt.next`; after a barrier rank 0
+writes the manifest of those files under their final names (the commit point); after a
+second barrier every rank renames its file into place. Dying before the manifest leaves
+the previous checkpoint whole (the `.next` files match nothing and are ignored); dying
+after it, `verify` finishes the renames the manifest vouches for.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,6 +104,7 @@ def verify(folder: str | Path, *, nproc: int, layout: Optional[dict] = None,
                          f" but this run has {nproc} rank(s)")
     for name in names:
         path, want = folder / name, manifest["files"][name]
+        _roll_forward(path, want)
         if not path.is_file():
             raise UsageError(f"cannot resume: checkpoint file {path} is missing")
         size = path.stat().st_size
@@ -173,24 +182,47 @@ class Checkpointer:
                  if isinstance(optimizer, (list, tuple)) else optimizer.state_dict(),
                  "generator": generator.get_state(),
                  "torch_rng": torch.get_rng_state()}
-        atomic_write(self.path, overwrite=True, what="checkpoint",
+        staged = _staged(self.path)
+        atomic_write(staged, overwrite=True, what="checkpoint",
                      writer=lambda tmp: torch.save(state, tmp))
-        if self.group is not None:
-            import torch.distributed as dist
-            dist.barrier(group=self.group)   # every rank's file is in place
+        self._barrier()              # every rank's new file is written
         if self.rank == 0:
             self._write_manifest(step)
+        self._barrier()              # the manifest vouches for them: the commit point
+        os.replace(staged, self.path)
         return True
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
 
     def _write_manifest(self, step: int) -> None:
         files = {}
         for r in range(self.nproc):
-            path = self.folder / f"rank{r}.pt"
-            files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+            path = _staged(self.folder / f"rank{r}.pt")
+            files[f"rank{r}.pt"] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
         manifest = {"format": FORMAT, "version": VERSION, "step": step,
                     "layout": self.layout, "model": self.model, "files": files}
         atomic_write(self.folder / MANIFEST, json.dumps(manifest, indent=1) + "\n",
                      overwrite=True, what="checkpoint manifest")
+
+
+def _staged(path: Path) -> Path:
+    return path.with_name(path.name + ".next")
+
+
+def _roll_forward(path: Path, want: dict) -> None:
+    """A save that died after its manifest: the staged file the manifest vouches for is
+    renamed into place (idempotent; another rank may be doing the same)."""
+    staged = _staged(path)
+    if not staged.is_file() or (path.is_file() and sha256_of(path) == want.get("sha256")):
+        return
+    if staged.stat().st_size == want.get("bytes") and sha256_of(staged) == want.get("sha256"):
+        try:
+            os.replace(staged, path)
+        except FileNotFoundError:
+            pass   # renamed by another rank meanwhile
 
 
 def _as_list(value) -> list:

@@ -132,3 +132,43 @@ def test_manifest_lists_every_rank_with_its_checksum(saved):
         assert entry == {"bytes": path.stat().st_size,
                          "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     assert not [p for p in (saved / "ck2").iterdir() if "tmp" in p.name]
+
+
+# ---- a save that dies half-way --------------------------------------------------------
+def _ckpt_state(step: int):
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        model.weight.fill_(float(step))
+    return model, opt, torch.Generator().manual_seed(step)
+
+
+@pytest.mark.parametrize("dies_at,resumes_at", [(1, 2), (2, 4)],
+                         ids=["before the manifest", "after the manifest"])
+def test_a_save_that_dies_half_way_resumes_from_a_whole_checkpoint(tmp_path, dies_at,
+                                                                    resumes_at):
+    """The job dies at the first barrier of step 4's save (every file staged, no new
+    manifest: step 2 is the checkpoint) or at the second (the manifest vouches for the
+    staged files: resume finishes their renames and is at step 4)."""
+    import torch
+
+    from spikeguard.train.checkpoint import Checkpointer
+
+    saver = Checkpointer(tmp_path, every=2)
+    saver.after_step(2, *_ckpt_state(2), last=False)
+    calls = []
+
+    def dying_barrier():
+        calls.append(1)
+        if len(calls) == dies_at:
+            raise RuntimeError("the job died here")
+
+    saver._barrier = dying_barrier
+    with pytest.raises(RuntimeError):
+        saver.after_step(4, *_ckpt_state(4), last=False)
+    model, opt, gen = _ckpt_state(0)
+    step = Checkpointer(tmp_path, every=2, resume=True).restore(model, opt, gen)
+    assert step == resumes_at
+    assert torch.equal(model.weight, torch.full((4, 4), float(resumes_at)))
