@@ -15,14 +15,13 @@ cluster summary in each record. Rank 0 prints.
 from __future__ import annotations
 
 import gc
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from spikeguard.errors import UsageError
+from spikeguard.train.checks import check_files, checkpoint_identity, load_trace, rank_log
 from spikeguard.train.config import RunConfig
 
 AUTO_PROBE_SEED = 7919   # the budget probe's micro-batches are drawn apart from the training data
@@ -46,125 +45,6 @@ def run_training(cfg: RunConfig) -> int:
     finally:
         # The command may run inside a longer-lived process (tests): leave it as found.
         torch.set_num_threads(threads_before)
-
-
-def rank_log(path: Optional[str], rank: int) -> Optional[str]:
-    """Rank 0 writes `path`; rank r, `stem.rank{r}.ext`."""
-    if path is None or not rank:
-        return path
-    stem, dot, ext = path.rpartition(".")
-    return f"{stem}.rank{rank}.{ext}" if dot else f"{path}.rank{rank}"
-
-
-def check_files(cfg: RunConfig) -> None:
-    """What the run reads and writes: every mistake before any process starts. Under
-    torchrun the launcher checked whether outputs exist (a rank would see its peers'
-    new files); each rank still opens its own exclusively."""
-    from spikeguard.parallel.launch import under_torchrun
-
-    files = cfg.files
-    if files.checkpoint_dir is not None and Path(files.checkpoint_dir).is_file():
-        raise UsageError(f"--checkpoint-dir {files.checkpoint_dir} is a file")
-    if files.resume is True and not Path(files.checkpoint_dir).is_dir():
-        raise UsageError(f"cannot resume: --checkpoint-dir {files.checkpoint_dir} does not exist")
-    if files.record_trace is not None:
-        folder = Path(files.record_trace).parent
-        if Path(files.record_trace).is_dir() or not folder.is_dir():
-            raise UsageError(f"--record-trace needs a file in an existing folder, "
-                             f"got {files.record_trace}")
-    launcher = not under_torchrun()
-    check_outputs_of(cfg, exist=launcher)
-    if files.trace is not None:
-        _load_trace(cfg)
-    check_resume(cfg)
-
-
-def check_outputs_of(cfg: RunConfig, exist: bool = True) -> None:
-    """No output is an input or another output; with `exist`, an existing output needs
-    --overwrite (the log: or --resume, which appends to it). spikeguard.files' rules."""
-    from spikeguard.files import check_outputs, same_file
-    from spikeguard.train.checkpoint import MANIFEST, has_checkpoint
-
-    files = cfg.files
-    nproc = cfg.parallel.nproc
-    logs = [rank_log(files.log, r) for r in range(nproc)] if files.log is not None else None
-    ck = Path(files.checkpoint_dir) if files.checkpoint_dir is not None else None
-    ck_files = [ck / f"rank{r}.pt" for r in range(nproc)] + [ck / MANIFEST] if ck else None
-    inputs = {"--trace": files.trace, "--data": files.data,
-              "--config": _config_path(cfg.argv)}
-    outputs = {"--log": logs, "--record-trace": files.record_trace}
-    if exist:
-        check_outputs(outputs, inputs=inputs, overwrite=files.overwrite,
-                      append=("--log",) if files.resume else ())
-        if ck is not None and not files.resume and not files.overwrite and has_checkpoint(ck):
-            raise UsageError(f"--checkpoint-dir {ck} holds a checkpoint; pass --resume to "
-                             f"continue it or --overwrite to replace it")
-    else:
-        check_outputs(outputs, inputs=inputs, overwrite=True)
-    for name, paths in (("--log", logs), ("--record-trace", [files.record_trace])):
-        for path in paths or ():
-            for other in (ck_files or []) + [p for p in (files.trace, files.data) if p]:
-                if path is not None and same_file(path, other):
-                    raise UsageError(f"{name} {path} would overwrite {other}; write it elsewhere")
-
-
-def _config_path(argv) -> str | None:
-    argv = list(argv)
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def checkpoint_identity(cfg: RunConfig) -> tuple[dict, dict]:
-    """(layout, model) as a checkpoint's manifest records them (plain JSON values)."""
-    import json
-
-    L = cfg.layout
-    layout = {"nproc": L.nproc, "pp": L.pp, "dp": L.dp, "ep": L.ep,
-              "schedule": cfg.parallel.schedule}
-    if cfg.model.hf is None:
-        model = {"family": "builtin", **cfg.model.builtin.to_dict()}
-    else:
-        model = {"family": "hf", "hf": cfg.model.hf, **cfg.model.overrides}
-    return layout, json.loads(json.dumps(model))
-
-
-def check_resume(cfg: RunConfig) -> None:
-    """--resume: the checkpoint's manifest and files, checked on every rank before any
-    collective (every rank reads the same bytes, so all refuse alike); an empty folder is
-    refused unless --resume auto; a checkpoint at or past --steps leaves nothing to do."""
-    from spikeguard.train.checkpoint import has_checkpoint, verify
-
-    files = cfg.files
-    if not files.resume:
-        return
-    folder = Path(files.checkpoint_dir)
-    if not has_checkpoint(folder):
-        if files.resume == "auto":
-            return
-        raise UsageError(f"cannot resume: --checkpoint-dir {folder} holds no checkpoint "
-                         f"(--resume auto starts afresh when there is none)")
-    layout, model = checkpoint_identity(cfg)
-    manifest = verify(folder, nproc=cfg.parallel.nproc, layout=layout, model=model)
-    if manifest["step"] >= cfg.train.steps:
-        raise UsageError(f"cannot resume: the checkpoint in {folder} is at step "
-                         f"{manifest['step']}, and --steps is {cfg.train.steps}: nothing left "
-                         f"to train (raise --steps)")
-
-
-def _load_trace(cfg: RunConfig):
-    from spikeguard.routing.trace import load_trace
-
-    model = cfg.model.builtin
-    trace = load_trace(cfg.files.trace)
-    trace.check_matches(steps=cfg.train.steps, num_layers=model.num_layers,
-                        num_experts=model.num_experts, top_k=model.top_k, ep=cfg.layout.ep,
-                        micro_batches=cfg.train.micro_batches,
-                        tokens_per_micro_batch=cfg.tokens_per_micro_batch)
-    return trace
 
 
 def _run_rank(cfg: RunConfig) -> int:
@@ -267,7 +147,7 @@ class RankRun:
         ep_rank = self.groups.ep_rank if self.groups is not None else 0
         observers = []
         if files.trace is not None:
-            observers.append(TraceReplayer(modules, _load_trace(cfg), rank=ep_rank))
+            observers.append(TraceReplayer(modules, load_trace(cfg), rank=ep_rank))
         if files.record_trace is not None:
             model_cfg = cfg.model.builtin
             writer = None
