@@ -82,6 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
     rank_started()  # under torchrun: die with it (a no-op elsewhere)
     stops = _StopSignals()
+    global _STOPS
+    _STOPS = stops
     with stops.installed():
         try:
             code = _run(argv)
@@ -98,7 +100,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
-PEER_STOP_WAIT_S = 1.0
+PEER_STOP_WAIT_S = 3.0   # how long a launched rank whose peer vanished waits for its own stop
+_STOPS: Optional["_StopSignals"] = None   # main()'s, while it runs
+
+
+def _await_own_stop() -> None:
+    """A launched rank's peer is gone: if that was the launcher's forwarded SIGINT/SIGTERM,
+    this rank's copy is on its way (or was taken already, inside the collective that
+    then broke): stop on it, silently, rather than report the peer."""
+    from spikeguard.errors import Interrupted
+
+    deadline = time.monotonic() + PEER_STOP_WAIT_S
+    while True:
+        if _STOPS is not None and _STOPS.signum is not None:
+            raise Interrupted(_STOPS.signum)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _exit_now(code: int) -> None:
@@ -150,7 +168,7 @@ def _run(argv: Optional[Sequence[str]]) -> int:
         if LAUNCHER_ENV in os.environ:
             # The peer may have stopped on a SIGINT/SIGTERM the launcher forwarded to the
             # whole job, and this rank's is on its way (it lands here as Interrupted).
-            time.sleep(PEER_STOP_WAIT_S)
+            _await_own_stop()
         # A rank of the group died (the launcher names it): this one's collective broke.
         # One line, not a traceback of the broken collective.
         print(f"spikeguard: rank {os.environ.get('RANK', '?')} stopped: another rank of "
