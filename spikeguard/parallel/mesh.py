@@ -24,6 +24,8 @@ from typing import Optional
 
 from spikeguard.errors import UsageError
 
+SCHEDULES = ("1f1b", "interleaved")   # the pipeline schedules (PipelineRank builds them)
+
 
 @dataclass(frozen=True)
 class ParallelLayout:

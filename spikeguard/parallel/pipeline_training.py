@@ -30,12 +30,11 @@ from torch import nn
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.parallel.expert_parallel import expert_parameters, parallelize_experts
-from spikeguard.parallel.mesh import MeshGroups
+from spikeguard.parallel.mesh import SCHEDULES, MeshGroups
 from spikeguard.plan.residency import Residency, attach_residency
 from spikeguard.parallel.pipeline_stages import pipeline_stage, stage_loss, stage_module
 from spikeguard.runtime.step import run_steps
 
-SCHEDULES = ("1f1b", "interleaved")
 
 
 class RankModules(nn.Module):

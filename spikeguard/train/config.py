@@ -25,13 +25,12 @@ from typing import Any, Optional, Union
 from spikeguard.errors import UsageError
 from spikeguard.memory.budget import parse_bytes
 from spikeguard.model.config import PRESETS, ModelConfig, model_config
-from spikeguard.parallel.mesh import ParallelLayout
+from spikeguard.parallel.mesh import SCHEDULES, ParallelLayout
 from spikeguard.routing.skew import PATTERNS, SkewConfig
+from spikeguard.runtime.adapter import SHARED_POLICIES
 from spikeguard.runtime.policies import POLICIES
 from spikeguard.train.loop import MAX_SEED, TrainConfig
 
-SCHEDULES = ("1f1b", "interleaved")
-SHARED_POLICIES = ("keep", "recompute")
 SECTIONS = ("model", "parallel", "train", "guard", "skew", "files")
 MAX_THREADS = 4096
 MAX_NPROC = 4096   # processes on this machine
