@@ -21,6 +21,7 @@ import time
 from typing import Optional, Sequence
 
 from spikeguard.errors import DeviceOutOfMemory, OutputError, UsageError
+from spikeguard.runtime.interrupts import in_finalizer
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -218,7 +219,8 @@ class _StopSignals:
     KeyboardInterrupt raised inside a `__del__` or a weakref callback is printed as
     "Exception ignored in: ..." and dropped, and the run goes on (seen with
     runtime/hooks.py's Packed, 2 of 4 trials). sys.unraisablehook sees every such drop:
-    the interrupt is delivered again, to run as soon as the finalizer is left."""
+    the interrupt is delivered again, to run as soon as the finalizer is left (the
+    library does the same inside every guarded step: spikeguard.runtime.interrupts)."""
 
     def __init__(self):
         self.signum: Optional[int] = None
@@ -246,7 +248,7 @@ class _StopSignals:
         if self.signum is not None and not self._redeliver:
             return
         self.signum = self.signum or signum
-        if _in_finalizer(frame):
+        if in_finalizer(frame):
             self._defer()
             return
         self._redeliver = False
@@ -262,7 +264,7 @@ class _StopSignals:
         self._redeliver = True
 
         def deliver(frame, event, arg):
-            if self._redeliver and not _in_finalizer(frame):
+            if self._redeliver and not in_finalizer(frame):
                 sys.setprofile(None)
                 self._redeliver = False
                 from spikeguard.errors import Interrupted
@@ -275,17 +277,6 @@ class _StopSignals:
             self._defer()
             return
         sys.__unraisablehook__(unraisable)
-
-
-def _in_finalizer(frame) -> bool:
-    """Whether a `__del__` or this module's unraisable hook is on the stack (a weakref
-    callback elsewhere is caught by the hook instead)."""
-    depth = 0
-    while frame is not None and depth < 64:
-        if frame.f_code.co_name in ("__del__", "_unraisable"):
-            return True
-        frame, depth = frame.f_back, depth + 1
-    return False
 
 
 # What gloo and NCCL say in a surviving rank when a peer's process is gone.

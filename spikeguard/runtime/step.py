@@ -32,6 +32,7 @@ import torch.distributed as dist
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
 from spikeguard.memory.budget import format_bytes
 from spikeguard.runtime.device_state import GradSnapshot, decode_where, place_text
+from spikeguard.runtime.interrupts import interrupts_not_swallowed
 
 log = logging.getLogger("spikeguard")
 
@@ -82,6 +83,7 @@ def _check_can_open(guards: Sequence) -> None:
 def opened(guards: Sequence, recorders=None):
     """Every guard's step scope open (device active and enforcing, recorder open)."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(interrupts_not_swallowed())
         for i, guard in enumerate(guards):
             stack.enter_context(guard.step_scope(
                 defer=defers(guard), recorder=recorders[i] if recorders else None))
