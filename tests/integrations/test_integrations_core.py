@@ -1,8 +1,9 @@
-"""The integration layer's contract with the core: no transformers import, clear errors.
+"""The integration layer's contract with the core: no transformers or torchtitan import,
+clear errors.
 
 `import spikeguard` and attaching to the built-in model must work where transformers is
-not importable at all (a subprocess whose import system refuses it), and leave it out of
-sys.modules; `train --hf` there is a one-line usage error. Attaching to a model without a
+not importable at all, nor torchtitan (a subprocess whose import system refuses both),
+and leave both out of sys.modules; `train --hf` there is a one-line usage error. Attaching to a model without a
 recognisable MoE block names what was looked for; attaching twice, detaching twice, and
 stacking transformers' own gradient checkpointing under the guard are usage errors.
 
@@ -29,13 +30,15 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
 
     class Refuse:
         def find_spec(self, name, path=None, target=None):
-            if name == "transformers" or name.startswith("transformers."):
-                raise ImportError("transformers is blocked in this test")
+            for blocked in ("transformers", "torchtitan"):
+                if name == blocked or name.startswith(blocked + "."):
+                    raise ImportError(f"{blocked} is blocked in this test")
 
     sys.meta_path.insert(0, Refuse())
     import torch
     import spikeguard
     import spikeguard.integrations.hf_blocks, spikeguard.train.run, spikeguard.train.hf_probe
+    import spikeguard.integrations.titan_blocks, spikeguard.integrations.titan_models
     from spikeguard.model import build_model, model_config
     model = build_model(model_config("tiny"))
     guard = spikeguard.attach(model, budget="64MiB", policy="adaptive")
@@ -47,6 +50,7 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
     from spikeguard.cli import main
     code = main(["train", "--hf", "mixtral", "--steps", "1"])
     assert "transformers" not in sys.modules, sorted(m for m in sys.modules if "transformers" in m)
+    assert "torchtitan" not in sys.modules, sorted(m for m in sys.modules if "torchtitan" in m)
     print("exit", code)
 """)
 
