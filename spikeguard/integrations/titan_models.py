@@ -52,6 +52,16 @@ class TitanSizes:
         if self.num_layers < 2:
             raise UsageError("a torchtitan deepseek_v3 needs 2 layers at least (the first is dense)")
 
+    @property
+    def num_params(self) -> int:
+        """About the parameters (attention, router, experts, one shared expert, the dense
+        first layer, byte embeddings and head): to refuse an absurd size before building."""
+        d, f = self.d_model, self.d_expert
+        moe = d * self.num_experts + (self.num_experts + 1) * 3 * d * f
+        per_layer = 4 * d * d
+        return 2 * BYTE_VOCAB * d + self.num_layers * per_layer + 6 * d * f \
+            + (self.num_layers - 1) * moe
+
 
 def torchtitan_modules():
     """The torchtitan modules the builder uses; a UsageError saying how to install if absent."""

@@ -49,6 +49,8 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
     assert guard.history[-1]["decisions"]["save"] > 0
     from spikeguard.cli import main
     code = main(["train", "--hf", "mixtral", "--steps", "1"])
+    titan_code = main(["train", "--titan", "deepseek_v3", "--steps", "1"])
+    assert titan_code == 2, titan_code
     assert "transformers" not in sys.modules, sorted(m for m in sys.modules if "transformers" in m)
     assert "torchtitan" not in sys.modules, sorted(m for m in sys.modules if "torchtitan" in m)
     print("exit", code)
@@ -61,6 +63,7 @@ def test_core_never_imports_transformers():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("exit 2")
     assert "pip install 'spikeguard[hf]'" in done.stderr
+    assert "pip install 'spikeguard[titan]'" in done.stderr
     assert "Traceback" not in done.stderr
 
 
