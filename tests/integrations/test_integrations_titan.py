@@ -20,7 +20,10 @@ pytest.importorskip("torchtitan")
 import spikeguard  # noqa: E402
 from spikeguard.integrations.titan_blocks import TitanAdapter, derive_titan_bytes  # noqa: E402
 
+from runtime.true_device_support import PhaseMeter, host_marks  # noqa: E402
 from titan_helpers import HUGE, batches, bitwise, build, moe_blocks, step  # noqa: E402
+
+assert host_marks   # a fixture: imported for pytest to find, used as an argument
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:In CPU autocast")]
 
@@ -135,3 +138,23 @@ def test_detach_gives_the_model_back(case):
     guard.detach()
     assert not any("forward" in vars(e) for e in experts)
     assert bitwise(reference, step(model, DATA))
+
+
+def test_adaptive_peak_under_the_budget_on_the_independent_meter(case, host_marks):
+    """The same tight step measured by tests/meter.py (live storages of every op's output,
+    the host pool left out), not by spikeguard's own figures."""
+    from meter import model_state_tensors
+    model, reference, peaks = case
+    budget = int(peaks["full"] + 0.8 * (peaks["none"] - peaks["full"]))
+    guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    meter = PhaseMeter(baseline_tensors=model_state_tensors(model, None))
+    host_marks["meter"] = meter
+    try:
+        with meter:
+            actual = step(model, DATA, guard)
+    finally:
+        host_marks["meter"] = None
+        guard.detach()
+    assert bitwise(reference, actual)
+    assert meter.peak_bytes <= budget, (meter.peak_bytes, budget)
+    assert abs(meter.peak_bytes - guard.history[-1]["peak_bytes"]) <= 0.02 * budget
