@@ -25,14 +25,20 @@ def _train(*args, timeout=200):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", [[], ["--nproc", "2", "--ep", "2"]], ids=["one", "ep2"])
-def test_trains_and_finishes(layout):
-    done = _train("deepseek_v3", "--steps", "2", "--budget", "auto", *SMALL, *layout)
+def test_trains_in_one_process(capsys):
+    from spikeguard.cli import main
+    assert main(["train", "--titan", "deepseek_v3", "--steps", "2", "--budget", "auto",
+                 *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "torchtitan 0.3.0" in out and "done: 2 steps" in out
+
+
+def test_trains_under_torchrun_with_torchtitans_ep():
+    done = _train("deepseek_v3", "--steps", "2", "--budget", "auto", *SMALL,
+                  "--nproc", "2", "--ep", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "torchtitan 0.3.0" in done.stdout and "done: 2 steps" in done.stdout
-    if layout:
-        assert "4 experts per rank (torchtitan's EP)" in done.stdout
-    assert "Traceback" not in done.stderr
+    assert "4 experts per rank (torchtitan's EP)" in done.stdout
+    assert "done: 2 steps" in done.stdout and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("args, says", [
