@@ -2,12 +2,20 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# torchtitan for spikeguard.integrations.titan_* and its tests: installed without its
+# declared dependencies (datasets, wandb, tensorboard, ...: its trainer's, not its MoE
+# model's), with only what `import torchtitan.models` needs. triton is imported at module
+# level by its token dispatcher (a 286 MB wheel; never run on CPU). Same pins as the
+# `titan` extra in pyproject.toml.
+TITAN_PKGS := torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0 tyro==1.0.17 \
+	docstring_parser==0.18.0 typeguard==4.6.1
 
 .PHONY: demo test bench bench-pp clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps $(TITAN_PKGS)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -3,18 +3,22 @@
 The protocol is spikeguard.runtime.adapter's; importing this package registers the
 adapters with it, in the order `attach` tries them: spikeguard's own `MoEBlock`
 (spikeguard.integrations.builtin), then Hugging Face transformers v5 MoE blocks,
-recognised by structure (spikeguard.integrations.hf_blocks). Neither imports
-transformers: `pip install spikeguard[hf]` is only needed to build HF models
-(spikeguard.integrations.hf_models, `spikeguard train --hf`).
+recognised by structure (spikeguard.integrations.hf_blocks), and torchtitan's MoE
+layers, also by structure (spikeguard.integrations.titan_blocks; tried before the HF one,
+whose shape they do not have anyway). None imports transformers or torchtitan:
+`pip install spikeguard[hf]` / `spikeguard[titan]` are only needed to build their models
+(hf_models.py, titan_models.py; `spikeguard train --hf` / `--titan`).
 """
 
 from __future__ import annotations
 
 from spikeguard.integrations.builtin import BuiltinAdapter
 from spikeguard.integrations.hf_blocks import HFAdapter
+from spikeguard.integrations.titan_blocks import TitanAdapter
 from spikeguard.runtime.adapter import find_adapter, register_adapter
 
 register_adapter(BuiltinAdapter)
+register_adapter(TitanAdapter)
 register_adapter(HFAdapter)
 
-__all__ = ["BuiltinAdapter", "HFAdapter", "find_adapter"]
+__all__ = ["BuiltinAdapter", "HFAdapter", "TitanAdapter", "find_adapter"]

@@ -77,14 +77,23 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
         return call(hidden_states, top_k_index, top_k_weights)
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
     counts = counts_E[: part.num_experts].tolist()
+    return run_region(guard, layer, call, (hidden_states, top_k_index, top_k_weights), counts,
+                      top_k_index.numel())
+
+
+def run_region(guard, layer: int, call, inputs: tuple, counts: list[int], num_routed: int):
+    """Decide on `num_routed` copies (`counts` per expert, for the record) and run
+    `call(*inputs)` as one region under the plan; `inputs[0]` is what the experts read
+    (its gradient is where their backward is done). Shared by every adapter whose experts
+    run as one call (Hugging Face here, torchtitan in titan_window.py)."""
+    hidden_states = inputs[0]
     if guard.in_full_region:
         guard.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
-        return call(hidden_states, top_k_index, top_k_weights)
-    decision = guard.decide(layer, sum(counts))
+        return call(*inputs)
+    decision = guard.decide(layer, num_routed)
     action = region_action(decision.plan)
     guard.record_plan(layer, counts, RegionPlan((action,)))
     guard.ctx.op = OP
-    inputs = (hidden_states, top_k_index, top_k_weights)
     if action is Action.RECOMPUTE:
         out = _recompute(guard, call, inputs)
     elif action is Action.OFFLOAD:
@@ -96,7 +105,7 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
             # built-in stages' do; spread evenly, as at calibration (recompute re-runs all)
             share = (time.perf_counter() - start) / len(EXPERT_STAGES)
             for stage in EXPERT_STAGES:
-                guard.cost.observe(stage, top_k_index.numel(), share)
+                guard.cost.observe(stage, num_routed, share)
     guard.ctx.op = "combine"
     # Where backward is, as the built-in expert path marks it: the experts call's backward
     # starts at its output's gradient and is done at its input's (layer 0's "dispatch" is

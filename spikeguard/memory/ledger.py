@@ -23,13 +23,33 @@ from spikeguard.memory.device import make_device
 StorageKey = tuple[object, int]
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds `t`'s bytes on this process: a DTensor's local shard
+    (torch 2.13: `untyped_storage()` of a DTensor raises; its bytes here are the shard's),
+    else `t` itself."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None and type(t) is not torch.Tensor:
+        with torch.no_grad():
+            return to_local()
+    return t
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or the tensor an asynchronous collective's result wraps once it is waited for
+    (torch's AsyncCollectiveTensor, what `_functional_collectives.all_to_all_single`
+    returns, e.g. in torchtitan's dispatcher: the wrapper has no valid storage of its own)."""
+    wait = getattr(t, "trigger_wait", None)
+    return wait() if wait is not None and type(t) is not torch.Tensor else t
+
+
 def storage_key(t: torch.Tensor) -> StorageKey:
     """Identity of the memory a tensor lives in (views of one storage share it)."""
+    t = local_tensor(plain_tensor(t))
     return (t.device, t.untyped_storage().data_ptr())
 
 
 def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    return local_tensor(plain_tensor(t)).untyped_storage().nbytes()
 
 
 @dataclass

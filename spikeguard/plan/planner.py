@@ -69,6 +69,12 @@ class Planner:
     def offload_bytes_per_token(self, plan: LayerPlan) -> int:
         return sum(self._per_token[op] for op, a in zip(OPS, plan.actions) if a is Action.OFFLOAD)
 
+    def layer_bytes(self, plan: LayerPlan) -> tuple[int, int]:
+        """(device, offloaded) bytes a plan keeps whatever the routed count: 0 for the
+        built-in expert path; an adapter whose experts save per-layer constants (a
+        low-precision copy of the weights, say) overrides it."""
+        return 0, 0
+
     def refresh(self) -> None:
         """The cost model may have moved: rank again before the next decision that needs it."""
         self._stale = True
@@ -114,28 +120,31 @@ class Planner:
         evicts or raises when nothing fits."""
         keep_all = self._keep_all()
         if keep_all is not None:
-            need = self._fixed_per_plan(keep_all)[0] * num_routed
+            need = self._fixed_per_plan(keep_all)[0] * num_routed + self.layer_bytes(keep_all)[0]
             if need <= headroom_bytes and (backward_room is None or need <= backward_room):
                 return Decision(keep_all, need, 0.0)
         for r in self.ranked():
-            need = r.device_bytes_per_token * num_routed
+            fixed_device, fixed_offload = self.layer_bytes(r.plan)
+            need = r.device_bytes_per_token * num_routed + fixed_device
             if need > headroom_bytes:
                 continue
             if backward_room is not None and \
-                    need + r.offload_bytes_per_token * num_routed > backward_room:
+                    need + r.offload_bytes_per_token * num_routed + fixed_offload > backward_room:
                 continue
             return Decision(r.plan, need, r.s_per_token * num_routed)
         # Nothing fits: take the plan with the smallest shortfall over both passes, and
         # evict that much from earlier layers (evicted bytes leave the device in both).
         def shortfall_of(r: Ranked) -> int:
-            need = r.device_bytes_per_token * num_routed
+            fixed_device, fixed_offload = self.layer_bytes(r.plan)
+            need = r.device_bytes_per_token * num_routed + fixed_device
             short = need - headroom_bytes
             if backward_room is not None:
-                short = max(short, need + r.offload_bytes_per_token * num_routed - backward_room)
+                short = max(short, need + r.offload_bytes_per_token * num_routed
+                            + fixed_offload - backward_room)
             return short
 
         smallest = min(self.ranked(), key=lambda r: (shortfall_of(r), r.s_per_token))
-        need = smallest.device_bytes_per_token * num_routed
+        need = smallest.device_bytes_per_token * num_routed + self.layer_bytes(smallest.plan)[0]
         shortfall = shortfall_of(smallest)
         if shortfall <= evictable_bytes:
             return Decision(smallest.plan, need, smallest.s_per_token * num_routed, shortfall)
@@ -153,9 +162,10 @@ class Planner:
         """The plan keeping the least on the device (when nothing fits and the forward must
         still finish, as on an expert-parallel rank)."""
         r = min(self.ranked(), key=lambda r: (r.device_bytes_per_token, r.s_per_token))
-        return Decision(r.plan, r.device_bytes_per_token * num_routed, r.s_per_token * num_routed)
+        return Decision(r.plan, r.device_bytes_per_token * num_routed + self.layer_bytes(r.plan)[0],
+                        r.s_per_token * num_routed)
 
     def fixed(self, plan: LayerPlan, num_routed: int) -> Decision:
         """A static policy's decision, with the same bookkeeping."""
-        return Decision(plan, self.device_bytes_per_token(plan) * num_routed,
-                        self.added_s(plan, num_routed))
+        return Decision(plan, self.device_bytes_per_token(plan) * num_routed
+                        + self.layer_bytes(plan)[0], self.added_s(plan, num_routed))

@@ -18,6 +18,7 @@ from torch import nn
 
 from spikeguard.errors import UsageError
 from spikeguard.memory import device as device_memory
+from spikeguard.memory.ledger import local_tensor
 from spikeguard.memory.budget import format_bytes, parse_bytes
 from spikeguard.plan.layer_room import MICRO_BATCH_CODES
 
@@ -106,8 +107,16 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
     moved: dict[int, torch.Tensor] = {}
     with meter.active():
         for owner, key, t in list(state_tensors(model, optimizer)):
-            if t.device.type != "cpu" or type(t) is not torch.Tensor:
-                continue   # DTensor and other subclasses keep their own storage
+            if t.device.type != "cpu":
+                continue
+            if type(t) is not torch.Tensor:
+                local = local_tensor(t)
+                if type(local) is not torch.Tensor:
+                    continue   # other subclasses keep their own storage
+                # A DTensor (experts sharded over an expert-parallel mesh): its local
+                # shard is what this rank's device holds; moved in place (`set_`), so
+                # the DTensor object, its mesh and placements stay as they are.
+                owner, key, t = None, "local", local
             ptr = t.untyped_storage().data_ptr()
             if ptr not in moved:
                 # A tensor clone, not `UntypedStorage.clone()`: a storage keeps the allocator
@@ -117,7 +126,10 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
             storage = moved[ptr].untyped_storage()
             new = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(),
                                                      t.size(), t.stride())
-            if key == "data":
+            if key == "local":
+                with torch.no_grad():
+                    t.set_(storage, t.storage_offset(), t.size(), t.stride())
+            elif key == "data":
                 owner.data = new
             elif key == "grad":
                 owner.grad = new

@@ -37,7 +37,7 @@ from torch import nn
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.runtime.adapter import SHARED_POLICIES, find_adapter
-from spikeguard.memory.ledger import Ledger, storage_key
+from spikeguard.memory.ledger import Ledger, local_tensor, storage_key
 from spikeguard.memory.static import static_bytes
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
@@ -360,7 +360,8 @@ class Guard:
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
         self.window.begin_micro_batch(
             num_tokens(args, kwargs),
-            sum(p.numel() * p.element_size() for p in self._trained if p.grad is None))
+            sum(local_tensor(p).numel() * p.element_size()   # a sharded expert: its shard
+                for p in self._trained if p.grad is None))
         if self._recorder is not None:
             self._recorder.begin_attempt()
         if self.policy == "adaptive":  # static policies never rank plans

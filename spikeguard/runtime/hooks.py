@@ -19,7 +19,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from spikeguard.memory.ledger import Ledger, StorageKey, storage_bytes, storage_key
+from spikeguard.memory.ledger import (Ledger, StorageKey, local_tensor, plain_tensor,
+                                      storage_bytes, storage_key)
 from spikeguard.plan.catalogue import Action
 from spikeguard.runtime.offload import OffloadedStorage, OffloadEngine
 
@@ -127,7 +128,8 @@ class SavedTensorTracker:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
 
     def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
+        t = plain_tensor(t)
+        storage = local_tensor(t).untyped_storage()
         key = (t.device, storage.data_ptr())
         if key in self.static_keys:
             return t

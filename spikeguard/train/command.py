@@ -28,7 +28,7 @@ _MODEL = ("seq_len", "num_experts", "top_k", "d_model", "num_layers", "d_expert"
 _TRAIN = ("steps", "batch_size", "micro_batches", "lr", "weight_decay", "grad_clip", "seed",
           "eval_every", "eval_batches")
 _FLAGS: dict[str, tuple[str, str]] = {
-    "preset": ("model", "preset"), "hf": ("model", "hf"),
+    "preset": ("model", "preset"), "hf": ("model", "hf"), "titan": ("model", "titan"),
     **{k: ("model", k) for k in _MODEL}, **{k: ("train", k) for k in _TRAIN},
     "nproc": ("parallel", "nproc"), "ep": ("parallel", "ep"), "pp": ("parallel", "pp"),
     "schedule": ("parallel", "schedule"),
@@ -56,6 +56,10 @@ def add_train_parser(commands) -> None:
                        help="train a tiny Hugging Face transformers MoE model instead (a model "
                             "type such as mixtral, qwen3_moe, olmoe, or a config JSON; random "
                             "weights, nothing downloaded; needs spikeguard[hf]); see docs/hf.md")
+    train.add_argument("--titan", default=None, metavar="NAME",
+                       help="train a tiny torchtitan MoE model instead (deepseek_v3; random "
+                            "weights; one process, or --nproc N --ep N under torchtitan's own "
+                            "expert parallelism; needs spikeguard[titan]); see docs/titan.md")
     model = train.add_argument_group("model overrides")
     for flag in _MODEL:
         model.add_argument("--" + flag.replace("_", "-"), type=int, default=None)

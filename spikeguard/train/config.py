@@ -43,6 +43,7 @@ class ModelChoice:
 
     preset: str = "small"
     hf: Optional[str] = None
+    titan: Optional[str] = None                      # a torchtitan model (titan_family.py)
     overrides: dict = field(default_factory=dict)   # seq_len, d_model, num_layers, ...
 
     def __post_init__(self) -> None:
@@ -50,6 +51,11 @@ class ModelChoice:
             raise UsageError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if self.hf is not None and (not isinstance(self.hf, str) or not self.hf.strip()):
             raise UsageError(f"--hf needs a model type or a config JSON, got {self.hf!r}")
+        if self.titan is not None:
+            if self.hf is not None:
+                raise UsageError("--titan and --hf name two models: choose one")
+            from spikeguard.integrations.titan_models import check_family
+            check_family(self.titan)
 
     @property
     def builtin(self) -> ModelConfig:
@@ -59,6 +65,9 @@ class ModelChoice:
     @property
     def shape(self):
         """The model's sizes: the built-in ModelConfig, or a Hugging Face run's HFSizes."""
+        if self.titan is not None:
+            from spikeguard.integrations.titan_models import TitanSizes
+            return TitanSizes(**self.overrides)
         if self.hf is None:
             return self.builtin
         from spikeguard.integrations.hf_models import HFSizes
@@ -66,7 +75,7 @@ class ModelChoice:
 
     @property
     def name(self) -> str:
-        return self.hf if self.hf is not None else self.preset
+        return self.titan or (self.hf if self.hf is not None else self.preset)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +255,17 @@ class RunConfig:
                     raise UsageError(f"{what} is not available with --hf: Hugging Face models "
                                      f"train on one process here, and their routing is "
                                      f"transformers' own (no trace hooks)")
+        if self.model.titan is not None:
+            for what, refused in (("--pp", layout.pp != 1), ("--ep below --nproc (data "
+                                  "parallel)", layout.ep != layout.nproc),
+                                  ("--skew", self.skew.pattern is not None),
+                                  ("--trace", self.files.trace is not None),
+                                  ("--record-trace", self.files.record_trace is not None),
+                                  ("--checkpoint-dir", self.files.checkpoint_dir is not None)):
+                if refused:
+                    raise UsageError(f"{what} is not available with --titan: torchtitan models "
+                                     f"train on one process or under torchtitan's own expert "
+                                     f"parallelism (--nproc N --ep N), with its own routing")
         skew = self.skew.config(layout.ep)
         if skew is not None:
             from spikeguard.routing.skew import SkewSchedule
@@ -286,7 +306,7 @@ class RunConfig:
             raise UsageError(f"unknown section(s) {', '.join(sorted(unknown))}; the sections "
                              f"are {', '.join(SECTIONS)}")
         model = dict(data.get("model", {}))
-        choice = {k: model.pop(k) for k in ("preset", "hf") if k in model}
+        choice = {k: model.pop(k) for k in ("preset", "hf", "titan") if k in model}
         parallel = dict(data.get("parallel", {}))
         train = dict(data.get("train", {}))
         if "micro_batches" not in train and parallel.get("pp", 1) > 1:

@@ -101,6 +101,11 @@ class RankRun:
         from spikeguard.train.engines import BuiltinFamily, HFFamily
 
         cfg = self.cfg
+        if cfg.model.titan is not None:
+            from spikeguard.train.titan_family import TitanFamily, build_for_run
+            model, self.titan_sizes = build_for_run(cfg.model.titan, cfg.model.overrides,
+                                                    cfg.train.seed, cfg.layout.ep)
+            return TitanFamily, model, self.titan_sizes.seq_len
         if cfg.model.hf is None:
             from spikeguard.model.transformer import build_model
             model_cfg = cfg.model.builtin
@@ -115,6 +120,9 @@ class RankRun:
         from spikeguard.train.engines import LocalEngine, PipelineEngine
 
         cfg = self.cfg
+        if cfg.model.titan is not None:
+            from spikeguard.train.titan_family import TitanEngine
+            return TitanEngine(model, self.family, self.groups, grad_clip=cfg.train.grad_clip)
         if cfg.layout.pp == 1:
             target = None
             if cfg.skew_config is not None:
@@ -233,6 +241,15 @@ class RankRun:
             calm = self.injector.schedule.config.calm_max_ratio
             self.injector.hold(calm)
             held = f", routing held at the calm maximum {calm:g}x on rank 0"
+        if cfg.model.titan is not None:
+            from spikeguard.train.titan_family import calm_peak_bytes as titan_calm_peak
+            peak, static = titan_calm_peak(self.engine.model, self.engine.optimizers[0], batches,
+                                           self.groups is not None)
+            budget = auto_budget(peak, static)
+            self._say(f"memory: budget auto = {format_bytes(budget)}: a calm step with "
+                      f"everything saved peaks at {format_bytes(peak)} (worst rank), plus "
+                      f"{AUTO_MARGIN:.0%} of its activations (emulated device)")
+            return budget
         if cfg.model.hf is not None:
             from spikeguard.train.hf_probe import measure_unguarded_peak
             peak = measure_unguarded_peak(self.engine.model, self.engine.optimizers[0], batches)
@@ -297,7 +314,10 @@ class RankRun:
 
         cfg, train_cfg = self.cfg, self.cfg.train
         tokens = train_cfg.micro_batches * train_cfg.batch_size * (self.seq_len + self.family.token_offset)
-        if cfg.model.hf is None:
+        if cfg.model.titan is not None:
+            from spikeguard.train.titan_family import describe
+            what = describe(cfg.model.titan, self.titan_sizes, cfg.layout.ep)
+        elif cfg.model.hf is None:
             m = cfg.model.builtin
             what = (f"model {cfg.model.preset}: {m.num_layers} layers, {m.num_experts} experts "
                     f"top-{m.top_k}")
@@ -317,7 +337,7 @@ class RankRun:
         elif L.nproc > 1:
             self._say(f"expert parallel: {L.ep} ranks (gloo)"
                       + (f" x data parallel {L.dp}" if L.dp > 1 else "")
-                      + f", {cfg.model.builtin.num_experts // L.ep} experts each; skew "
+                      + f", {cfg.model.shape.num_experts // L.ep} experts each; skew "
                       f"{cfg.skew.pattern or 'none'}; step lines are rank 0's, rank-imb and "
                       f"peak are the cluster's")
 

@@ -1,8 +1,9 @@
-"""The integration layer's contract with the core: no transformers import, clear errors.
+"""The integration layer's contract with the core: no transformers or torchtitan import,
+clear errors.
 
 `import spikeguard` and attaching to the built-in model must work where transformers is
-not importable at all (a subprocess whose import system refuses it), and leave it out of
-sys.modules; `train --hf` there is a one-line usage error. Attaching to a model without a
+not importable at all, nor torchtitan (a subprocess whose import system refuses both),
+and leave both out of sys.modules; `train --hf` there is a one-line usage error. Attaching to a model without a
 recognisable MoE block names what was looked for; attaching twice, detaching twice, and
 stacking transformers' own gradient checkpointing under the guard are usage errors.
 
@@ -29,13 +30,15 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
 
     class Refuse:
         def find_spec(self, name, path=None, target=None):
-            if name == "transformers" or name.startswith("transformers."):
-                raise ImportError("transformers is blocked in this test")
+            for blocked in ("transformers", "torchtitan"):
+                if name == blocked or name.startswith(blocked + "."):
+                    raise ImportError(f"{blocked} is blocked in this test")
 
     sys.meta_path.insert(0, Refuse())
     import torch
     import spikeguard
     import spikeguard.integrations.hf_blocks, spikeguard.train.run, spikeguard.train.hf_probe
+    import spikeguard.integrations.titan_blocks, spikeguard.integrations.titan_models
     from spikeguard.model import build_model, model_config
     model = build_model(model_config("tiny"))
     guard = spikeguard.attach(model, budget="64MiB", policy="adaptive")
@@ -46,7 +49,10 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
     assert guard.history[-1]["decisions"]["save"] > 0
     from spikeguard.cli import main
     code = main(["train", "--hf", "mixtral", "--steps", "1"])
+    titan_code = main(["train", "--titan", "deepseek_v3", "--steps", "1"])
+    assert titan_code == 2, titan_code
     assert "transformers" not in sys.modules, sorted(m for m in sys.modules if "transformers" in m)
+    assert "torchtitan" not in sys.modules, sorted(m for m in sys.modules if "torchtitan" in m)
     print("exit", code)
 """)
 
@@ -57,6 +63,7 @@ def test_core_never_imports_transformers():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("exit 2")
     assert "pip install 'spikeguard[hf]'" in done.stderr
+    assert "pip install 'spikeguard[titan]'" in done.stderr
     assert "Traceback" not in done.stderr
 
 

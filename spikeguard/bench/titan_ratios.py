@@ -1,0 +1,127 @@
+"""Throughput of a torchtitan MoE under the guard at EP=2, side by side (CPU, emulated device).
+
+    .venv/bin/python -m spikeguard.bench.titan_ratios --reps 5 --steps 8
+
+Two spawned gloo ranks run torchtitan's own expert parallelism on a tiny `deepseek_v3`
+(spikeguard.integrations.titan_models). Each segment is `--steps` steps of one setting;
+segments are interleaved (ceiling, none, full, adaptive, ceiling, ...) `--reps` times, the
+first round dropped as warm-up. Every `--spike-every`-th step routes every token of both
+ranks to rank 0's experts (torchtitan's expert_bias_E): 2x rank 0's share. Settings:
+  ceiling   the unguarded torchtitan model, no budget;
+  none      the guard with everything kept and no budget;
+  full      the guard recomputing every layer whole, at the budget;
+  adaptive  the guard deciding per layer and micro-batch, at the budget.
+The budget is the calm step's true peak with everything kept (worst rank) x 1.04. Each
+segment's tokens/s over the ceiling's in the same round; medians printed (a measurement,
+never asserted). Needs `pip install 'spikeguard[titan]'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned
+
+SETTINGS = ("ceiling", "none", "full", "adaptive")
+
+
+def _batches(rank: int, step: int, batch: int, seq: int):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return [(torch.randint(0, 256, (batch, seq), generator=gen),
+             torch.randint(0, 256, (batch, seq), generator=gen)) for _ in range(2)]
+
+
+def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
+    warnings.filterwarnings("ignore", message="In CPU autocast")
+    init_gloo(rank, world, store)
+    import spikeguard
+    from spikeguard.integrations.titan_models import TitanSizes, build_titan_model, lm_loss
+    model = build_titan_model("deepseek_v3", TitanSizes(seq_len=seq), ep=2)
+    blocks = [l.moe for l in model.layers.values() if getattr(l, "moe", None) is not None]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def one_step(guard, i):
+        for b in blocks:
+            b.expert_bias_E.zero_()
+            if spike_every and i % spike_every == spike_every - 1:
+                b.expert_bias_E[:4] = 10.0
+        data = _batches(rank, i, batch, seq)
+
+        def body():
+            for x, y in data:
+                lm_loss(model, x, y).backward()
+        if guard is None:
+            body()
+        else:
+            guard.run_step(body)
+        opt.step()
+        opt.zero_grad()
+
+    probe = spikeguard.attach(model, budget="1GiB", policy="none", optimizer=opt)
+    for i in range(2):
+        one_step(probe, 2 * i)   # calm steps (even i never spikes with spike_every >= 2)
+    calm = torch.tensor([max(r["peak_bytes"] for r in probe.history)])
+    probe.detach()
+    torch.distributed.all_reduce(calm, op=torch.distributed.ReduceOp.MAX)
+    budget = int(calm.item() * 1.04)
+    rows = []
+    for rep in range(reps + 1):
+        for setting in SETTINGS:
+            guard = None
+            if setting != "ceiling":
+                guard = spikeguard.attach(model, budget="1GiB" if setting == "none" else budget,
+                                          policy=setting, optimizer=opt)
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            for i in range(steps):
+                one_step(guard, i)
+            torch.distributed.barrier()
+            seconds = time.perf_counter() - start
+            peak = max(r["peak_bytes"] for r in guard.history) if guard else 0
+            if guard is not None:
+                guard.detach()
+            rows.append({"rep": rep, "setting": setting, "s": seconds, "peak": peak,
+                         "tokens": steps * 2 * batch * seq})
+    (Path(out) / f"{rank}.json").write_text(json.dumps({"budget": budget, "rows": rows}))
+    del model, opt, guard, probe
+    close_gloo()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--spike-every", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    args = parser.parse_args(argv)
+    out = Path(tempfile.mkdtemp())
+    run_spawned(_worker, 2, (str(out), args.reps, args.steps, args.spike_every,
+                             args.batch_size, args.seq_len), out / "store", timeout_s=3000)
+    ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    rows = ranks[0]["rows"]
+    peaks = {s: max(r["peak"] for rk in ranks for r in rk["rows"] if r["setting"] == s)
+             for s in SETTINGS}
+    ceiling = {r["rep"]: r["s"] for r in rows if r["setting"] == "ceiling"}
+    print(f"budget {ranks[0]['budget'] / 2**20:.2f} MiB (calm peak x 1.04, worst rank); "
+          f"medians of {args.reps} interleaved rounds (first dropped), EP=2, CPU, emulated device")
+    print("| setting | tokens/s (rank 0) | vs ceiling | peak (worst rank) |")
+    print("|---|---|---|---|")
+    for s in SETTINGS:
+        mine = [r for r in rows if r["setting"] == s and r["rep"] > 0]
+        tps = statistics.median(r["tokens"] / r["s"] for r in mine)
+        ratio = statistics.median(ceiling[r["rep"]] / r["s"] for r in mine)
+        peak = f"{peaks[s] / 2**20:.2f} MiB" if peaks[s] else "-"
+        print(f"| {s} | {tps:.0f} | {ratio:.3f} | {peak} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""`spikeguard train --titan NAME`: a tiny torchtitan MoE model in the one training loop.
+
+    .venv/bin/spikeguard train --titan deepseek_v3 --steps 20 --budget auto
+    .venv/bin/spikeguard train --titan deepseek_v3 --nproc 2 --ep 2 --steps 20 --budget auto
+
+The family (how a micro-batch is fed and scored: `model(idx_BT)` gives logits, the loss
+is next-byte cross-entropy), the engine under torchtitan's own expert parallelism
+(`TitanEngine`: the experts are torchtitan's DTensors, sharded by its
+`Module.parallelize`, not spikeguard's `parallelize_experts`), and the auto budget's
+probe. Imports torchtitan only through spikeguard.integrations.titan_models.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spikeguard.integrations.titan_models import TitanSizes, build_titan_model, lm_loss
+from spikeguard.train.engines import LocalEngine
+
+# torchtitan's router asks CPU autocast for float32, which CPU autocast does not do; the
+# warning says so once per process and changes nothing (the gate runs in float32 anyway).
+warnings.filterwarnings("ignore", message="In CPU autocast")
+
+
+class TitanFamily:
+    """A torchtitan decoder: a micro-batch is (idx_BT, targets_BT), its forward the logits."""
+
+    name = "titan"
+    token_offset = 0
+
+    @staticmethod
+    def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
+        return corpus.get_batch(split, batch_size, seq_len, gen)
+
+    @staticmethod
+    def losses(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss = lm_loss(model, *batch)
+        return loss, loss, torch.zeros(())
+
+    @staticmethod
+    def eval_loss(model: nn.Module, batch) -> torch.Tensor:
+        return lm_loss(model, *batch)
+
+
+def build_for_run(name: str, overrides: dict, seed: int, ep: int) -> tuple[nn.Module, TitanSizes]:
+    sizes = TitanSizes(**overrides)
+    return build_titan_model(name, sizes, seed=seed, ep=ep), sizes
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """A torchtitan expert weight under EP (a DTensor); the rest is replicated."""
+    return type(p) is not torch.Tensor and type(p) is not nn.Parameter and hasattr(p, "to_local")
+
+
+class TitanEngine(LocalEngine):
+    """The local engine over a torchtitan model whose experts torchtitan sharded (EP =
+    nproc, no data parallel): replicated gradients summed over the ranks; the experts'
+    need none (the reverse all-to-all brought every rank's contribution to their owner);
+    the clipped norm is the whole model's, the same on every rank."""
+
+    def __init__(self, model: nn.Module, family, groups=None, *, grad_clip: float = 1.0):
+        # Not LocalEngine's: its EP path shards spikeguard's own experts.
+        super().__init__(model, family, None, grad_clip=grad_clip)
+        self.groups = groups
+        self.loss_scale = 1.0 / (groups.layout.nproc if groups is not None else 1)
+
+    def _reduce_grads(self) -> None:
+        grads = [p.grad for p in self.model.parameters()
+                 if p.grad is not None and not is_sharded(p)]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.groups is None:
+            return torch.nn.utils.clip_grad_norm_(params, self.grad_clip).item()
+        local = [p.grad.to_local() if is_sharded(p) else p.grad for p in params]
+        replicated = sum((g.float() ** 2).sum() for p, g in zip(params, local) if not is_sharded(p))
+        sharded = torch.as_tensor(sum((g.float() ** 2).sum() for p, g in zip(params, local)
+                                      if is_sharded(p)), dtype=torch.float32).clone()
+        dist.all_reduce(sharded)
+        norm = (torch.as_tensor(replicated, dtype=torch.float32) + sharded).sqrt()
+        coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        for g in local:
+            g.mul_(coef)
+        return norm.item()
+
+    def summarize(self, record: dict, step: int) -> dict:
+        return {}
+
+
+def calm_peak_bytes(model: nn.Module, optimizer, batches, distributed: bool) -> tuple[int, int]:
+    """(peak, static) device bytes of one step with everything saved (worst rank), the
+    optimizer step's peak included, then undone (gradients dropped, state reset)."""
+    from spikeguard import attach
+    guard = attach(model, budget="1TiB", policy="none", optimizer=optimizer)
+    state = {k: v for k, v in optimizer.state_dict().items()}
+    try:
+        def body():
+            for batch in batches:
+                TitanFamily.losses(model, batch)[0].backward()
+        guard.run_step(body)
+        record = guard.history[-1]
+    finally:
+        guard.detach()
+        model.zero_grad(set_to_none=True)
+        optimizer.load_state_dict(state)
+    from spikeguard.memory.static import optimizer_state_bytes
+    expected, present = optimizer_state_bytes(model, optimizer)
+    both = torch.tensor([record["peak_bytes"] + expected - present, record["static_bytes"]
+                         + expected - present], dtype=torch.int64)
+    if distributed:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    peak, static = both.tolist()
+    return int(peak), int(min(static, peak))
+
+
+def describe(name: str, sizes: TitanSizes, ep: int) -> str:
+    per = f", {sizes.num_experts // ep} experts per rank (torchtitan's EP)" if ep > 1 else ""
+    return (f"model {name} (torchtitan 0.3.0, random weights, SDPA attention): "
+            f"{sizes.num_layers} layers (1 dense), {sizes.num_experts} experts top-{sizes.top_k}"
+            f"{per}")
+
+
+__all__ = ["TitanFamily", "TitanEngine", "build_for_run", "calm_peak_bytes", "describe"]

@@ -1,0 +1,125 @@
+"""torchtitan MoE under torchtitan's own expert parallelism, EP=2 (2 spawned ranks, gloo).
+
+The experts are DTensors sharded over torchtitan's `ep` mesh, dispatch and combine are its
+AllToAllTokenDispatcher's all-to-alls. Shown here:
+  * gradients `torch.equal` to the unguarded torchtitan model's in the same layout, under
+    every policy (each rank's local shards and replicas);
+  * a 2x spike forced onto rank 0 (every token of both ranks routed to rank 0's experts,
+    through torchtitan's own `expert_bias_E`, which moves the choice and not the scores)
+    under a budget that calm steps fit: `none` dies on rank 0 with the one-line
+    out-of-memory message, adaptive stays under the budget on the device's true count
+    (the emulated allocator's, not the ledger) while rank 1 keeps everything: the ranks
+    decide differently and the step completes, gradients bitwise;
+  * a whole-layer fallback forced on rank 0 only completes (the layer's all-to-alls are
+    kept, not re-issued, by its recompute), gradients bitwise.
+
+    .venv/bin/python -m pytest tests/integrations/test_integrations_titan_ep.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore:In CPU autocast")]
+
+POLICIES = ("none", "full", "experts", "offload", "adaptive")
+
+
+def _spike(model, on: bool) -> None:
+    from titan_helpers import moe_blocks
+    for block in moe_blocks(model):
+        block.expert_bias_E.zero_()
+        if on:
+            block.expert_bias_E[:4] = 10.0   # rank 0's experts (0-3) win every top-3
+
+
+def _worker(rank, world, store, out_dir, scenario):
+    warnings.filterwarnings("ignore", message="In CPU autocast")
+    init_gloo(rank, world, store)
+    import spikeguard
+    from titan_helpers import HUGE, batches, bitwise, build, step
+    result = {}
+    model = build(ep=2)
+    data = batches(10 + rank)
+    if scenario == "spike":   # first the calm data under every policy
+        reference = step(model, data)
+        result["policies"] = {}
+        for policy in POLICIES:
+            guard = spikeguard.attach(model, budget=HUGE, policy=policy)
+            result["policies"][policy] = bitwise(reference, step(model, data, guard))
+            guard.detach()
+    # The calm peak with everything kept, then the spiked reference, unguarded.
+    guard = spikeguard.attach(model, budget=HUGE, policy="none")
+    step(model, data, guard)
+    calm = torch.tensor([guard.history[-1]["peak_bytes"]])
+    guard.detach()
+    torch.distributed.all_reduce(calm, op=torch.distributed.ReduceOp.MAX)
+    budget = int(calm.item() * 1.04)
+    _spike(model, True)
+    reference = step(model, data)
+    result["budget"] = budget
+    if scenario == "spike":
+        guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+        result["bitwise"] = bitwise(reference, step(model, data, guard))
+        record = guard.history[-1]
+        result.update(peak=record["peak_bytes"], decisions=record["decisions"],
+                      reruns=len(record["safety_net"]))
+        guard.detach()
+        guard = spikeguard.attach(model, budget=HUGE, policy="adaptive")
+        if rank == 0:   # this rank alone recomputes its second MoE layer whole
+            guard.window.layer_cannot_fit = lambda layer: layer == 1
+        result["fallback_bitwise"] = bitwise(reference, step(model, data, guard))
+        result["fallback_decisions"] = guard.history[-1]["decisions"]
+        guard.detach()
+    else:   # "none": dies on the spiked rank, the other sees its peer go
+        guard = spikeguard.attach(model, budget=budget, policy="none")
+        try:
+            step(model, data, guard)
+            result["error"] = None
+        except spikeguard.DeviceOutOfMemory as err:
+            result["error"] = "oom: " + str(err)
+        except Exception as err:   # noqa: BLE001 (the peer's broken collective)
+            result["error"] = "peer: " + type(err).__name__
+        (out_dir / f"{rank}.json").write_text(json.dumps(result))
+        os._exit(0)   # a rank whose peer died cannot leave the group cleanly
+    (out_dir / f"{rank}.json").write_text(json.dumps(result))
+    del model, guard
+    close_gloo()
+
+
+def _run(tmp_path, scenario):
+    run_spawned(_worker, 2, (tmp_path, scenario), tmp_path / "store", timeout_s=150)
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_spike_on_one_rank_none_dies_there(tmp_path):
+    r0, r1 = _run(tmp_path, "none")
+    assert r0["error"].startswith("oom: ") and "\n" not in r0["error"], r0
+    assert "on a device of" in r0["error"]
+    assert r1["error"] is None or r1["error"].startswith("peer: "), r1
+
+
+def test_every_policy_bitwise_then_a_spike_adaptive_fits_and_a_lone_fallback_completes(tmp_path):
+    r0, r1 = _run(tmp_path, "spike")
+    for result in (r0, r1):   # calm data: bitwise under every policy
+        assert result["policies"] == {p: True for p in POLICIES}, result
+    for result in (r0, r1):
+        assert result["bitwise"], result
+        assert result["peak"] <= result["budget"], result
+    # the ranks decide differently: the calm rank keeps everything, the hot one does not
+    assert r1["decisions"]["save"] == 4, r1
+    assert r0["decisions"]["save"] < 4 or r0["reruns"], r0
+    # rank 0 alone ran its layer 1 inside a whole-layer checkpoint, both micro-batches:
+    # the step completed (no collective re-issued), gradients bitwise
+    assert r0["fallback_bitwise"] and r1["fallback_bitwise"], (r0, r1)
+    assert r0["fallback_decisions"]["recompute"] >= 2, r0
+    assert r1["fallback_decisions"]["recompute"] == 0, r1
