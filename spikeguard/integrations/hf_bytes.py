@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from spikeguard.integrations.hf_window import tensors_in
+from spikeguard.memory.ledger import local_tensor
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, EXPERT_STAGES
 from spikeguard.plan.planner import Planner
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
@@ -76,10 +77,12 @@ class RegionBytes:
         return {op: num_routed * per for op, per in self.bytes_per_token().items()}
 
     def calibrate(self, cost, experts: nn.Module, num_experts: int, top_k: int,
-                  device, num_routed: int = 512, reps: int = 3) -> None:
+                  device, num_routed: int = 512, reps: int = 3, call=None) -> None:
         """Time the real experts call (no grad) and the host copies on this device; the
-        call's seconds are spread over the four stages (recompute re-runs all of them)."""
-        param = next(experts.parameters())
+        call's seconds are spread over the four stages (recompute re-runs all of them).
+        `call`: what computes the experts (default the module)."""
+        param = local_tensor(next(experts.parameters()))
+        experts = call or experts
         tokens = max(1, num_routed // top_k)
         gen = torch.Generator().manual_seed(0)
         args = random_inputs(tokens, self.d_model, top_k, num_experts, param.device,
@@ -148,10 +151,11 @@ def random_inputs(tokens: int, d_model: int, top_k: int, num_experts: int, devic
 
 
 def probe_bytes(experts: nn.Module, num_experts: int, top_k: int, device,
-                d_model: int) -> RegionBytes:
+                d_model: int, call=None) -> RegionBytes:
     """Learn the byte model by running the call on two token counts (linear fit)."""
-    param = next(experts.parameters())
-    static = {p.untyped_storage().data_ptr() for p in experts.parameters()}
+    param = local_tensor(next(experts.parameters()))
+    static = {local_tensor(p).untyped_storage().data_ptr() for p in experts.parameters()}
+    experts = call or experts
     gen = torch.Generator().manual_seed(0)
     saved, cached, routed = [], [], []
     for tokens in PROBE_TOKENS:

@@ -23,13 +23,20 @@ from spikeguard.memory.device import make_device
 StorageKey = tuple[object, int]
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank holds: a DTensor's local shard (a DTensor has no
+    storage of its own: `untyped_storage()` raises on it, torch 2.13), else `t`."""
+    return getattr(t, "_local_tensor", t)
+
+
 def storage_key(t: torch.Tensor) -> StorageKey:
     """Identity of the memory a tensor lives in (views of one storage share it)."""
+    t = local_tensor(t)
     return (t.device, t.untyped_storage().data_ptr())
 
 
 def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    return local_tensor(t).untyped_storage().nbytes()
 
 
 @dataclass

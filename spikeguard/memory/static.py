@@ -11,11 +11,14 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spikeguard.memory.ledger import local_tensor
+
 OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 1}
 
 
 def static_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
-    params = list(model.parameters())
+    # A sharded parameter (DTensor: FSDP2, expert parallelism) holds its local shard here.
+    params = [local_tensor(p) for p in model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     state_bytes = optimizer_state_bytes(model, optimizer)[0] if optimizer is not None else 0
@@ -24,8 +27,9 @@ def static_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
 
 def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """(bytes the optimizer's state will hold from its first step on, bytes it holds now)."""
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    measured = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+    grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()
+                     if p.requires_grad)
+    measured = sum(local_tensor(t).numel() * t.element_size() for s in optimizer.state.values()
                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     per_param = OPTIMIZER_STATES.get(type(optimizer).__name__, 2)
     return max(measured, per_param * grad_bytes), measured

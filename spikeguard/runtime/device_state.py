@@ -106,8 +106,12 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
     moved: dict[int, torch.Tensor] = {}
     with meter.active():
         for owner, key, t in list(state_tensors(model, optimizer)):
+            if hasattr(t, "_local_tensor"):   # a DTensor: this rank holds its local shard
+                # (`p.data` of a DTensor parameter is a new alias: move the parameter's own)
+                holder = owner if key == "data" else t
+                owner, key, t = holder, "_local_tensor", t._local_tensor
             if t.device.type != "cpu" or type(t) is not torch.Tensor:
-                continue   # DTensor and other subclasses keep their own storage
+                continue   # other subclasses keep their own storage
             ptr = t.untyped_storage().data_ptr()
             if ptr not in moved:
                 # A tensor clone, not `UntypedStorage.clone()`: a storage keeps the allocator
@@ -119,10 +123,22 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
                                                      t.size(), t.stride())
             if key == "data":
                 owner.data = new
-            elif key == "grad":
-                owner.grad = new
+            elif key in ("grad", "_local_tensor"):
+                setattr(owner, key, new)
             else:
                 owner[key] = new
+        _reset_fsdp_shards(model)
+
+
+def _reset_fsdp_shards(model: nn.Module) -> None:
+    """FSDP2 all-gathers from its own reference to each sharded parameter's local data
+    (`FSDPParam._sharded_param_data`): after the local shards moved to the device, make it
+    read the moved ones (its `reset_sharded_param`, which lazy initialisation also runs)."""
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        for fsdp_param in getattr(group, "fsdp_params", None) or ():
+            fsdp_param.reset_sharded_param()
 
 
 class GradSnapshot:

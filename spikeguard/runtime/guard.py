@@ -37,7 +37,7 @@ from torch import nn
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.runtime.adapter import SHARED_POLICIES, find_adapter
-from spikeguard.memory.ledger import Ledger, storage_key
+from spikeguard.memory.ledger import Ledger, local_tensor, storage_key
 from spikeguard.memory.static import static_bytes
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
@@ -132,7 +132,10 @@ class Guard:
         self.net = MicroBatchNet(self, self.adapter.agreement())
         # new layers start fully recomputed under "full"
         self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
-                                    self.ledger, full_recompute=policy == "full")
+                                    self.ledger, full_recompute=policy == "full",
+                                    agreement=self.adapter.agreement()
+                                    if self.adapter.layer_fallback_agreed else None)
+        self._check_full_agreed()
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`
@@ -142,6 +145,22 @@ class Guard:
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self.recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
         self.ledger.set_static(self._static_bytes())
+
+    def _check_full_agreed(self) -> None:
+        """Where a layer recomputed whole re-issues a collective (BlockAdapter), "full" on
+        some ranks of the group and not on others would hang them in backward: refused on
+        every rank, at attach (which every rank calls)."""
+        agreement = self.layers.agreement
+        if agreement is None:
+            return
+        full = self.policy == "full"
+        if agreement.any_rank(full) and agreement.any_rank(not full):
+            raise UsageError("policy 'full' must be every rank's or none's under this expert "
+                             "parallelism (a layer recomputed whole re-runs its count "
+                             "exchange, which every rank must then run too)")
+        # The per-layer agreement runs on every rank where any rank is adaptive (a static
+        # rank's vote is no), and on none where none is.
+        self.layers.agree_fallback = agreement.any_rank(self.policy == "adaptive")
 
     def _make_forecast(self) -> Forecast:
         shared = self.adapter.shared_modules(self.moe_blocks[0])
@@ -360,7 +379,8 @@ class Guard:
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
         self.window.begin_micro_batch(
             num_tokens(args, kwargs),
-            sum(p.numel() * p.element_size() for p in self._trained if p.grad is None))
+            sum(local_tensor(p).numel() * p.element_size() for p in self._trained
+                if p.grad is None))
         if self._recorder is not None:
             self._recorder.begin_attempt()
         if self.policy == "adaptive":  # static policies never rank plans

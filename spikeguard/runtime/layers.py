@@ -25,8 +25,12 @@ class GuardedLayers:
     """Entry bookkeeping and whole-layer recompute of the layers holding the MoE blocks."""
 
     def __init__(self, adapter, blocks: list, position: Position, window: DecisionWindow,
-                 ledger: Ledger, full_recompute: bool):
+                 ledger: Ledger, full_recompute: bool, agreement=None):
         self.adapter = adapter
+        # Set where a layer recomputed whole re-issues a collective: the group agrees on
+        # each fallback (BlockAdapter.layer_fallback_agreed).
+        self.agreement = agreement
+        self.agree_fallback = False   # set at attach: some rank of the group is adaptive
         self.blocks = blocks
         self.position = position
         self.window = window
@@ -51,13 +55,22 @@ class GuardedLayers:
 
     def _body(self, layer, orig_forward, layer_idx, args, kwargs):
         if torch.is_grad_enabled() and (self.full_recompute or (
-                self.position.in_forward and self.window.layer_cannot_fit(layer_idx))):
+                self.position.in_forward and self.falls_back(layer_idx))):
             kwargs = self.adapter.recompute_kwargs(layer, kwargs)
             return checkpoint(functools.partial(self._full_region, orig_forward, layer_idx), *args,
                               use_reentrant=False, **kwargs,
                               context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                            self.adapter.layer_policy))
         return orig_forward(*args, **kwargs)
+
+    def falls_back(self, layer_idx: int) -> bool:
+        """Adaptive's whole-layer fallback for this layer: the window's, agreed by the group
+        where one rank alone recomputing would re-issue a collective the others do not
+        (every rank reaches this point of every layer's forward, whatever it decided)."""
+        mine = self.window.layer_cannot_fit(layer_idx)   # always False unless adaptive
+        if self.agreement is None or not self.agree_fallback:
+            return mine
+        return self.agreement.any_rank(mine)
 
     def _full_region(self, orig_forward, layer_idx, *args, **kwargs):
         outer, self.in_full_region = self.in_full_region, True
