@@ -104,6 +104,7 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
     if meter.is_cuda:
         return
     moved: dict[int, torch.Tensor] = {}
+    _reshard_fsdp(model)
     with meter.active():
         for owner, key, t in list(state_tensors(model, optimizer)):
             if hasattr(t, "_local_tensor"):   # a DTensor: this rank holds its local shard
@@ -130,13 +131,24 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
         _reset_fsdp_shards(model)
 
 
+def _fsdp_modules(model: nn.Module) -> list:
+    return [m for m in model.modules() if callable(getattr(m, "_get_fsdp_state", None))]
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """FSDP2 modules not resharded after their forward (transformers' head and norm, the
+    root) hold their all-gathered parameters between steps: shard them first, so that the
+    module's parameters are its sharded DTensors, whose local shards are what it keeps."""
+    for module in _fsdp_modules(model):
+        module.reshard()
+
+
 def _reset_fsdp_shards(model: nn.Module) -> None:
     """FSDP2 all-gathers from its own reference to each sharded parameter's local data
     (`FSDPParam._sharded_param_data`): after the local shards moved to the device, make it
     read the moved ones (its `reset_sharded_param`, which lazy initialisation also runs)."""
-    for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+    for module in _fsdp_modules(model):
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
         for fsdp_param in getattr(group, "fsdp_params", None) or ():
             fsdp_param.reset_sharded_param()
 
