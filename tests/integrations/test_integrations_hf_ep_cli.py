@@ -57,7 +57,7 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("argv, message", REFUSED[:3])
+@pytest.mark.parametrize("argv, message", REFUSED[:2])
 def test_refused_layouts_are_one_line_and_exit_2_from_the_command(argv, message):
     done = spikeguard("--hf", "qwen3_moe", *argv)
     assert done.returncode == 2, done.stderr
@@ -65,7 +65,7 @@ def test_refused_layouts_are_one_line_and_exit_2_from_the_command(argv, message)
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("argv, message", REFUSED[3:])
+@pytest.mark.parametrize("argv, message", REFUSED[2:])
 def test_refused_features_are_one_line_and_exit_2(argv, message, capsys):
     from spikeguard.cli import main
     assert main(["train", "--hf", "qwen3_moe", *argv]) == 2
