@@ -135,7 +135,7 @@ class Guard:
                                     self.ledger, full_recompute=policy == "full",
                                     agreement=self.adapter.agreement()
                                     if self.adapter.layer_fallback_agreed else None)
-        self._check_full_agreed()
+        self.layers.agree_at_attach(policy)
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`
@@ -145,22 +145,6 @@ class Guard:
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self.recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
         self.ledger.set_static(self._static_bytes())
-
-    def _check_full_agreed(self) -> None:
-        """Where a layer recomputed whole re-issues a collective (BlockAdapter), "full" on
-        some ranks of the group and not on others would hang them in backward: refused on
-        every rank, at attach (which every rank calls)."""
-        agreement = self.layers.agreement
-        if agreement is None:
-            return
-        full = self.policy == "full"
-        if agreement.any_rank(full) and agreement.any_rank(not full):
-            raise UsageError("policy 'full' must be every rank's or none's under this expert "
-                             "parallelism (a layer recomputed whole re-runs its count "
-                             "exchange, which every rank must then run too)")
-        # The per-layer agreement runs on every rank where any rank is adaptive (a static
-        # rank's vote is no), and on none where none is.
-        self.layers.agree_fallback = agreement.any_rank(self.policy == "adaptive")
 
     def _make_forecast(self) -> Forecast:
         shared = self.adapter.shared_modules(self.moe_blocks[0])

@@ -16,6 +16,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from spikeguard.errors import UsageError
 from spikeguard.memory.ledger import Ledger
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.window import DecisionWindow
@@ -62,6 +63,20 @@ class GuardedLayers:
                               context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                            self.adapter.layer_policy))
         return orig_forward(*args, **kwargs)
+
+    def agree_at_attach(self, policy: str) -> None:
+        """Where a layer recomputed whole re-issues a collective (BlockAdapter), "full" on
+        some ranks of the group and not on others would hang them in backward: refused on
+        every rank, at attach (which every rank calls). The per-layer vote then runs on
+        every rank where some rank is adaptive (a static rank votes no), on none else."""
+        if self.agreement is None:
+            return
+        full = policy == "full"
+        if self.agreement.any_rank(full) and self.agreement.any_rank(not full):
+            raise UsageError("policy 'full' must be every rank's or none's under this expert "
+                             "parallelism (a layer recomputed whole re-runs its count "
+                             "exchange, which every rank must then run too)")
+        self.agree_fallback = self.agreement.any_rank(policy == "adaptive")
 
     def falls_back(self, layer_idx: int) -> bool:
         """Adaptive's whole-layer fallback for this layer: the window's, agreed by the group
