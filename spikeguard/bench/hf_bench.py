@@ -96,7 +96,9 @@ def measure(source: str, sizes: HFSizes, batch_size: int, micro_batches: int, re
 
 
 def _spread(values: list[float]) -> tuple[float, float]:
-    """The 25th and 75th percentiles."""
+    """The 25th and 75th percentiles (one round: its value twice)."""
+    if len(values) < 2:
+        return values[0], values[0]
     q = statistics.quantiles(values, n=4)
     return q[0], q[2]
 
