@@ -265,7 +265,7 @@ class HFAdapter(BlockAdapter):
         the experts; otherwise learned by measurement (two token counts, linear fit).
         One model for all blocks: v5 models use one experts class throughout."""
         first = self.part(self.blocks[0])
-        shape = derive_bytes(first.experts, self._routed_top_k())
+        shape = derive_bytes(first.experts, self._routed_top_k(), ep=self.ep is not None)
         if shape is not None:
             return shape
         if first.d_model is None:

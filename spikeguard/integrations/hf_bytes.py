@@ -110,8 +110,13 @@ class RegionPlanner(Planner):
         self.refresh()
 
 
-def derive_bytes(experts: nn.Module, top_k: int):
-    """The byte model from known attributes, or None when they do not pin it down."""
+def derive_bytes(experts: nn.Module, top_k: int, ep: bool = False):
+    """The byte model from known attributes, or None when they do not pin it down.
+
+    `ep`: called by transformers' EP implementation (hf_ep.py) on the received rows, one
+    routed copy per row with constant unit weights: the down output is not saved (its
+    product with a weight that needs no gradient saves nothing), two int64 index vectors
+    and the sentinel mask (1 B) are, and sort is recomputed (measured on 5.24: exact)."""
     cfg = getattr(experts, "config", None)
     if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
         return None
@@ -130,6 +135,10 @@ def derive_bytes(experts: nn.Module, top_k: int):
     if tuple(down.shape) != (E, D, F2 // 2):
         return None
     F, b = F2 // 2, gate_up.element_size()
+    if ep:
+        return RegionBytes(d_model=D, d_expert=F, elem_bytes=b,
+                           save_per_token=D * b + 4 * F * b + WEIGHT_BYTES + 2 * 8 + 1,
+                           recompute_per_token=_input_bytes(D, b, 1))
     save = 2 * D * b + 4 * F * b + WEIGHT_BYTES + 3 * 8
     return RegionBytes(d_model=D, d_expert=F, elem_bytes=b, save_per_token=save,
                        recompute_per_token=16 + _input_bytes(D, b, top_k))

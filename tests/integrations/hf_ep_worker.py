@@ -132,6 +132,25 @@ def check_policies(state: dict) -> dict:
     return out
 
 
+def check_bytes(state: dict) -> dict:
+    """The derived byte model against what the ledger saw the experts call keep, per layer,
+    on the rows this rank received (one micro-batch, everything kept, before backward)."""
+    model, guard = guarded("none", HUGE)
+    w = batches()[0]
+    out = {}
+
+    def body():
+        loss = model(input_ids=w, labels=w).loss
+        for layer in range(len(guard.moe_blocks)):
+            rows = guard.recorder.received[layer]
+            out[str(layer)] = {"rows": rows, "kept": guard.ledger.bytes_by(0, layer, "experts"),
+                               "predicted": rows * guard.shape.save_per_token}
+        loss.backward()
+    guard.run_step(body)
+    guard.detach()
+    return out
+
+
 def check_tight(state: dict) -> dict:
     """Adaptive at 0.85 and 0.7 of the everything-kept peak (worst rank)."""
     out = {}
@@ -223,7 +242,7 @@ def check_spike_none(state: dict) -> dict:
     return {"survived": True}
 
 
-CHECKS = {"policies": check_policies, "tight": check_tight, "mixed": check_mixed,
+CHECKS = {"policies": check_policies, "bytes": check_bytes, "tight": check_tight, "mixed": check_mixed,
           "fallback": check_fallback, "spike": check_spike, "spike_none": check_spike_none}
 
 

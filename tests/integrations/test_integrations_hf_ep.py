@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 
 WORKER = Path(__file__).with_name("hf_ep_worker.py")
 JOB_TIMEOUT_S = 120   # a hung collective fails here (the group's own timeout is longer)
-CHECKS = ("policies", "tight", "mixed", "fallback", "spike")
+CHECKS = ("policies", "bytes", "tight", "mixed", "fallback", "spike")
 
 
 def torchrun(out_dir: Path, *checks: str) -> subprocess.CompletedProcess:
@@ -66,6 +66,15 @@ def test_the_device_counts_the_sharded_state_and_the_step_as_the_meter_does(foun
     # The meter misses kernels' scratch and DTensor-level outputs: the device counts a
     # little more, never less (measured 2.0% more on both ranks).
     assert none["meter_peak"] <= none["device_peak"] <= 1.05 * none["meter_peak"]
+
+
+@pytest.mark.parametrize("rank", RANKS)
+def test_the_byte_model_is_what_the_experts_call_keeps_on_the_received_rows(found, rank):
+    for layer, got in found("bytes", rank).items():
+        assert got["rows"] > 0
+        # derived for the EP call (top-1, unit weights); the rest is the call's per-expert
+        # offsets (L int32), which do not grow with the rows
+        assert 0 <= got["kept"] - got["predicted"] <= 64, (layer, got)
 
 
 @pytest.mark.parametrize("rank", RANKS)
