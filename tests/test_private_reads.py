@@ -40,6 +40,17 @@ ALLOWED = {
     # nn.Module's buffer dict: the one way to replace a buffer in place (state moved onto
     # the emulated device) without re-registering it
     ("runtime/device_state.py", "_buffers"),
+    # a DTensor's local shard, replaced by the one moved onto the emulated device (DTensor
+    # has no public setter), and FSDP2's state, made to all-gather from the moved shards
+    # (`reset_sharded_param`, what its lazy init runs; no public handle in torch 2.13)
+    ("runtime/device_state.py", "_local_tensor"),
+    ("runtime/device_state.py", "_get_fsdp_state"),
+    ("runtime/device_state.py", "_fsdp_param_group"),
+    # a view's base: whether a saved tensor is a view of a parameter (no public accessor)
+    ("runtime/hooks.py", "_base"),
+    # nn.Module's parameter dict: the local weights put back for a recompute under
+    # transformers' EP without re-registering them (as ep_forward itself does)
+    ("integrations/hf_ep.py", "_parameters"),
     # DDP's own way to leave parameters out of its all-reduce (the experts, sharded)
     ("parallel/pipeline_training.py", "_set_params_and_buffers_to_ignore_for_model"),
     # transformers v5 internals read to recognise its grouped_mm experts and layers that

@@ -9,11 +9,22 @@ after one warm-up round. The ceiling is the plain transformers model, no guard, 
 `--fraction` x the ceiling's peak (the device's true peak with everything kept). On a
 CPU-only machine the device is emulated by the CPU allocator (every live storage): these
 are CPU figures, not GPU ones.
+
+Under transformers' own expert parallelism, every model laid out with
+`DistributedConfig(fsdp_size=N, ep_size=N)` and each rank on its own batches:
+
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        -m spikeguard.bench.hf_bench --hf qwen3_moe --ep 2
+
+The budget is the fraction of the worst rank's ceiling peak; the times are rank 0's (the
+exchanges keep the ranks in step); rank 0 prints, with each policy's spread over the reps
+(the 25th to 75th percentile of its per-round ratio to that round's ceiling).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -23,7 +34,7 @@ import spikeguard
 from spikeguard.bench.runtime_ratios import print_table, summarize_ratios, time_interleaved
 from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import UsageError
-from spikeguard.integrations.hf_models import HFSizes, build_hf_model
+from spikeguard.integrations.hf_models import HFSizes, build_hf_model, distribute_hf_model
 
 POLICIES = ("ceiling", "none", "full", "experts", "adaptive")
 UNLIMITED = 1 << 50
@@ -42,27 +53,54 @@ def _guarded_step(model, guard, windows) -> float:
         return _step(model, windows)
 
 
+def _world_max(value: int, ep: int) -> int:
+    if ep == 1:
+        return value
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def measure(source: str, sizes: HFSizes, batch_size: int, micro_batches: int, reps: int,
-            fraction: float, seed: int = 0) -> dict:
+            fraction: float, seed: int = 0, ep: int = 1, rank: int = 0) -> dict:
     corpus = load_corpus(None)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1000 * rank)   # each rank its own data
     windows = []
     for _ in range(micro_batches):
         idx_BT, targets_BT = corpus.get_batch("train", batch_size, sizes.seq_len, gen)
         windows.append(torch.cat([idx_BT, targets_BT[:, -1:]], dim=1))
-    models = {p: build_hf_model(source, sizes, seed=seed) for p in POLICIES}
-    probe = spikeguard.attach(build_hf_model(source, sizes, seed=seed), budget=UNLIMITED,
-                              policy="none")
+
+    def build():
+        model = build_hf_model(source, sizes, seed=seed)
+        return model if ep == 1 else distribute_hf_model(model, ep, ep)
+    models = {p: build() for p in POLICIES}
+    probe = spikeguard.attach(build(), budget=UNLIMITED, policy="none")
     _guarded_step(probe.model, probe, windows)
-    ceiling_peak = probe.history[-1]["peak_bytes"]
+    ceiling_peak = _world_max(probe.history[-1]["peak_bytes"], ep)
     probe.detach()
     budget = int(fraction * ceiling_peak)
     guards = {p: spikeguard.attach(models[p], budget=UNLIMITED if p == "none" else budget,
                                    policy=p) for p in POLICIES if p != "ceiling"}
     times = time_interleaved(models, guards, windows, reps, POLICIES, step=_step)
     tokens = batch_size * micro_batches * (sizes.seq_len + 1)
-    return summarize_ratios(times, guards, tokens, ceiling_peak, budget,
-                            f"{source} (transformers)")
+    layout = f", transformers' EP {ep} x FSDP2, rank 0's times" if ep > 1 else ""
+    result = summarize_ratios(times, guards, tokens, ceiling_peak, budget,
+                              f"{source} (transformers{layout})")
+    result["ratio_spread"] = {p: _spread([c / t for c, t in zip(times["ceiling"], times[p])])
+                              for p in POLICIES}
+    # Under EP: every rank's worst peak against the budget (the table shows rank 0's).
+    result["world_peak_bytes"] = {p: _world_max(result["policies"][p]["peak_bytes"], ep)
+                                  for p in POLICIES}
+    return result
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    """The 25th and 75th percentiles (one round: its value twice)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
 
 
 def main(argv=None) -> int:
@@ -76,6 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--fraction", type=float, default=0.85)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1,
+                        help="under torchrun: transformers' EP over the N ranks (N = --ep)")
     args = parser.parse_args(argv)
     try:
         for name in ("batch_size", "micro_batches", "reps", "threads"):
@@ -87,12 +127,33 @@ def main(argv=None) -> int:
                         num_experts=args.num_experts, top_k=args.top_k,
                         d_expert=args.d_expert, seq_len=args.seq_len)
         torch.set_num_threads(args.threads)
-        print_table(measure(args.hf, sizes, args.batch_size, args.micro_batches, args.reps,
-                            args.fraction))
+        rank = _init_ep(args.ep)
+        result = measure(args.hf, sizes, args.batch_size, args.micro_batches, args.reps,
+                         args.fraction, ep=args.ep, rank=rank)
+        if rank == 0:
+            print_table(result)
+            print("spread (25-75th pct of per-round ratio to the ceiling): " + " | ".join(
+                f"{p} {lo:.3f}-{hi:.3f}" for p, (lo, hi) in result["ratio_spread"].items()))
+            print("worst rank's peak: " + " | ".join(
+                f"{p} {v / 2**20:.2f} MiB" for p, v in result["world_peak_bytes"].items()))
     except UsageError as err:
         print(f"spikeguard: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _init_ep(ep: int) -> int:
+    """This rank under torchrun with --ep > 1 (gloo); 0 otherwise."""
+    if ep == 1:
+        return 0
+    import os
+    import torch.distributed as dist
+    if int(os.environ.get("WORLD_SIZE", "1")) != ep:
+        raise UsageError(f"--ep {ep} runs under torchrun with {ep} processes "
+                         f"(python -m torch.distributed.run --standalone --nproc-per-node {ep} "
+                         f"-m spikeguard.bench.hf_bench ... --ep {ep})")
+    dist.init_process_group("gloo")
+    return dist.get_rank()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,11 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from spikeguard.errors import UsageError
+from spikeguard.memory.ledger import local_tensor
 from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
+from spikeguard.integrations.hf_ep import (LocalWeights, check_ep_experts, ep_group,
+                                           ep_implementation, implementations)
+from spikeguard.parallel.agreement import agreement_for
 from spikeguard.integrations.hf_bytes import RegionBytes, RegionPlanner, derive_bytes, probe_bytes
 from spikeguard.integrations.hf_window import run_window
 from spikeguard.runtime.executor import base_policy
@@ -98,7 +102,8 @@ def as_hf_block(module: nn.Module) -> Optional["HFBlock"]:
     if router is None:
         return None
     shared = [c for c in module.children() if c is not experts and c is not router]
-    return HFBlock(module, experts, router, shared, num_experts, arg_names)
+    ep = ep_implementation(experts) if getattr(experts, "_is_expert_parallel", False) else None
+    return HFBlock(module, experts, router, shared, num_experts, arg_names, ep)
 
 
 def hf_layer_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -112,12 +117,24 @@ def hf_layer_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return base_policy(ctx, op, *args, **kwargs)
 
 
+def hf_ep_layer_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Whole-layer recompute under transformers' EP: sort is recomputed too (its output is
+    clamped in place there, hf_ep.py); the functional all-to-alls and host syncs stay
+    saved, the count exchange re-runs on every rank (the group recomputes the same layers)."""
+    if op in (torch.ops.aten.sort.default, torch.ops.aten.sort.stable):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return hf_layer_policy(ctx, op, *args, **kwargs)
+
+
 class HFBlock:
     """One recognised block and its parts."""
 
-    def __init__(self, block, experts, router, shared, num_experts, arg_names):
+    def __init__(self, block, experts, router, shared, num_experts, arg_names, ep=None):
         self.block, self.experts, self.router = block, experts, router
         self.shared, self.num_experts, self.arg_names = shared, num_experts, arg_names
+        # transformers' EPImplementation calling these experts (hf_ep.py), or None; then
+        # num_experts is this rank's local count and the window sees the received rows.
+        self.ep = ep
         self.top_k = router.top_k if isinstance(getattr(router, "top_k", None), int) else None
         self.d_model = _d_model(router, experts, num_experts)
 
@@ -156,12 +173,20 @@ class HFAdapter(BlockAdapter):
                     "and the two must not be stacked")
         for f in found:
             # Checked before anything is installed, so a refused attach leaves no trace.
-            if "forward" in vars(f.experts):
+            if getattr(f.experts, "_is_expert_parallel", False):
+                check_ep_experts(type(f.block).__name__, f.experts)
+            elif "forward" in vars(f.experts):
                 raise UsageError(f"the experts of {type(f.block).__name__} already have a "
                                  f"patched forward; another tool is wrapping them")
-            if getattr(f.experts, "_is_expert_parallel", False):
-                raise UsageError("transformers' own expert parallelism is not supported by "
-                                 "the guard yet (its experts hold sentinel routes)")
+        eps = {f.ep is not None for f in found}
+        if len(eps) > 1:
+            raise UsageError("some MoE blocks are under transformers' expert parallelism "
+                             "and some are not; the guard needs one layout")
+        self.ep = found[0].ep
+        self._originals: dict[int, list] = {}
+        if self.ep is not None:
+            self.layer_policy = hf_ep_layer_policy
+            self.layer_fallback_agreed = True
 
     def part(self, block: nn.Module) -> HFBlock:
         return self.parts[id(block)]
@@ -182,18 +207,58 @@ class HFAdapter(BlockAdapter):
         return {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items()}
 
     # ---- the window ---------------------------------------------------------------------
+    def group(self):
+        """The EP group of transformers' expert parallelism, if the experts are under it."""
+        return ep_group(self.ep)
+
+    def agreement(self):
+        return agreement_for(self.group())
+
     def install(self, block: nn.Module, guard) -> None:
-        experts = self.part(block).experts
+        part = self.part(block)
+        if part.ep is not None:
+            # The window is the experts' own forward on the rows this rank received,
+            # called by transformers' EP implementation between its two exchanges.
+            originals = self._originals[id(block)] = []
+            for impl in implementations(part.ep):
+                orig = impl.experts_forward
+                originals.append((impl, orig))
+                impl.experts_forward = functools.partial(run_window, guard, part,
+                                                         self.layer_index(block), orig)
+            return
+        experts = part.experts
         orig = experts.forward
-        window = functools.partial(run_window, guard, self.part(block), self.layer_index(block),
-                                   orig)
+        window = functools.partial(run_window, guard, part, self.layer_index(block), orig)
         window.__signature__ = inspect.signature(orig)
         experts.forward = window
 
     def uninstall(self, block: nn.Module) -> None:
+        for impl, orig in self._originals.pop(id(block), []):
+            impl.experts_forward = orig
         experts = self.part(block).experts
-        if "forward" in vars(experts):
+        if self.part(block).ep is None and "forward" in vars(experts):
             del experts.forward
+
+    def _inner_call(self, part: HFBlock):
+        """The experts' own computation, without transformers' EP exchanges around it (a
+        probe or calibration must not communicate): its forward on the local weights."""
+        if part.ep is None:
+            return part.experts
+        orig = part.ep.experts_forward
+        orig = next((o for impl, o in self._originals.get(id(part.block), [])
+                     if impl is part.ep), orig)
+        weights = LocalWeights(part.experts)
+        weights.params = {n: local_tensor(p) for n, p in weights.params.items()}
+
+        def call(*args):
+            with weights.installed():
+                return orig(*args)
+        return call
+
+    def _routed_top_k(self) -> int:
+        """Routed copies per row the experts call gets: the router's top-k, or one under
+        transformers' EP (the received rows, each for one local expert)."""
+        return 1 if self.ep is not None else self.top_k()
 
     # ---- what the planner needs ---------------------------------------------------------
     def byte_model(self, device) -> RegionBytes:
@@ -201,15 +266,15 @@ class HFAdapter(BlockAdapter):
         the experts; otherwise learned by measurement (two token counts, linear fit).
         One model for all blocks: v5 models use one experts class throughout."""
         first = self.part(self.blocks[0])
-        shape = derive_bytes(first.experts, self.top_k())
+        shape = derive_bytes(first.experts, self._routed_top_k(), ep=self.ep is not None)
         if shape is not None:
             return shape
         if first.d_model is None:
             raise UsageError(f"cannot size a probe for {type(first.experts).__name__}: no "
                              f"model width found (router weight, hidden_dim or config.hidden_size)")
         with preserved_rng(device):
-            shape = probe_bytes(first.experts, first.num_experts, self.top_k(), device,
-                                first.d_model)
+            shape = probe_bytes(first.experts, first.num_experts, self._routed_top_k(), device,
+                                first.d_model, call=self._inner_call(first))
         log.info("%s: bytes per routed token not derivable from its attributes; "
                  "learned by measurement (probe on %s routed copies, linear fit): keep %d B, "
                  "recompute keeps %d B per routed copy", type(first.experts).__name__,
@@ -220,7 +285,8 @@ class HFAdapter(BlockAdapter):
     def calibrate(self, cost, shape: RegionBytes, device) -> None:
         first = self.part(self.blocks[0])
         with preserved_rng(device):
-            shape.calibrate(cost, first.experts, first.num_experts, self.top_k(), device)
+            shape.calibrate(cost, first.experts, first.num_experts, self._routed_top_k(),
+                            device, call=self._inner_call(first))
 
     def planner(self, shape: RegionBytes, cost) -> RegionPlanner:
         return RegionPlanner(shape, cost)

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from spikeguard.integrations.hf_window import tensors_in
+from spikeguard.memory.ledger import local_tensor
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, EXPERT_STAGES
 from spikeguard.plan.planner import Planner
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
@@ -76,10 +77,12 @@ class RegionBytes:
         return {op: num_routed * per for op, per in self.bytes_per_token().items()}
 
     def calibrate(self, cost, experts: nn.Module, num_experts: int, top_k: int,
-                  device, num_routed: int = 512, reps: int = 3) -> None:
+                  device, num_routed: int = 512, reps: int = 3, call=None) -> None:
         """Time the real experts call (no grad) and the host copies on this device; the
-        call's seconds are spread over the four stages (recompute re-runs all of them)."""
-        param = next(experts.parameters())
+        call's seconds are spread over the four stages (recompute re-runs all of them).
+        `call`: what computes the experts (default the module)."""
+        param = local_tensor(next(experts.parameters()))
+        experts = call or experts
         tokens = max(1, num_routed // top_k)
         gen = torch.Generator().manual_seed(0)
         args = random_inputs(tokens, self.d_model, top_k, num_experts, param.device,
@@ -107,8 +110,13 @@ class RegionPlanner(Planner):
         self.refresh()
 
 
-def derive_bytes(experts: nn.Module, top_k: int):
-    """The byte model from known attributes, or None when they do not pin it down."""
+def derive_bytes(experts: nn.Module, top_k: int, ep: bool = False):
+    """The byte model from known attributes, or None when they do not pin it down.
+
+    `ep`: called by transformers' EP implementation (hf_ep.py) on the received rows, one
+    routed copy per row with constant unit weights: the down output is not saved (its
+    product with a weight that needs no gradient saves nothing), two int64 index vectors
+    and the sentinel mask (1 B) are, and sort is recomputed (measured on 5.24: exact)."""
     cfg = getattr(experts, "config", None)
     if getattr(cfg, "_experts_implementation", None) != "grouped_mm":
         return None
@@ -127,6 +135,10 @@ def derive_bytes(experts: nn.Module, top_k: int):
     if tuple(down.shape) != (E, D, F2 // 2):
         return None
     F, b = F2 // 2, gate_up.element_size()
+    if ep:
+        return RegionBytes(d_model=D, d_expert=F, elem_bytes=b,
+                           save_per_token=D * b + 4 * F * b + WEIGHT_BYTES + 2 * 8 + 1,
+                           recompute_per_token=_input_bytes(D, b, 1))
     save = 2 * D * b + 4 * F * b + WEIGHT_BYTES + 3 * 8
     return RegionBytes(d_model=D, d_expert=F, elem_bytes=b, save_per_token=save,
                        recompute_per_token=16 + _input_bytes(D, b, top_k))
@@ -148,10 +160,11 @@ def random_inputs(tokens: int, d_model: int, top_k: int, num_experts: int, devic
 
 
 def probe_bytes(experts: nn.Module, num_experts: int, top_k: int, device,
-                d_model: int) -> RegionBytes:
+                d_model: int, call=None) -> RegionBytes:
     """Learn the byte model by running the call on two token counts (linear fit)."""
-    param = next(experts.parameters())
-    static = {p.untyped_storage().data_ptr() for p in experts.parameters()}
+    param = local_tensor(next(experts.parameters()))
+    static = {local_tensor(p).untyped_storage().data_ptr() for p in experts.parameters()}
+    experts = call or experts
     gen = torch.Generator().manual_seed(0)
     saved, cached, routed = [], [], []
     for tokens in PROBE_TOKENS:

@@ -162,3 +162,25 @@ def build_hf_model(source: str, sizes: HFSizes, seed: int = 0) -> nn.Module:
             raise UsageError(f"transformers has no causal LM for {cfg.model_type}: "
                              f"{str(exc).splitlines()[0]}") from None
     return model.float()
+
+
+def distribute_hf_model(model: nn.Module, nproc: int, ep: int) -> nn.Module:
+    """`model` under transformers' own parallelism on this process group (torchrun):
+    FSDP2 over all `nproc` ranks, experts sharded over `ep` (`DistributedConfig(
+    fsdp_size=nproc, ep_size=ep)`), as `from_pretrained(distributed_config=...)` lays it out
+    after init. Every rank must hold the same weights (built from the same seed): each
+    keeps its shard of its own copy. Needs accelerate (`spikeguard[hf]`)."""
+    try:
+        import accelerate  # noqa: F401  (transformers' FSDP2 path needs it)
+        from transformers.distributed.configuration_utils import DistributedConfig
+    except ImportError as exc:
+        raise UsageError(f"--hf with --nproc needs transformers' distributed support and "
+                         f"accelerate: pip install 'spikeguard[hf]' ({exc})") from None
+    kind = type(model)
+    try:
+        config, _, mesh = kind.prepare_distribute_model(DistributedConfig(fsdp_size=nproc,
+                                                                          ep_size=ep))
+        return kind.maybe_distribute_model(model, config, mesh)
+    except ValueError as exc:
+        raise UsageError(f"transformers cannot lay {model.config.model_type} out on "
+                         f"{nproc} processes with ep {ep}: {str(exc).splitlines()[0]}") from None

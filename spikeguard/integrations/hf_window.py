@@ -30,6 +30,7 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from spikeguard.integrations.hf_ep import LocalWeights
 from spikeguard.memory.ledger import storage_bytes, storage_key
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS, release_all
@@ -37,6 +38,9 @@ from spikeguard.runtime.hooks import unpack
 from spikeguard.runtime.offload import prefetch_below
 
 OP = "experts"
+# Under transformers' EP the experts' grouped_mm clamps sort's output in place, which a
+# cached tensor must not be (torch 2.13 refuses it): sort is recomputed there.
+EP_SAVED_OPS = ALWAYS_SAVED_OPS - {torch.ops.aten.sort.default, torch.ops.aten.sort.stable}
 
 
 @dataclass(frozen=True)
@@ -75,17 +79,35 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
 
     if not guard.in_forward or not torch.is_grad_enabled():
         return call(hidden_states, top_k_index, top_k_weights)
+    if part.ep is not None:
+        # Under transformers' EP (integrations/hf_ep.py) the experts compute on the local
+        # tensors ep_forward swapped in: weights for this call, and for its recompute.
+        local = LocalWeights(part.experts)
+        with guard.tracker.weights_during(local.params.values()):
+            return _window(guard, part, layer, local, call, hidden_states, top_k_index,
+                           top_k_weights)
+    return _window(guard, part, layer, None, call, hidden_states, top_k_index, top_k_weights)
+
+
+def _window(guard, part, layer: int, local, call, hidden_states, top_k_index, top_k_weights):
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
     counts = counts_E[: part.num_experts].tolist()
+    if local is None:
+        return run_region(guard, layer, call, (hidden_states, top_k_index, top_k_weights),
+                          counts, top_k_index.numel())
     return run_region(guard, layer, call, (hidden_states, top_k_index, top_k_weights), counts,
-                      top_k_index.numel())
+                      top_k_index.numel(), recompute_call=_with_weights(local, call),
+                      saved_ops=EP_SAVED_OPS)
 
 
-def run_region(guard, layer: int, call, inputs: tuple, counts: list[int], num_routed: int):
+def run_region(guard, layer: int, call, inputs: tuple, counts: list[int], num_routed: int,
+               recompute_call=None, saved_ops=ALWAYS_SAVED_OPS):
     """Decide on `num_routed` copies (`counts` per expert, for the record) and run
     `call(*inputs)` as one region under the plan; `inputs[0]` is what the experts read
     (its gradient is where their backward is done). Shared by every adapter whose experts
-    run as one call (Hugging Face here, torchtitan in titan_window.py)."""
+    run as one call (Hugging Face here, torchtitan in titan_blocks.py). A recomputed
+    region runs `recompute_call` (default `call`: under transformers' EP, one that puts
+    the forward's local weights back for backward) and keeps `saved_ops` cached."""
     hidden_states = inputs[0]
     if guard.in_full_region:
         guard.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
@@ -95,7 +117,7 @@ def run_region(guard, layer: int, call, inputs: tuple, counts: list[int], num_ro
     guard.record_plan(layer, counts, RegionPlan((action,)))
     guard.ctx.op = OP
     if action is Action.RECOMPUTE:
-        out = _recompute(guard, call, inputs)
+        out = _recompute(guard, recompute_call or call, inputs, saved_ops)
     elif action is Action.OFFLOAD:
         out = _offload(guard, call, inputs)
     else:
@@ -119,11 +141,18 @@ def run_region(guard, layer: int, call, inputs: tuple, counts: list[int], num_ro
     return out
 
 
-def _recompute(guard, call, inputs):
+def _with_weights(local, call):
+    def run(*inputs):
+        with local.installed():
+            return call(*inputs)
+    return run
+
+
+def _recompute(guard, call, inputs, saved_ops=ALWAYS_SAVED_OPS):
     ledger, where, cached = guard.ledger, guard.ctx.where(OP), []
 
     def policy(sac_ctx, op, *args, **kwargs):
-        if op in ALWAYS_SAVED_OPS:
+        if op in saved_ops:
             if not sac_ctx.is_recompute:
                 for t in tensors_in(sac_ctx.op_output):
                     ledger.acquire(storage_key(t), storage_bytes(t), where)

@@ -24,9 +24,9 @@ StorageKey = tuple[object, int]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds `t`'s bytes on this process: a DTensor's local shard
-    (torch 2.13: `untyped_storage()` of a DTensor raises; its bytes here are the shard's),
-    else `t` itself."""
+    """The tensor whose storage this rank holds: a DTensor's local shard (a DTensor has no
+    storage of its own: `untyped_storage()` raises on it, torch 2.13), else `t`. Outside
+    autograd `to_local()` returns the shard itself, not an alias (torch 2.13)."""
     to_local = getattr(t, "to_local", None)
     if to_local is not None and type(t) is not torch.Tensor:
         with torch.no_grad():

@@ -17,23 +17,19 @@ OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 1}
 
 
 def static_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
-    # A sharded (DTensor) parameter holds its local shard here, its gradient likewise.
-    params = list(model.parameters())
-    param_bytes = sum(_local_bytes(p) for p in params)
-    grad_bytes = sum(_local_bytes(p) for p in params if p.requires_grad)
+    # A sharded parameter (DTensor: FSDP2, expert parallelism) holds its local shard here.
+    params = [local_tensor(p) for p in model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     state_bytes = optimizer_state_bytes(model, optimizer)[0] if optimizer is not None else 0
     return param_bytes + grad_bytes + state_bytes
 
 
 def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """(bytes the optimizer's state will hold from its first step on, bytes it holds now)."""
-    grad_bytes = sum(_local_bytes(p) for p in model.parameters() if p.requires_grad)
-    measured = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+    grad_bytes = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()
+                     if p.requires_grad)
+    measured = sum(local_tensor(t).numel() * t.element_size() for s in optimizer.state.values()
                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     per_param = OPTIMIZER_STATES.get(type(optimizer).__name__, 2)
     return max(measured, per_param * grad_bytes), measured
-
-
-def _local_bytes(p: torch.Tensor) -> int:
-    local = local_tensor(p)
-    return local.numel() * local.element_size()

@@ -19,10 +19,13 @@ class GroupAgreement:
     def __init__(self, group):
         self.group = group
 
-    def any_overflowed(self, mine: bool) -> bool:
+    def any_rank(self, mine: bool) -> bool:
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
+
+    def any_overflowed(self, mine: bool) -> bool:
+        return self.any_rank(mine)
 
 
 def agreement_for(group) -> Optional[GroupAgreement]:

@@ -66,6 +66,10 @@ class BlockAdapter:
     #: the selective-checkpoint policy of a whole recomputed layer ("full", or adaptive's
     #: layer fallback): recompute all but the ops that must not run twice
     layer_policy = staticmethod(base_policy)
+    #: whether a layer recomputed whole re-issues a collective (one its policy cannot keep):
+    #: then adaptive's per-layer fallback is agreed by the expert-parallel group
+    #: (`agreement().any_rank`) before the layer runs, so all its ranks recompute it or none
+    layer_fallback_agreed = False
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module]):
         self.model = model

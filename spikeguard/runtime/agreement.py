@@ -18,3 +18,8 @@ class OverflowAgreement(Protocol):
         """Whether this rank (`mine`) or any other rank of the group overflowed. Every rank
         calls it once per micro-batch attempt, whatever its policy: collectives must match."""
         ...
+
+    def any_rank(self, mine: bool) -> bool:
+        """Whether this rank's flag (`mine`) or any other rank's is set: every rank calls it
+        at the same point (adaptive's whole-layer fallback, see BlockAdapter)."""
+        ...

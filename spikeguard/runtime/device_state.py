@@ -105,18 +105,15 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
     if meter.is_cuda:
         return
     moved: dict[int, torch.Tensor] = {}
+    _reshard_fsdp(model)
     with meter.active():
         for owner, key, t in list(state_tensors(model, optimizer)):
-            if t.device.type != "cpu":
-                continue
-            if type(t) is not torch.Tensor:
-                local = local_tensor(t)
-                if type(local) is not torch.Tensor:
-                    continue   # other subclasses keep their own storage
-                # A DTensor (experts sharded over an expert-parallel mesh): its local
-                # shard is what this rank's device holds; moved in place (`set_`), so
-                # the DTensor object, its mesh and placements stay as they are.
-                owner, key, t = None, "local", local
+            if hasattr(t, "_local_tensor"):   # a DTensor: this rank holds its local shard
+                # (`p.data` of a DTensor parameter is a new alias: move the parameter's own)
+                holder = owner if key == "data" else t
+                owner, key, t = holder, "_local_tensor", t._local_tensor
+            if t.device.type != "cpu" or type(t) is not torch.Tensor:
+                continue   # other subclasses keep their own storage
             ptr = t.untyped_storage().data_ptr()
             if ptr not in moved:
                 # A tensor clone, not `UntypedStorage.clone()`: a storage keeps the allocator
@@ -131,10 +128,33 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
                     t.set_(storage, t.storage_offset(), t.size(), t.stride())
             elif key == "data":
                 owner.data = new
-            elif key == "grad":
-                owner.grad = new
+            elif key in ("grad", "_local_tensor"):
+                setattr(owner, key, new)
             else:
                 owner[key] = new
+        _reset_fsdp_shards(model)
+
+
+def _fsdp_modules(model: nn.Module) -> list:
+    return [m for m in model.modules() if callable(getattr(m, "_get_fsdp_state", None))]
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """FSDP2 modules not resharded after their forward (transformers' head and norm, the
+    root) hold their all-gathered parameters between steps: shard them first, so that the
+    module's parameters are its sharded DTensors, whose local shards are what it keeps."""
+    for module in _fsdp_modules(model):
+        module.reshard()
+
+
+def _reset_fsdp_shards(model: nn.Module) -> None:
+    """FSDP2 all-gathers from its own reference to each sharded parameter's local data
+    (`FSDPParam._sharded_param_data`): after the local shards moved to the device, make it
+    read the moved ones (its `reset_sharded_param`, which lazy initialisation also runs)."""
+    for module in _fsdp_modules(model):
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", None) or ():
+            fsdp_param.reset_sharded_param()
 
 
 class GradSnapshot:

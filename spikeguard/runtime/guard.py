@@ -132,7 +132,10 @@ class Guard:
         self.net = MicroBatchNet(self, self.adapter.agreement())
         # new layers start fully recomputed under "full"
         self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
-                                    self.ledger, full_recompute=policy == "full")
+                                    self.ledger, full_recompute=policy == "full",
+                                    agreement=self.adapter.agreement()
+                                    if self.adapter.layer_fallback_agreed else None)
+        self.layers.agree_at_attach(policy)
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`

@@ -23,6 +23,7 @@ class StepRecorder:
         self.decisions: Counter = Counter()
         self.attempt: Counter = Counter()
         self.imbalance: dict[int, float] = {}
+        self.received: dict[int, int] = {}   # layer -> most routed copies of a micro-batch
         self.safety_net_reruns = 0
         self.full_layers = 0   # layers the adaptive guard recomputed whole, decided at entry
         self.evicted_bytes = 0
@@ -42,6 +43,7 @@ class StepRecorder:
         self.micro_batches = 0
         self.decisions = Counter()
         self.imbalance = {}
+        self.received = {}
         self.full_layers = 0
         self.evicted_bytes = 0
         self.peak_bytes, self.peak_where = 0, 0
@@ -66,6 +68,7 @@ class StepRecorder:
             self.attempt[action.value] += 1
         imb = expert_imbalance(tokens_per_expert)
         self.imbalance[layer] = max(self.imbalance.get(layer, 0.0), imb)
+        self.received[layer] = max(self.received.get(layer, 0), int(sum(tokens_per_expert)))
 
     def finish(self, *, step: int, policy: str, layers: list[int], peak_bytes: int,
                budget_bytes: int, static_bytes: int, offloaded_bytes_now: int,
@@ -79,6 +82,7 @@ class StepRecorder:
             "static_bytes": static_bytes,
             "decisions": {a: self.decisions.get(a, 0) for a in ACTIONS},
             "layer_imbalance": imbalance, "max_imbalance": max(imbalance),
+            "received_per_layer": [self.received.get(layer, 0) for layer in layers],
             "micro_batches": self.micro_batches, "safety_net_reruns": self.safety_net_reruns,
             "full_layers": self.full_layers,
             "evicted_bytes": self.evicted_bytes,

@@ -13,6 +13,8 @@ torch/utils/checkpoint.py: `save_inputs` runs before `_checkpoint_hook` is enter
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -123,6 +125,9 @@ class SavedTensorTracker:
         self.holders: dict[tuple[int, int], list] = {}
         # Parameters saved by matmuls are the model's state, on the device from attach on.
         self.static_keys: set[StorageKey] = set()
+        # Storages that are weights only while one call runs (an adapter's experts under
+        # FSDP2: their all-gathered local tensors), set by `weights_during`.
+        self.call_static: frozenset = frozenset()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
@@ -131,7 +136,7 @@ class SavedTensorTracker:
         t = plain_tensor(t)
         storage = local_tensor(t).untyped_storage()
         key = (t.device, storage.data_ptr())
-        if key in self.static_keys:
+        if key in self.static_keys or key in self.call_static or is_parameter(t):
             return t
         tag = self.ctx.lookup(key)
         where = (self.ctx.micro_batch, self.ctx.layer, tag.op)
@@ -147,6 +152,17 @@ class SavedTensorTracker:
         if num_bytes >= EVICTABLE_MIN_BYTES:
             self.holders.setdefault(where[:2], []).append(_weak(packed))
         return packed
+
+    @contextlib.contextmanager
+    def weights_during(self, tensors):
+        """While inside, the storages of `tensors` are weights: saved as they are, never
+        attributed, offloaded or evicted."""
+        outer = self.call_static
+        self.call_static = outer | {storage_key(t) for t in tensors}
+        try:
+            yield
+        finally:
+            self.call_static = outer
 
     def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
         """Offload saved tensors of earlier layers of `micro_batch`, earliest layer first,
@@ -189,6 +205,13 @@ class SavedTensorTracker:
     def forget_micro_batch(self, micro_batch: int) -> None:
         for key in [k for k in self.holders if k[0] == micro_batch]:
             del self.holders[key]
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a matmul saves `weight.t()`). FSDP2 all-gathers its
+    unsharded parameters into storages it frees again after each forward and refills in
+    backward: they are state, not activations, and their bytes are never the tracker's."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def unpack(packed):

@@ -16,6 +16,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from spikeguard.errors import UsageError
 from spikeguard.memory.ledger import Ledger
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.window import DecisionWindow
@@ -25,8 +26,12 @@ class GuardedLayers:
     """Entry bookkeeping and whole-layer recompute of the layers holding the MoE blocks."""
 
     def __init__(self, adapter, blocks: list, position: Position, window: DecisionWindow,
-                 ledger: Ledger, full_recompute: bool):
+                 ledger: Ledger, full_recompute: bool, agreement=None):
         self.adapter = adapter
+        # Set where a layer recomputed whole re-issues a collective: the group agrees on
+        # each fallback (BlockAdapter.layer_fallback_agreed).
+        self.agreement = agreement
+        self.agree_fallback = False   # set at attach: some rank of the group is adaptive
         self.blocks = blocks
         self.position = position
         self.window = window
@@ -51,13 +56,36 @@ class GuardedLayers:
 
     def _body(self, layer, orig_forward, layer_idx, args, kwargs):
         if torch.is_grad_enabled() and (self.full_recompute or (
-                self.position.in_forward and self.window.layer_cannot_fit(layer_idx))):
+                self.position.in_forward and self.falls_back(layer_idx))):
             kwargs = self.adapter.recompute_kwargs(layer, kwargs)
             return checkpoint(functools.partial(self._full_region, orig_forward, layer_idx), *args,
                               use_reentrant=False, **kwargs,
                               context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                            self.adapter.layer_policy))
         return orig_forward(*args, **kwargs)
+
+    def agree_at_attach(self, policy: str) -> None:
+        """Where a layer recomputed whole re-issues a collective (BlockAdapter), "full" on
+        some ranks of the group and not on others would hang them in backward: refused on
+        every rank, at attach (which every rank calls). The per-layer vote then runs on
+        every rank where some rank is adaptive (a static rank votes no), on none else."""
+        if self.agreement is None:
+            return
+        full = policy == "full"
+        if self.agreement.any_rank(full) and self.agreement.any_rank(not full):
+            raise UsageError("policy 'full' must be every rank's or none's under this expert "
+                             "parallelism (a layer recomputed whole re-runs its count "
+                             "exchange, which every rank must then run too)")
+        self.agree_fallback = self.agreement.any_rank(policy == "adaptive")
+
+    def falls_back(self, layer_idx: int) -> bool:
+        """Adaptive's whole-layer fallback for this layer: the window's, agreed by the group
+        where one rank alone recomputing would re-issue a collective the others do not
+        (every rank reaches this point of every layer's forward, whatever it decided)."""
+        mine = self.window.layer_cannot_fit(layer_idx)   # always False unless adaptive
+        if self.agreement is None or not self.agree_fallback:
+            return mine
+        return self.agreement.any_rank(mine)
 
     def _full_region(self, orig_forward, layer_idx, *args, **kwargs):
         outer, self.in_full_region = self.in_full_region, True

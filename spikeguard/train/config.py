@@ -247,25 +247,9 @@ class RunConfig:
         if self.files.trace is not None and self.skew.pattern is not None:
             raise UsageError("--trace replays recorded routing; it cannot be combined with --skew")
         if self.model.hf is not None:
-            for what, refused in (("--nproc", self.parallel.nproc != 1),
-                                  ("--skew", self.skew.pattern is not None),
-                                  ("--trace", self.files.trace is not None),
-                                  ("--record-trace", self.files.record_trace is not None)):
-                if refused:
-                    raise UsageError(f"{what} is not available with --hf: Hugging Face models "
-                                     f"train on one process here, and their routing is "
-                                     f"transformers' own (no trace hooks)")
+            self._check_hf(layout)
         if self.model.titan is not None:
-            for what, refused in (("--pp", layout.pp != 1), ("--ep below --nproc (data "
-                                  "parallel)", layout.ep != layout.nproc),
-                                  ("--skew", self.skew.pattern is not None),
-                                  ("--trace", self.files.trace is not None),
-                                  ("--record-trace", self.files.record_trace is not None),
-                                  ("--checkpoint-dir", self.files.checkpoint_dir is not None)):
-                if refused:
-                    raise UsageError(f"{what} is not available with --titan: torchtitan models "
-                                     f"train on one process or under torchtitan's own expert "
-                                     f"parallelism (--nproc N --ep N), with its own routing")
+            self._check_titan(layout)
         skew = self.skew.config(layout.ep)
         if skew is not None:
             from spikeguard.routing.skew import SkewSchedule
@@ -278,6 +262,39 @@ class RunConfig:
         check_trainable_size(model.num_params, activation_bytes_floor(
             self.train.batch_size * model.seq_len, getattr(model, "vocab_size", 256),
             model.d_model, model.num_layers), f"model {self.model.name}")
+
+    def _check_hf(self, layout: ParallelLayout) -> None:
+        """What --hf runs: one process, or transformers' own EP with FSDP2 over all ranks."""
+        for what, refused in (("--skew", self.skew.pattern is not None),
+                              ("--trace", self.files.trace is not None),
+                              ("--record-trace", self.files.record_trace is not None)):
+            if refused:
+                raise UsageError(f"{what} is not available with --hf: a Hugging Face model's "
+                                 f"routing is transformers' own (no skew or trace hooks)")
+        if layout.pp > 1:
+            raise UsageError("--pp is not available with --hf (transformers' own expert "
+                             "parallelism runs without a pipeline here)")
+        if layout.nproc > 1 and layout.ep != layout.nproc:
+            raise UsageError(f"with --hf, --ep must be the number of processes {layout.nproc} "
+                             f"(transformers' EP with FSDP2 over all of them; experts "
+                             f"replicated over data-parallel ranks are not supported), got "
+                             f"--ep {layout.ep}")
+        if layout.nproc > 1 and self.files.checkpoint_dir is not None:
+            raise UsageError("--checkpoint-dir is not available with --hf and --nproc "
+                             "(sharded transformers checkpoints are not written yet)")
+
+    def _check_titan(self, layout: ParallelLayout) -> None:
+        """What --titan runs: one process, or torchtitan's own EP over all ranks."""
+        for what, refused in (("--pp", layout.pp != 1), ("--ep below --nproc (data "
+                              "parallel)", layout.ep != layout.nproc),
+                              ("--skew", self.skew.pattern is not None),
+                              ("--trace", self.files.trace is not None),
+                              ("--record-trace", self.files.record_trace is not None),
+                              ("--checkpoint-dir", self.files.checkpoint_dir is not None)):
+            if refused:
+                raise UsageError(f"{what} is not available with --titan: torchtitan models "
+                                 f"train on one process or under torchtitan's own expert "
+                                 f"parallelism (--nproc N --ep N), with its own routing")
 
     @property
     def layout(self) -> ParallelLayout:

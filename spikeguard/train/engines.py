@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spikeguard.memory.ledger import local_tensor
 from spikeguard.model.dispatch import expert_imbalance
 from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, expert_parameters,
                                                  parallelize_experts)
@@ -36,6 +37,7 @@ class BuiltinFamily:
 
     name = "builtin"
     token_offset = 0   # tokens counted per sequence: T
+    own_parallelism = False   # the engine shards its experts and reduces its gradients
 
     @staticmethod
     def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
@@ -54,10 +56,13 @@ class BuiltinFamily:
 class HFFamily:
     """A transformers causal LM: a micro-batch is one window w_BT of T+1 tokens, fed as
     input and labels (transformers shifts them); the loss is transformers' own
-    (cross-entropy plus the router's load-balancing term)."""
+    (cross-entropy plus the router's load-balancing term). Under a process group its
+    layout is transformers' own (EP and FSDP2, spikeguard.integrations.hf_models), which
+    reduces the gradients itself: FSDP2 averages them over the ranks."""
 
     name = "hf"
     token_offset = 1
+    own_parallelism = True
 
     @staticmethod
     def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
@@ -89,9 +94,12 @@ class LocalEngine:
         self.model, self.family, self.groups = model, family, groups
         self.grad_clip, self.skew_target = grad_clip, skew_target
         world = groups.layout.nproc if groups is not None else 1
-        if groups is not None and groups.ep_group is not None:
+        # A family laid out by its own library (transformers' EP + FSDP2) comes sharded
+        # and averages its gradients over the ranks itself.
+        self.sharded = groups is not None and family.own_parallelism
+        if groups is not None and groups.ep_group is not None and not self.sharded:
             parallelize_experts(model, groups.ep_group)
-        self.loss_scale = 1.0 / world
+        self.loss_scale = 1.0 if self.sharded else 1.0 / world
         self.modules = [model]
         self.optimizers: list = []
         self.guards: list = []
@@ -142,9 +150,9 @@ class LocalEngine:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         sums = _guarded(self.guards[0], micro_batches) if self.guards else micro_batches()
-        if self.groups is not None:
+        if self.groups is not None and not self.sharded:
             self._reduce_grads()
-        grad_norm = self._clip()
+        grad_norm = self._clip_sharded() if self.sharded else self._clip()
         for opt in self.optimizers:
             opt.step()
         loss, ce, aux = (sums / M).tolist()
@@ -153,7 +161,11 @@ class LocalEngine:
             out.update(imbalance=max(imbalance), imbalance_per_layer=list(imbalance),
                        _received_per_layer=list(received))
         elif self.guards:
-            out["imbalance"] = self.guards[0].history[-1].get("max_imbalance", 1.0)
+            last = self.guards[0].history[-1]
+            out["imbalance"] = last.get("max_imbalance", 1.0)
+            # The rows this rank's experts received per layer (under transformers' EP, the
+            # window's counts are the received rows).
+            out["_received_per_layer"] = last.get("received_per_layer", [])
         return out
 
     def _reduce_grads(self) -> None:
@@ -181,6 +193,19 @@ class LocalEngine:
         coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
             p.grad.mul_(coef)
+        return norm.item()
+
+    def _clip_sharded(self) -> float:
+        """The whole model's gradient norm when every rank holds disjoint shards of it
+        (FSDP2 over all ranks, experts whole on their EP rank): one sum over the world."""
+        grads = [local_tensor(p.grad) for p in self.model.parameters()
+                 if p.grad is not None]
+        total = torch.stack([(g.float() ** 2).sum() for g in grads]).sum().reshape(1)
+        dist.all_reduce(total)
+        norm = total.sqrt()
+        coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef)
         return norm.item()
 
     @torch.no_grad()

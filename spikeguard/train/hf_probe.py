@@ -24,10 +24,6 @@ def measure_unguarded_peak(model: nn.Module, optimizer, batches: list[tuple]) ->
     they were, and no gradient is left."""
     import spikeguard
 
-    params = [p for p in model.parameters()]
-    with torch.no_grad():
-        weights = [p.detach().clone() for p in params]
-    state = copy.deepcopy(optimizer.state_dict())
     peak = 0
 
     def micro_batches() -> None:
@@ -36,6 +32,12 @@ def measure_unguarded_peak(model: nn.Module, optimizer, batches: list[tuple]) ->
 
     with torch.random.fork_rng(devices=[]):
         guard = spikeguard.attach(model, budget=UNLIMITED, policy="none", optimizer=optimizer)
+        # Taken after attach: under FSDP2 attach reshards the modules that kept their
+        # parameters gathered, and the parameters are then the sharded ones.
+        params = [p for p in model.parameters()]
+        with torch.no_grad():
+            weights = [p.detach().clone() for p in params]
+        state = copy.deepcopy(optimizer.state_dict())
         try:
             for _ in range(2):
                 optimizer.zero_grad(set_to_none=True)

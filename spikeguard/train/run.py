@@ -85,7 +85,7 @@ class RankRun:
         self.groups = self._groups()
         self.family, model, self.seq_len = self._model()
         self.corpus.check_seq_len(self.seq_len)
-        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_params = sum(p.numel() for p in model.parameters())   # global shapes
         self.engine = self._engine(model)
         self.injector = self._injector()
         self.observers: list = []
@@ -113,8 +113,11 @@ class RankRun:
         from spikeguard.integrations.hf_models import HFSizes, build_hf_model
 
         self.hf_sizes = HFSizes(**cfg.model.overrides)
-        return HFFamily, build_hf_model(cfg.model.hf, self.hf_sizes, seed=cfg.train.seed), \
-            self.hf_sizes.seq_len
+        model = build_hf_model(cfg.model.hf, self.hf_sizes, seed=cfg.train.seed)
+        if cfg.parallel.distributed:   # transformers' own EP, FSDP2 over every rank
+            from spikeguard.integrations.hf_models import distribute_hf_model
+            model = distribute_hf_model(model, cfg.layout.nproc, cfg.layout.ep)
+        return HFFamily, model, self.hf_sizes.seq_len
 
     def _engine(self, model):
         from spikeguard.train.engines import LocalEngine, PipelineEngine
@@ -253,9 +256,14 @@ class RankRun:
         if cfg.model.hf is not None:
             from spikeguard.train.hf_probe import measure_unguarded_peak
             peak = measure_unguarded_peak(self.engine.model, self.engine.optimizers[0], batches)
+            worst = ""
+            if self.groups is not None:   # one budget for the job: the worst rank's peak
+                flag = torch.tensor([peak], dtype=torch.int64)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                peak, worst = int(flag.item()), " (worst rank)"
             budget = int(HF_AUTO_FRACTION * peak)
             self._say(f"memory: budget {format_bytes(budget)} = {HF_AUTO_FRACTION} x the "
-                      f"unguarded peak {format_bytes(peak)} (emulated device)")
+                      f"unguarded peak {format_bytes(peak)}{worst} (emulated device)")
             return budget
         if cfg.layout.pp > 1:
             peak, static = self._pipeline_probe(batches)
@@ -334,6 +342,10 @@ class RankRun:
                       f"{cfg.parallel.schedule}), {train_cfg.micro_batches} micro-batches of "
                       f"{train_cfg.batch_size} x {self.seq_len} tokens per shard; step lines "
                       f"are rank 0's, loss the last stage's, peak and spike the cluster's")
+        elif L.nproc > 1 and cfg.model.hf is not None:
+            self._say(f"expert parallel: transformers' own, ep {L.ep} x FSDP2 over {L.nproc} "
+                      f"ranks (gloo), {self.hf_sizes.num_experts // L.ep} experts each; step "
+                      f"lines are rank 0's, peak the cluster's")
         elif L.nproc > 1:
             self._say(f"expert parallel: {L.ep} ranks (gloo)"
                       + (f" x data parallel {L.dp}" if L.dp > 1 else "")

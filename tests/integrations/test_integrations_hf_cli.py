@@ -56,7 +56,7 @@ def test_train_hf_from_json_file(tmp_path, capsys):
     (["--hf", "{not json"], "not valid JSON"),
     (["--hf", "mixtral", "--top-k", "9", "--num-experts", "8"], "top_k 9 is above"),
     (["--hf", "mixtral", "--d-model", "0"], "d_model must be a positive integer"),
-    (["--hf", "mixtral", "--nproc", "2"], "--nproc is not available with --hf"),
+    (["--hf", "mixtral", "--nproc", "2", "--ep", "1"], "--ep must be the number of processes"),
     (["--hf", "mixtral", "--budget", "lots"], "as a byte size"),
     (["--hf", "mixtral", "--steps", "0"], "steps must be a positive integer"),
 ])

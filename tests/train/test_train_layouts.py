@@ -99,7 +99,8 @@ def test_the_automatic_budget_holds_on_every_step(layout_runs):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--hf", "mixtral", "--nproc", "2"], "--nproc is not available with --hf"),
+    (["--hf", "mixtral", "--nproc", "2", "--pp", "2", "--ep", "1"],
+     "--pp is not available with --hf"),
     (["--skew", "rotating"], "--skew needs expert parallelism"),
     (["--nproc", "2", "--skew", "rotating", "--trace", "x.jsonl"], "cannot be combined with --skew"),
     (["--schedule", "interleaved"], "needs a pipeline"),

@@ -1,0 +1,265 @@
+"""One torchrun rank of the transformers-EP checks (tests/integrations/test_integrations_hf_ep.py).
+
+T = tokens per sequence, E = experts (4), L = local experts per rank (2), K = top-k (2).
+
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 \
+        tests/integrations/hf_ep_worker.py OUT_DIR [CHECK ...]
+
+A tiny Qwen3-MoE with random weights under transformers' own expert parallelism
+(`DistributedConfig(fsdp_size=2, ep_size=2)`: FSDP2 on the dense weights, two experts
+whole on each rank). Each check writes its findings to OUT_DIR/<check>_rank<r>.json; the
+test reads them. Checks run in the order given, all ranks together (collectives must
+match): `policies`, `tight`, `mixed`, `fallback`, `spike`; `spike_none` last, since it
+ends the job on rank 0 (exit 3, the one-line message on stderr), as a real job would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import spikeguard
+from spikeguard.errors import DeviceOutOfMemory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: the meter
+
+HUGE = 1 << 40
+POLICIES = ("none", "experts", "offload", "full", "adaptive")
+SEQ, BATCH = 32, 4      # tokens per sequence, sequences per micro-batch and rank
+
+
+def build():
+    """The same seeded model on every rank, then transformers' layout applied to it (what
+    from_pretrained(distributed_config=...) does after init, without a checkpoint)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed.configuration_utils import DistributedConfig
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=32, intermediate_size=32, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=256, num_experts=4, num_experts_per_tok=2, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    kind = type(model)
+    dc, _, mesh = kind.prepare_distribute_model(DistributedConfig(fsdp_size=2, ep_size=2))
+    return kind.maybe_distribute_model(model, dc, mesh)
+
+
+def batches(step: int = 0) -> list[torch.Tensor]:
+    """Two micro-batches of this rank's data for `step` (different on each rank)."""
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return [torch.randint(0, 256, (BATCH, SEQ + 1), generator=gen) for _ in range(2)]
+
+
+def grads(model) -> dict:
+    return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+
+
+def run(model, data, guard=None):
+    for p in model.parameters():
+        p.grad = None
+
+    def body():
+        for w in data:
+            model(input_ids=w, labels=w).loss.backward()
+    if guard is None:
+        body()
+    else:
+        guard.run_step(body)
+    return grads(model)
+
+
+def differ(a: dict, b: dict) -> list[str]:
+    return [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def world_max(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def record(guard) -> dict:
+    r = guard.history[-1]
+    return {"decisions": r["decisions"], "peak": r["peak_bytes"], "budget": r["budget_bytes"],
+            "reruns": r.get("safety_net_reruns", 0), "full_layers": r.get("full_layers", 0)}
+
+
+def guarded(policy: str, budget) -> tuple:
+    model = build()
+    return model, spikeguard.attach(model, budget=budget, policy=policy)
+
+
+def metered_peak(model, guard) -> int:
+    """The step's peak by the independent meter (tests/meter.py): the local shards of the
+    sharded state as baseline; the guard's host copy of the gradients is host memory.
+    DTensor-level ops are not seen (their outputs have no storage), their local ops are."""
+    from meter import LiveMeter, model_state_tensors
+    from spikeguard.runtime import device_state
+    meter = LiveMeter(baseline_tensors=[getattr(t, "_local_tensor", t)
+                                        for t in model_state_tensors(model)])
+    snapshot_init = device_state.GradSnapshot.__init__
+
+    def host_snapshot(self, *args):
+        with meter.host_scope():
+            snapshot_init(self, *args)
+    device_state.GradSnapshot.__init__ = host_snapshot
+    try:
+        with meter:
+            run(model, batches(), guard)
+    finally:
+        device_state.GradSnapshot.__init__ = snapshot_init
+    return meter.peak_bytes
+
+
+def check_policies(state: dict) -> dict:
+    """Every policy, unlimited budget: gradients bitwise the unguarded layout's; the
+    device's peak of the "none" step beside the independent meter's."""
+    out = {}
+    for policy in POLICIES:
+        model, guard = guarded(policy, HUGE)
+        g = run(model, batches(), guard)
+        out[policy] = {"differ": differ(state["ref"], g), **record(guard)}
+        if policy == "none":
+            out[policy]["meter_peak"] = metered_peak(model, guard)
+            out[policy]["device_peak"] = record(guard)["peak"]
+        guard.detach()
+    state["none_peak"] = world_max(out["none"]["peak"])
+    return out
+
+
+def check_bytes(state: dict) -> dict:
+    """The derived byte model against what the ledger saw the experts call keep, per layer,
+    on the rows this rank received (one micro-batch, everything kept, before backward)."""
+    model, guard = guarded("none", HUGE)
+    w = batches()[0]
+    out = {}
+
+    def body():
+        loss = model(input_ids=w, labels=w).loss
+        for layer in range(len(guard.moe_blocks)):
+            rows = guard.recorder.received[layer]
+            out[str(layer)] = {"rows": rows, "kept": guard.ledger.bytes_by(0, layer, "experts"),
+                               "predicted": rows * guard.shape.save_per_token}
+        loss.backward()
+    guard.run_step(body)
+    guard.detach()
+    return out
+
+
+def check_tight(state: dict) -> dict:
+    """Adaptive at 0.85 and 0.7 of the everything-kept peak (worst rank)."""
+    out = {}
+    for frac in (0.85, 0.7):
+        budget = int(state["none_peak"] * frac)
+        model, guard = guarded("adaptive", budget)
+        g = run(model, batches(), guard)
+        out[str(frac)] = {"differ": differ(state["ref"], g), **record(guard)}
+        guard.detach()
+    return out
+
+
+def check_mixed(state: dict) -> dict:
+    """Ranks deciding differently: rank 0 recomputes or offloads what rank 1 keeps."""
+    out = {}
+    for mine in ("experts", "offload", "adaptive"):
+        policy = mine if dist.get_rank() == 0 else "none"
+        model, guard = guarded(policy, HUGE)
+        g = run(model, batches(), guard)
+        out[mine] = {"differ": differ(state["ref"], g), **record(guard)}
+        guard.detach()
+    try:   # "full" on one rank only would hang in backward: refused at attach, on all
+        guarded("full" if dist.get_rank() == 0 else "adaptive", HUGE)
+        out["full_one_rank"] = "attached"
+    except spikeguard.UsageError as err:
+        out["full_one_rank"] = str(err)
+    return out
+
+
+def check_fallback(state: dict) -> dict:
+    """Adaptive's whole-layer fallback forced on rank 1 only, layer 1: agreed by the
+    group (both recompute it), no hang, gradients bitwise."""
+    model, guard = guarded("adaptive", HUGE)
+    if dist.get_rank() == 1:
+        guard.window.layer_cannot_fit = lambda layer: layer == 1
+    g = run(model, batches(), guard)
+    out = {"differ": differ(state["ref"], g), **record(guard)}
+    guard.detach()
+    return out
+
+
+def steer_to_rank0(model) -> list:
+    """Every token's K experts become experts 0..K-1, rank 0's: rank 0 receives every
+    rank's copies, twice its calm share at EP=2 (a 2x spike); rank 1 receives none."""
+    handles = []
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        gate = getattr(module, "gate", None)
+        if experts is None or gate is None:
+            continue
+
+        def hook(gate, args, output):
+            *rest, index = output
+            steered = torch.arange(index.shape[-1]).expand_as(index).contiguous()
+            return (*rest, steered)
+        handles.append(gate.register_forward_hook(hook))
+    return handles
+
+
+def check_spike(state: dict) -> dict:
+    """Budget: 1.05 x the calm step's peak (worst rank, everything kept). The spiked step
+    under adaptive stays under it on the true device."""
+    model, guard = guarded("none", HUGE)
+    run(model, batches(), guard)
+    calm = world_max(record(guard)["peak"])
+    guard.detach()
+    state["spike_budget"] = budget = int(calm * 1.05)
+    model, guard = guarded("adaptive", budget)
+    run(model, batches(), guard)          # a calm step
+    calm_record = record(guard)
+    steer_to_rank0(model)
+    run(model, batches(1), guard)         # the spike
+    return {"calm": calm_record, "spike": record(guard), "budget": budget}
+
+
+def check_spike_none(state: dict) -> dict:
+    """The same spike under "none": rank 0 dies with the one-line message (exit 3). The
+    budget is the `spike` check's (this job's, or the one whose findings are in OUT_DIR)."""
+    budget = state.get("spike_budget") or json.loads(
+        (state["out_dir"] / "spike_rank0.json").read_text())["budget"]
+    model, guard = guarded("none", budget)
+    steer_to_rank0(model)
+    try:
+        run(model, batches(1), guard)
+    except DeviceOutOfMemory as err:
+        print(f"spikeguard: out of memory on rank {dist.get_rank()}: {err}", file=sys.stderr,
+              flush=True)
+        os._exit(3)
+    return {"survived": True}
+
+
+CHECKS = {"policies": check_policies, "bytes": check_bytes, "tight": check_tight, "mixed": check_mixed,
+          "fallback": check_fallback, "spike": check_spike, "spike_none": check_spike_none}
+
+
+def main() -> None:
+    out_dir, names = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = {"out_dir": out_dir}
+    if set(names) - {"spike", "spike_none"}:   # the checks that compare gradients
+        state["ref"] = run(build(), batches())
+    for name in names:
+        found = CHECKS[name](state)
+        (out_dir / f"{name}_rank{rank}.json").write_text(json.dumps(found))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
