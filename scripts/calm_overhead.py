@@ -118,9 +118,11 @@ def main() -> None:
             seconds = run(p)
             if rep:
                 times[p].append(seconds)
+    evicted = {}
     for p, g in guards.items():
         d = g.history[-1]["decisions"]
         assert d["recompute"] == 0 and d["offload"] == 0, (p, d)
+        evicted[p] = sum(r["evicted_bytes"] for r in g.history[1:]) / max(1, len(g.history) - 1)
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
         print(f"calm step of small, 8 x {cfg.seq_len} tokens per rank, {where}, "
@@ -129,7 +131,8 @@ def main() -> None:
             ratios = [a / b for a, b in zip(times["plain"], times[p])]
             print(f"  {p:9s} {statistics.median(times[p]) * 1e3:7.1f} ms "
                   f"({min(times[p]) * 1e3:.1f}-{max(times[p]) * 1e3:.1f})   plain/this "
-                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+                  + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step" if p in evicted else ""))
     if group is not None:
         torch.distributed.destroy_process_group()
 
