@@ -9,8 +9,8 @@ step), forward and backward, no optimizer step (so routing stays where it is, an
 step is calm). Three copies of the same model take turns every step in one process
 (`plain`: no guard; `none`: a guard of policy none, which pays the device counter and the
 saved-tensor hooks; `adaptive`), so the machine's noise hits all alike; the first round
-warms up and is dropped. Budget: the calm step's true peak plus 10% (calm steps fit, so
-adaptive keeps everything). Prints medians and the spread (lowest-highest) of seconds per
+warms up and is dropped. Budget: the calm step's true peak plus 10% (`--budget-factor`;
+calm steps fit, so adaptive keeps everything). Prints medians and the spread (lowest-highest) of seconds per
 step and of the per-round ratios to plain. CPU figures: the device is emulated.
 """
 
@@ -56,7 +56,7 @@ def _step(model, batches) -> None:
         model(idx_BT, targets_BT).loss.backward()
 
 
-def _budget(models, batches, group) -> int:
+def _budget(models, batches, group, factor: float) -> int:
     probe = spikeguard.attach(models["none"], budget=1 << 50, policy="none")
     probe.run_step(lambda: _step(models["none"], batches))
     peak = probe.history[-1]["peak_bytes"]
@@ -65,7 +65,7 @@ def _budget(models, batches, group) -> int:
         t = torch.tensor([peak])
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         peak = int(t.item())
-    return int(peak * 1.1)
+    return int(peak * factor)
 
 
 def main() -> None:
@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", choices=POLICIES, default=None,
                         help="cProfile --reps steps of this policy instead of timing")
+    parser.add_argument("--budget-factor", type=float, default=1.1,
+                        help="budget = this x the calm step's true peak (worst rank)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (less noisy on a shared machine)")
     args = parser.parse_args()
@@ -85,7 +87,7 @@ def main() -> None:
         torch.distributed.init_process_group("gloo")
         group = torch.distributed.group.WORLD
     cfg, batches, models = _setup(group)
-    budget = _budget(models, batches, group)
+    budget = _budget(models, batches, group, args.budget_factor)
     guards = {p: spikeguard.attach(models[p], budget=budget, policy=p)
               for p in POLICIES if p != "plain"}
 
@@ -126,7 +128,8 @@ def main() -> None:
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
         print(f"calm step of small, 8 x {cfg.seq_len} tokens per rank, {where}, "
-              f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, budget {budget / 2**20:.1f} MiB")
+              f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, "
+              f"budget {budget / 2**20:.1f} MiB")
         for p in POLICIES:
             ratios = [a / b for a, b in zip(times["plain"], times[p])]
             print(f"  {p:9s} {statistics.median(times[p]) * 1e3:7.1f} ms "
