@@ -10,8 +10,10 @@ step is calm). Three copies of the same model take turns every step in one proce
 (`plain`: no guard; `none`: a guard of policy none, which pays the device counter and the
 saved-tensor hooks; `adaptive`), so the machine's noise hits all alike; the first round
 warms up and is dropped. Budget: the calm step's true peak plus 10% (`--budget-factor`;
-calm steps fit, so adaptive keeps everything). Prints medians and the spread (lowest-highest) of seconds per
-step and of the per-round ratios to plain. CPU figures: the device is emulated.
+calm steps fit, so adaptive keeps everything). Prints medians and the spread
+(lowest-highest) of seconds per step and of the per-round ratios to plain, and the bytes
+adaptive evicted per step. `--clock cpu` times this process's CPU only: steadier on a
+shared machine, blind to waiting in collectives. CPU figures: the device is emulated.
 """
 
 from __future__ import annotations
