@@ -60,10 +60,26 @@ def stage_functions(experts: SwiGLUExperts, tokens_per_expert: list[int]) -> dic
     the input): what the executor runs one by one and the cost model times."""
     return {
         "gate_up": lambda t: experts.gate_up(t["dispatch"], tokens_per_expert),
-        "silu": lambda t: F.silu(t["gate_up"].chunk(2, dim=-1)[0]),
-        "act": lambda t: t["silu"] * t["gate_up"].chunk(2, dim=-1)[1],
+        "silu": _silu_stage,
+        "act": _act_stage,
         "down": lambda t: experts.down(t["act"], tokens_per_expert),
     }
+
+
+def _silu_stage(t: dict) -> torch.Tensor:
+    """silu of the gate half; the up half of the same `chunk` is left in `t` for act.
+    One chunk for both halves is one SplitBackward, as in `SwiGLUExperts.act`: two would
+    each build a zero-padded 2F-wide gradient and add them (measured: +5% of a calm
+    step's time on `small`, CPU)."""
+    gate_NF, t["up"] = t["gate_up"].chunk(2, dim=-1)
+    return F.silu(gate_NF)
+
+
+def _act_stage(t: dict) -> torch.Tensor:
+    """silu(gate) * up; `up` from silu's chunk when it ran in the same scope (a region
+    starting at act takes gate_up as its input and chunks it again)."""
+    up_NF = t["up"] if "up" in t else t["gate_up"].chunk(2, dim=-1)[1]
+    return t["silu"] * up_NF
 
 
 class SwiGLU(nn.Module):

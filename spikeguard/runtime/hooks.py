@@ -164,28 +164,40 @@ class SavedTensorTracker:
         finally:
             self.call_static = outer
 
-    def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
+    def evict(self, micro_batch: int, before_layer: int, num_bytes: int,
+              on_layer_freed=None) -> int:
         """Offload saved tensors of earlier layers of `micro_batch`, earliest layer first,
-        until `num_bytes` are freed; returns the bytes freed. Their backward is furthest away."""
+        until `num_bytes` are freed; returns the bytes freed. Their backward is furthest away.
+        `on_layer_freed(layer, bytes)` is told what each layer gave."""
         freed = 0
         layers = sorted(ly for (mb, ly) in self.holders if mb == micro_batch and ly < before_layer)
         for layer in layers:
-            for ref in self.holders.get((micro_batch, layer), []):
-                packed = ref()
-                if packed is None or packed.tensor is None or not self.ledger.holds(packed.key):
-                    continue
-                where = (micro_batch, layer, "evicted")
-                stored = self.engine.offload(packed.tensor, where)
-                stored.refs -= 1
-                freed += self.ledger.drop(packed.key)
-                # Every other holder of the same storage moves to the host copy too.
-                for other_ref in self.holders.get((micro_batch, layer), []):
-                    other = other_ref()
-                    if other is not None and other.key == packed.key and other.tensor is not None:
-                        other.ledger = None
-                        other.to_host(stored)
-                if freed >= num_bytes:
-                    return freed
+            before = freed
+            freed = self._evict_layer(micro_batch, layer, freed, num_bytes)
+            if on_layer_freed is not None and freed > before:
+                on_layer_freed(layer, freed - before)
+            if freed >= num_bytes:
+                return freed
+        return freed
+
+    def _evict_layer(self, micro_batch: int, layer: int, freed: int, num_bytes: int) -> int:
+        """Evict `layer` of `micro_batch` until `num_bytes` are freed in all; the total."""
+        for ref in self.holders.get((micro_batch, layer), []):
+            packed = ref()
+            if packed is None or packed.tensor is None or not self.ledger.holds(packed.key):
+                continue
+            where = (micro_batch, layer, "evicted")
+            stored = self.engine.offload(packed.tensor, where)
+            stored.refs -= 1
+            freed += self.ledger.drop(packed.key)
+            # Every other holder of the same storage moves to the host copy too.
+            for other_ref in self.holders.get((micro_batch, layer), []):
+                other = other_ref()
+                if other is not None and other.key == packed.key and other.tensor is not None:
+                    other.ledger = None
+                    other.to_host(stored)
+            if freed >= num_bytes:
+                return freed
         return freed
 
     def evictable(self, micro_batch: int, before_layer: int) -> int:

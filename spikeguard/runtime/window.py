@@ -64,7 +64,9 @@ class DecisionWindow:
         # micro-batch), the largest attention part and routed copies per token (kept).
         self.seen = Seen()
         self.num_tokens = 0
-        self.grads_to_come = 0           # gradient bytes this micro-batch's backward adds
+        # Layer -> gradient bytes this micro-batch's backward adds by that layer's backward
+        # (its own and the layers' above, and those outside the layers; see the guard).
+        self.grads_to_come: dict[int, int] = {}
         self.layer_entry_in_use = 0      # the device's figure at the current layer's entry
         # Micro-batch -> its predicted backward working set, until its backward is done
         # (a pipeline holds several micro-batches; see plan/room.py).
@@ -73,7 +75,7 @@ class DecisionWindow:
         self._held: Optional[BudgetInfeasible] = None
 
     # ---- what the guard tells the window ----------------------------------------------
-    def begin_micro_batch(self, num_tokens: int, grads_to_come: int) -> None:
+    def begin_micro_batch(self, num_tokens: int, grads_to_come: dict[int, int]) -> None:
         self.seen = self.seen.next_micro_batch()
         self.grads_to_come = grads_to_come
         self.num_tokens = num_tokens
@@ -146,7 +148,8 @@ class DecisionWindow:
         if residency is not None:
             evictable += residency.evictable(self.tracker)
         in_use = self.ledger.in_use()
-        self.layer_room.record(mb, layer, in_use, num_routed, self.grads_to_come, layer_part)
+        self.layer_room.record(mb, layer, in_use, num_routed, self.grads_to_come.get(layer, 0),
+                               layer_part)
         room = decision_inputs(self._window_state(layer, num_routed, layer_part, seen,
                                                   evictable, in_use), self.forecast)
         if room.layer_shortfall_bytes > 0:
@@ -175,8 +178,8 @@ class DecisionWindow:
 
     def _window_state(self, layer: int, num_routed: int, layer_part: int, seen: Seen,
                       evictable: int, in_use: int) -> WindowState:
-        forward_peak, backward_peak = self.layer_room.needs(in_use, num_routed,
-                                                            self.grads_to_come, layer_part)
+        forward_peak, backward_peak = self.layer_room.needs(
+            in_use, num_routed, self.grads_to_come.get(layer, 0), layer_part)
         mb = self.ctx.micro_batch
         pending = self.pending_backward
         pending[mb] = max(pending.get(mb, 0), backward_peak - in_use)
@@ -193,7 +196,8 @@ class DecisionWindow:
 
     def _evict(self, mb: int, layer: int, num_bytes: int) -> None:
         residency = self.forecast.residency
-        freed = self.tracker.evict(mb, layer, num_bytes)
+        freed = self.tracker.evict(mb, layer, num_bytes,
+                                   functools.partial(self.layer_room.evicted, mb))
         if residency is not None and freed < num_bytes:
             freed += residency.evict(self.tracker, num_bytes - freed)
         step = self.recorder()
@@ -221,7 +225,7 @@ class DecisionWindow:
         if estimate is not None:
             part, routed = estimate
             _, backward = self.layer_room.needs(entry.in_use_bytes + part, int(routed),
-                                                self.grads_to_come, part)
+                                                self.grads_to_come.get(layer, 0), part)
             mb = self.ctx.micro_batch
             # Its backward is a working set later micro-batches must leave room for too.
             self.pending_backward[mb] = max(self.pending_backward.get(mb, 0),

@@ -197,6 +197,11 @@ class Chunk:
 
         w, lb, T, dm, planner = self.w, self.lb, self.T, self.w.dm, self.w.planner
         cap = int(w.capacity)
+
+        def to_come(i: int) -> int:
+            """As the runtime's guard: by layer i's backward, the gradients of the chunk's
+            layers below i are not made yet."""
+            return max(0, grads_to_come - i * dm.layer_grad_bytes) if grads_to_come else 0
         embed, tail, head_flops = self._ends(chunk)
         head_forecast = memory.head_per_token if w.last_chunk(chunk) else 0.0
         forecast = Forecast(num_layers=len(counts), head_bytes_per_token=head_forecast,
@@ -223,10 +228,14 @@ class Chunk:
         def evict(num_bytes: int) -> float:
             """Earlier layers of this micro-batch first, then older resident ones."""
             freed = 0
-            for layer in layers:
+            for j, layer in enumerate(layers):
                 if freed >= num_bytes:
                     break
-                freed += layer.evict(num_bytes - freed)
+                moved = layer.evict(num_bytes - freed)
+                freed += moved
+                # As the runtime's layer peaks: the layers above j will not find these
+                # bytes on the device in their backward (see runtime/layer_room.py).
+                probes[:] = [(p, rel - moved if p > j else rel, n) for p, rel, n in probes]
             moved_s = w.copy_s(freed)
             if freed < num_bytes:
                 before = sum(residents.evicted.values())
@@ -245,7 +254,7 @@ class Chunk:
                 estimate = entry_estimate(entry)
                 if estimate is not None:
                     part, routed = estimate
-                    backward = room.needs(start + part, int(routed), grads_to_come, part)[1]
+                    backward = room.needs(start + part, int(routed), to_come(i), part)[1]
                     pending = max(pending, backward - start)   # as runtime/window.py
                     short = backward + resident_backward - cap
                     if short > 0:
@@ -264,7 +273,7 @@ class Chunk:
 
             def window(at: int):
                 nonlocal pending
-                forward_peak, backward_peak = room.needs(at, count, grads_to_come, layer_part)
+                forward_peak, backward_peak = room.needs(at, count, to_come(i), layer_part)
                 pending = max(pending, backward_peak - at)
                 own = sum(sum(n for _, n in layer.storages) for layer in layers)
                 return decision_inputs(WindowState(

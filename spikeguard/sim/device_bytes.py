@@ -339,21 +339,18 @@ class _Backward:
         self.free(self.grad_y)
         self.alloc(nF)
         self.free(nF)
-        # act and silu: the product's gradients, the two chunks' gradients of gate_up
+        # act and silu: the product's gradients, silu's, then one chunk's backward joins
+        # the halves into gate_up's gradient (silu and act share one chunk of gate_up)
         self.use("silu")
         self.use("gate_up")
-        self.alloc(2 * nF)
-        self.free(nF)
+        self.alloc(2 * nF)                          # of silu and of up
+        self.free(nF)                               # the activation's gradient
         self.release("silu")
-        self.alloc(3 * nF)
-        self.free(2 * nF)
-        self.alloc(nF)
+        self.alloc(nF)                              # of gate
         self.free(nF)
         self.release("gate_up")
-        self.alloc(3 * nF)
+        self.alloc(2 * nF)                          # cat of the halves
         self.free(2 * nF)
-        self.alloc(2 * nF)
-        self.free(4 * nF)
         # gate_up: the rows' gradient per expert, the weights' gradients summed
         self.use("dispatch")
         self.alloc(nD + self.weight_grad(w13))

@@ -229,7 +229,8 @@ class StageWalker:
                 key = (FORWARD, layer, op.micro_batch % mod)
                 where[key] = max(where.get(key, 0), in_use + rel)
             part = self.dm.layer.layer_part(dm.tokens)
-            probes += [Probe(op.micro_batch, layer, in_use + rel, n, to_come, part)
+            probes += [Probe(op.micro_batch, layer, in_use + rel, n,
+                             max(0, to_come - layer * dm.layer_grad_bytes) if to_come else 0, part)
                        for layer, rel, n in fwd.probes]
             if fwd.failed or top > self.capacity:
                 return self._overflow(load, state, peak, seconds, decisions)

@@ -147,7 +147,14 @@ def test_none_dies_at_the_first_allocation_past_the_budget(host_marks, where):
     assert error is None
     forward, backward = ceiling.peak_of("forward"), ceiling.peak_of("backward")
     assert forward < backward
-    budget = {"forward layer": int(0.8 * forward), "backward layer": (forward + backward) // 2,
+    # Backward layer: between all that is live before backward reaches a layer (the
+    # forward, the head's backward) and the layers' backward peak. (A midpoint of the
+    # forward and backward peaks fell in the head once the experts' backward shrank.)
+    to_layers = next(i for i, (_, p) in enumerate(ceiling.trace) if p.startswith("backward layer"))
+    before_layers = max(live for live, _ in ceiling.trace[:to_layers])
+    assert ceiling.peak_of("backward layer") > before_layers
+    budget = {"forward layer": int(0.8 * forward),
+              "backward layer": (before_layers + ceiling.peak_of("backward layer")) // 2,
               "backward head": forward + 1024}[where]
     # Where the independent meter first sees the unlimited run's live bytes pass it.
     first = next(i for i, (live, _) in enumerate(ceiling.trace) if live > budget)

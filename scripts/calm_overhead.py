@@ -1,0 +1,146 @@
+"""The guard's own cost on calm steps: the plain model vs policy none vs adaptive.
+
+    .venv/bin/python scripts/calm_overhead.py --reps 15               # one process
+    .venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 15   # EP=2
+    .venv/bin/python scripts/calm_overhead.py --profile adaptive      # cProfile of one policy
+
+The built-in `small` model, 1 micro-batch of 8 x 128 tokens per rank (the bench's calm
+step), forward and backward, no optimizer step (so routing stays where it is, and every
+step is calm). Three copies of the same model take turns every step in one process
+(`plain`: no guard; `none`: a guard of policy none, which pays the device counter and the
+saved-tensor hooks; `adaptive`), so the machine's noise hits all alike; the first round
+warms up and is dropped. Budget: the calm step's true peak plus 10% (`--budget-factor`;
+calm steps fit, so adaptive keeps everything). Prints medians and the spread
+(lowest-highest) of seconds per step and of the per-round ratios to plain, and the bytes
+adaptive evicted per step. `--clock cpu` times this process's CPU only: steadier on a
+shared machine, blind to waiting in collectives. CPU figures: the device is emulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+import spikeguard
+from spikeguard.data.corpus import load_corpus
+from spikeguard.model import build_model, model_config
+
+POLICIES = ("plain", "none", "adaptive")
+
+
+def _setup(group):
+    cfg = model_config("small")
+    corpus = load_corpus(None)
+    rank = group.rank() if group is not None else 0
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [corpus.get_batch("train", 8, cfg.seq_len, gen)]
+    models = {}
+    for p in POLICIES:
+        model = build_model(cfg, seed=0)
+        if group is not None:
+            from spikeguard.parallel import parallelize_experts
+            parallelize_experts(model, group)
+        models[p] = model
+    return cfg, batches, models
+
+
+CLOCK = time.perf_counter
+
+
+def _step(model, batches) -> None:
+    for idx_BT, targets_BT in batches:
+        model(idx_BT, targets_BT).loss.backward()
+
+
+def _budget(models, batches, group, factor: float) -> int:
+    probe = spikeguard.attach(models["none"], budget=1 << 50, policy="none")
+    probe.run_step(lambda: _step(models["none"], batches))
+    peak = probe.history[-1]["peak_bytes"]
+    probe.detach()
+    if group is not None:
+        t = torch.tensor([peak])
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        peak = int(t.item())
+    return int(peak * factor)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", choices=POLICIES, default=None,
+                        help="cProfile --reps steps of this policy instead of timing")
+    parser.add_argument("--budget-factor", type=float, default=1.1,
+                        help="budget = this x the calm step's true peak (worst rank)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (less noisy on a shared machine)")
+    args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    group = None
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        torch.distributed.init_process_group("gloo")
+        group = torch.distributed.group.WORLD
+    cfg, batches, models = _setup(group)
+    budget = _budget(models, batches, group, args.budget_factor)
+    guards = {p: spikeguard.attach(models[p], budget=budget, policy=p)
+              for p in POLICIES if p != "plain"}
+
+    def run(p):
+        """One step, timed whole (the guard's step scope included); the gradients are
+        dropped first, as after an optimizer step (zero_grad's default)."""
+        models[p].zero_grad(set_to_none=True)
+        start = CLOCK()
+        if p in guards:
+            guards[p].run_step(lambda: _step(models[p], batches))
+        else:
+            _step(models[p], batches)
+        return CLOCK() - start
+
+    rank0 = group is None or group.rank() == 0
+    if args.profile:
+        run(args.profile)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.reps):
+            run(args.profile)
+        prof.disable()
+        if rank0:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        return
+    times = {p: [] for p in POLICIES}
+    for rep in range(args.reps + 1):
+        for p in POLICIES:
+            seconds = run(p)
+            if rep:
+                times[p].append(seconds)
+    evicted = {}
+    for p, g in guards.items():
+        d = g.history[-1]["decisions"]
+        assert d["recompute"] == 0 and d["offload"] == 0, (p, d)
+        evicted[p] = sum(r["evicted_bytes"] for r in g.history[1:]) / max(1, len(g.history) - 1)
+    if rank0:
+        where = f"EP={group.size()}" if group is not None else "one process"
+        print(f"calm step of small, 8 x {cfg.seq_len} tokens per rank, {where}, "
+              f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, "
+              f"budget {budget / 2**20:.1f} MiB")
+        for p in POLICIES:
+            ratios = [a / b for a, b in zip(times["plain"], times[p])]
+            print(f"  {p:9s} {statistics.median(times[p]) * 1e3:7.1f} ms "
+                  f"({min(times[p]) * 1e3:.1f}-{max(times[p]) * 1e3:.1f})   plain/this "
+                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+                  + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step" if p in evicted else ""))
+    if group is not None:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
