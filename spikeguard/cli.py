@@ -20,23 +20,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from spikeguard.errors import DeviceOutOfMemory, OutputError, UsageError
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse prints usage plus a message; we want the one-line contract of UsageError.
-    No abbreviations (every command's parser is of this class): `--step` must not quietly
-    mean `--steps`."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):  # type: ignore[override]
-        if message.endswith("expected one argument"):
-            # argparse reads `--budget -1GiB` as two flags
-            message += " (a value that starts with '-' is written --flag=VALUE)"
-        raise UsageError(f"{message} (see '{self.prog} --help')")
+from spikeguard.errors import ArgumentParser, DeviceOutOfMemory, OutputError, UsageError
 
 
 def package_version() -> str:
@@ -55,7 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from spikeguard.sim.cli import add_parser as add_simulate_parser
     from spikeguard.train.command import add_demo_parser, add_train_parser
 
-    parser = _ArgumentParser(
+    parser = ArgumentParser(
         prog="spikeguard",
         description="Keep MoE training under the device memory limit through routing spikes.")
     parser.add_argument("--version", action="version",
@@ -81,6 +65,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from spikeguard.parallel.launch import worker_argv
         argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
     rank_started()  # under torchrun: die with it (a no-op elsewhere)
+    from spikeguard.bench.worker import WORKER_COMMAND
+    if argv is not None and list(argv[:1]) == [WORKER_COMMAND] and "RANK" in os.environ:
+        from spikeguard.bench.worker import serve
+        return serve(argv[1], main)   # the bench's reusable worker: each job is a main()
     stops = _StopSignals()
     global _STOPS
     _STOPS = stops

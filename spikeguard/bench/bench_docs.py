@@ -9,12 +9,13 @@ pages beside it. A page can be written again from its report, without re-running
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from spikeguard.bench.table import table_header, table_rows
+from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.memory.budget import format_bytes
 
 
@@ -94,13 +95,17 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         "re-does the steps since. `offload`, `experts`, `full`: static settings. "
         "`safe-static`: the fastest static setting that survived the whole trace. "
         "`adaptive`: spikeguard.",
-        "- `vs ceiling`: median over segments of the policy's throughput over the ceiling's "
-        "in the same segment (training time only); in brackets the lowest and highest "
-        "segment's ratio, the spread. `lost s`: measured, per crash the "
-        "re-done steps plus the crashed job's start-up, partial step and teardown. "
-        "`effective vs ceiling` counts that lost time; the next column replaces each "
+        "- `tok/s`: tokens of the steps kept over their training time (start-up, "
+        "evaluation and checkpoint writes excluded). `vs ceiling`: the ratio of totals, the "
+        "policy's `tok/s` over the ceiling's (every policy trains the same steps in the "
+        "same interleaved segments); in brackets the lowest and highest segment's ratio, "
+        "the spread. `lost s`: measured, per crash the re-done steps plus the crashed "
+        "job's partial step and teardown and the start-up of the worker that replaced it. "
+        "`effective vs ceiling`: tokens kept over training plus lost time, over the "
+        "ceiling's `tok/s`; the next column replaces each "
         f"measured restart by {w['restart_cost_s']:g} s, the cold-restart cost measured at "
-        "scale, so the small machine's result extrapolates honestly.",
+        "scale, so the small machine's result extrapolates honestly. The table, the JSON "
+        "and the throughput plot show the same numbers (one report renders all three).",
         "- `save/rec/off`: per-layer operator decisions summed over ranks and steps.",
         "",
     ]
@@ -110,22 +115,42 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="write a bench page from its report JSON")
+def main(argv=None) -> int:
+    try:
+        return _main(argv, ArgumentParser)
+    except UsageError as err:
+        print(f"spikeguard: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+
+
+def _main(argv, parser_class) -> int:
+    parser = parser_class(description="write a bench page from its report JSON")
     parser.add_argument("report", help="the JSON that `spikeguard bench --json` wrote")
     parser.add_argument("page", help="the page to write (FILE.md)")
     parser.add_argument("--plots", default=None, metavar="DIR",
                         help="the folder its plots were written to")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing page")
     args = parser.parse_args(argv)
     from spikeguard.bench.plots import PLOT_FILES
 
-    report = json.loads(Path(args.report).read_text())
+    from spikeguard.files import check_outputs
+
+    check_outputs({"page": args.page}, inputs={"report": args.report}, overwrite=args.overwrite)
+    try:
+        report = json.loads(Path(args.report).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"{args.report} is not a bench report (JSON): "
+                         f"{str(err).splitlines()[0]}") from None
     plots = [] if args.plots is None else [
         Path(args.plots) / PLOT_FILES[k] for k in ("memory", "imbalance", "throughput")
         if (Path(args.plots) / PLOT_FILES[k]).exists()]   # the order run_bench writes them
+    from spikeguard.files import atomic_write
+
     out = Path(args.page)
-    out.write_text(page(report, plots, out.parent, out.name))
+    atomic_write(out, page(report, plots, out.parent, out.name), overwrite=args.overwrite,
+                 what="page")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -13,7 +13,6 @@ are CPU figures, not GPU ones.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -66,7 +65,10 @@ def measure(source: str, sizes: HFSizes, batch_size: int, micro_batches: int, re
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from spikeguard.errors import ArgumentParser
+    from spikeguard.train.config import MAX_THREADS
+
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", default="mixtral", help="model type or config JSON")
     for flag, default in (("--d-model", 128), ("--num-layers", 4), ("--num-experts", 8),
                           ("--top-k", 2), ("--d-expert", 128), ("--seq-len", 128)):
@@ -76,13 +78,15 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--fraction", type=float, default=0.85)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
     try:
-        for name in ("batch_size", "micro_batches", "reps", "threads"):
+        args = parser.parse_args(argv)   # a mistake is one line (UsageError), no abbreviation
+        for name in ("batch_size", "micro_batches", "reps"):
             if getattr(args, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive")
+        if not 0 < args.threads <= MAX_THREADS:
+            raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
         if not 0 < args.fraction <= 1:
-            raise UsageError("--fraction must be in (0, 1]")
+            raise UsageError(f"--fraction must be in (0, 1], got {args.fraction}")
         sizes = HFSizes(d_model=args.d_model, num_layers=args.num_layers,
                         num_experts=args.num_experts, top_k=args.top_k,
                         d_expert=args.d_expert, seq_len=args.seq_len)

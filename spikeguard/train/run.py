@@ -66,9 +66,11 @@ def _run_rank(cfg: RunConfig) -> int:
     del run
     if worker is not None:
         # The group's threads end only once nothing refers to it (models do through
-        # their dispatchers): drop, destroy, collect while the interpreter is whole.
+        # their dispatchers): drop, destroy, collect while the interpreter is whole. A
+        # group this run only joined (the bench's worker) lives on for the next run.
         dist.barrier()
-        dist.destroy_process_group()
+        if worker.owned:
+            dist.destroy_process_group()
         gc.collect()
     return code
 
