@@ -66,6 +66,8 @@ def serve(folder: str, run: Callable[[list[str]], int]) -> int:
         spec_path = job_file(where, number)
         while not spec_path.exists():
             if (where / "stop").exists():
+                from spikeguard.parallel.mesh import release_shared_meshes
+                release_shared_meshes()
                 if worker is not None:
                     dist.barrier()
                     dist.destroy_process_group()

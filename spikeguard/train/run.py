@@ -54,7 +54,8 @@ def _run_rank(cfg: RunConfig) -> int:
     if worker is not None and worker.world_size != cfg.parallel.nproc:
         # Started by torchrun by hand (several nodes): the world is torchrun's.
         cfg = cfg.with_world(worker.world_size)
-    run = RankRun(cfg, worker.rank if worker is not None else 0)
+    run = RankRun(cfg, worker.rank if worker is not None else 0,
+                  shared_groups=worker is not None and not worker.owned)
     try:
         code = run.train()
     except BaseException:
@@ -78,10 +79,11 @@ def _run_rank(cfg: RunConfig) -> int:
 class RankRun:
     """Everything one rank holds for the run."""
 
-    def __init__(self, cfg: RunConfig, rank: int):
+    def __init__(self, cfg: RunConfig, rank: int, shared_groups: bool = False):
         from spikeguard.data.corpus import load_corpus
 
         self.cfg, self.rank = cfg, rank
+        self.shared_groups = shared_groups   # the process group outlives this run
         self.console = Console(quiet=rank != 0)
         self.corpus = load_corpus(cfg.files.data)
         self.groups = self._groups()
@@ -97,7 +99,7 @@ class RankRun:
         if not self.cfg.parallel.distributed:
             return None
         from spikeguard.parallel.mesh import MeshGroups
-        return MeshGroups.build(self.cfg.layout)
+        return MeshGroups.build(self.cfg.layout, shared=self.shared_groups)
 
     def _model(self):
         from spikeguard.train.engines import BuiltinFamily, HFFamily
