@@ -292,10 +292,11 @@ def _bench(args, policies, work: Path, pool, echo, console) -> None:
     if safe is not None:
         figures["safe-static"] = {**figures[safe], "is": safe}
     report = _report(args, policies, figures, budget, how, spikes, trace, work)
+    report["jobs"] = sum(len(r.jobs) for r in runs.values()) + 1   # + the measurement pass
     report["worker_startups_s"] = pool.startups
     outputs.print_table(console, report)
-    echo(f"jobs: {sum(len(r.jobs) for r in runs.values()) + 1} on {len(pool.startups)} "
-         f"worker start-up(s) of {sum(pool.startups):.1f} s in all")
+    echo(f"jobs: {report['jobs']} on {len(pool.startups)} worker start-up(s) of "
+         f"{sum(pool.startups):.1f} s in all")
     if args.json:
         outputs.write_json(args.json, report, args.overwrite)
         echo(f"wrote {args.json}")
