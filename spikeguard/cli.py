@@ -157,8 +157,12 @@ def _run(argv: Optional[Sequence[str]]) -> int:
             # The peer may have stopped on a SIGINT/SIGTERM the launcher forwarded to the
             # whole job, and this rank's is on its way (it lands here as Interrupted).
             _await_own_stop()
-        # A rank of the group died (the launcher names it): this one's collective broke.
-        # One line, not a traceback of the broken collective.
+            # A rank of the group died and this one's collective broke: the launcher's
+            # final line names the dead rank and why; a line from every survivor would
+            # only stand between the cause and it.
+            return 1
+        # Under a torchrun started by hand, no launcher speaks for the job: one line, not
+        # a traceback of the broken collective.
         print(f"spikeguard: rank {os.environ.get('RANK', '?')} stopped: another rank of "
               f"the group failed ({_one_line(peer).split('. ')[0]})", file=sys.stderr)
         return 1
