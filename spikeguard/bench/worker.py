@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -76,7 +77,13 @@ def serve(folder: str, run: Callable[[list[str]], int]) -> int:
             time.sleep(POLL_S)
         spec = json.loads(spec_path.read_text(encoding="utf-8"))
         with _redirected(spec["out"], spec["err"]):
-            code = run(list(spec["argv"]))
+            try:
+                code = run(list(spec["argv"]))
+            except BaseException:
+                # A bug, not a user's mistake (cli.main turns those into exit codes): the
+                # traceback belongs in the job's .err, where the bench quotes from.
+                traceback.print_exc()
+                raise SystemExit(1) from None
         gc.collect()   # the job's model, guards and devices, before the next job's
         done_file(where, number, rank).write_text(str(code))
 
