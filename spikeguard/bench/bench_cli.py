@@ -261,6 +261,7 @@ def _bench(args, policies, work: Path, pool, echo, console) -> None:
     from spikeguard.memory.budget import format_bytes
 
     echo(f"bench: {args.preset}, {_layout_text(args)}, {args.steps} steps, work in {work}")
+    args.load_start = _load()
     echo("measurement pass (everything saved, no limit; records the routing trace):")
     trace, measured = _measure(args, work, echo, pool)
     spikes = [r["step"] for r in measured if r.get("skew_spike")]
@@ -307,6 +308,13 @@ def _bench(args, policies, work: Path, pool, echo, console) -> None:
         echo(f"wrote {args.docs}")
 
 
+def _load():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[str, Any]:
     import torch
 
@@ -315,6 +323,8 @@ def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[s
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__,
+                    # other work on the machine, 1-minute load average: at the start, the end
+                    "load_average": [getattr(args, "load_start", None), _load()],
                     "device": "CPU only: the device is emulated by the CPU allocator (every live storage)"},
         "workload": {"preset": args.preset, "ep": args.ep, "pp": args.pp, "dp": args.dp,
                      "nproc": args.nproc, "schedule": args.schedule if args.pp > 1 else None,

@@ -63,6 +63,15 @@ REUSE_MEASURED = ("`spikeguard bench --preset tiny --steps 40` took 376 s when e
                   "and 42 s on the reused worker (1 start-up, 4.1 s), 2026-12-01")
 
 
+def _load_text(machine: dict) -> str:
+    start, end = (machine.get("load_average") or [None, None])
+    if start is None or end is None:
+        return ""
+    return (f" Load average (1 min) {start:g} at the start and {end:g} at the end, on "
+            f"{machine['cpus']} CPUs: above their number, other work shared the machine "
+            f"and the ratios are the noisier for it.")
+
+
 def _jobs_text(report: dict) -> list[str]:
     startups = report.get("worker_startups_s")
     if startups is None:   # a report from before the reused worker
@@ -90,7 +99,8 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}. **{m['device']}**: "
         f"every figure here is a CPU figure, and the budget is the device's bytes: every live "
         f"storage, as an allocator counts them (parameters, gradients, optimizer state, saved "
-        f"activations, temporaries, activation gradients, recomputed tensors, reloads).",
+        f"activations, temporaries, activation gradients, recomputed tensors, reloads)."
+        + _load_text(m),
         f"Date: {report['date']}.",
         "",
         f"Workload: {_model_text(w)}, {layout_text(w)} "
