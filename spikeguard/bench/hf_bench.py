@@ -90,6 +90,10 @@ def main(argv=None) -> int:
         sizes = HFSizes(d_model=args.d_model, num_layers=args.num_layers,
                         num_experts=args.num_experts, top_k=args.top_k,
                         d_expert=args.d_expert, seq_len=args.seq_len)
+        from spikeguard.model.config import activation_bytes_floor, check_trainable_size
+        check_trainable_size(sizes.num_params, activation_bytes_floor(   # train's own check
+            args.batch_size * sizes.seq_len, getattr(sizes, "vocab_size", 256), sizes.d_model,
+            sizes.num_layers), f"model {args.hf}")
         torch.set_num_threads(args.threads)
         print_table(measure(args.hf, sizes, args.batch_size, args.micro_batches, args.reps,
                             args.fraction))

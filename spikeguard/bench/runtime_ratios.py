@@ -150,6 +150,11 @@ def main(argv=None) -> int:
             raise UsageError(f"--fraction must be in (0, 1], got {args.fraction}")
         if not 0 < args.threads <= MAX_THREADS:
             raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+        from spikeguard.model.config import activation_bytes_floor, check_trainable_size
+        cfg = model_config(args.preset)   # an unknown preset: one line
+        check_trainable_size(cfg.num_params, activation_bytes_floor(   # train's own check
+            args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
+            f"model {args.preset}")
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         print_table(measure(args.preset, args.batch_size, args.micro_batches, args.reps,
