@@ -71,7 +71,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return serve(argv[1], main)   # the bench's reusable worker: each job is a main()
     stops = _StopSignals()
     global _STOPS
-    _STOPS = stops
+    outer, _STOPS = _STOPS, stops   # main() may run again in this process (the bench's
+    try:                            # worker runs one per job): no stale signal carries over
+        code = _main_stopping(argv, stops)
+    finally:
+        _STOPS = outer
+    if "RANK" in os.environ and code:
+        _exit_now(code)
+    return code
+
+
+def _main_stopping(argv, stops: "_StopSignals") -> int:
     with stops.installed():
         try:
             code = _run(argv)
@@ -83,8 +93,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # After SIGINT/SIGTERM, whatever ends the command is its consequence (a
             # peer's broken collective): the stop, not a traceback.
             code = _stopped(stops.signum)
-    if "RANK" in os.environ and code:
-        _exit_now(code)
     return code
 
 
