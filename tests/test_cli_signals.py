@@ -104,3 +104,15 @@ def test_a_rank_whose_peer_died_leaves_the_final_line_to_the_launcher(monkeypatc
         assert err == []
     else:
         assert len(err) == 1 and err[0].startswith("spikeguard: rank 1 stopped: another rank"), err
+
+
+def test_a_packed_tensor_half_built_by_an_interrupt_finalizes_quietly(monkeypatch):
+    """SIGINT inside Packed.__init__ left its slots unset, and its __del__ printed
+    "Exception ignored ... no attribute 'ledger'" after the interrupt's one line."""
+    from spikeguard.runtime.hooks import Packed
+
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+    half = Packed.__new__(Packed)   # __init__ never ran
+    del half
+    assert dropped == []
