@@ -59,8 +59,10 @@ def _siblings(docs_dir: Path, own: str) -> list[str]:
 # The reused worker (spikeguard.bench.worker), measured once on this machine (2 shared CPU
 # cores, emulated device) with the same command before and after it.
 REUSE_MEASURED = ("`spikeguard bench --preset tiny --steps 40` took 376 s when every job "
-                  "was a new process tree (49 start-ups of launcher, torchrun and 2 ranks) "
-                  "and 42 s on the reused worker (1 start-up, 4.1 s), 2026-12-01")
+                  "was a new process tree (49 start-ups of launcher, torchrun and 2 ranks; "
+                  "load average 3.7 at its start) and 42 s and 52 s in two runs on the "
+                  "reused worker (1 start-up of 4.1 and 4.7 s; load 3.6 at the second's "
+                  "start), 2026-12-01")
 
 
 def _load_text(machine: dict) -> str:
