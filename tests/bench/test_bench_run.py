@@ -90,7 +90,8 @@ def test_a_short_real_bench(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "spikeguard", "bench", "--preset", "tiny", "--steps", "4",
          "--segments", "1", "--checkpoint-every", "1", "--pattern", "one-hot-rank",
-         "--spike-prob", "0.5", "--spike-max", "2", "--policies", "ceiling,none,adaptive",
+         "--spike-prob", "0.5", "--spike-max", "2", "--skew-seed", "9",  # one spike: step 3
+         "--policies", "ceiling,none,adaptive",
          "--work", str(work), "--json", str(out)],
         capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
