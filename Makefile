@@ -24,16 +24,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
-# Regenerates docs/bench.md, docs/bench.json and docs/img/bench/ (about 15 min here).
+# Regenerates docs/bench.md, docs/bench.json and docs/img/bench/ (tracked: --overwrite).
 bench: $(STAMP)
-	$(VENV)/bin/spikeguard bench --json docs/bench.json --plots docs/img/bench --docs docs/bench.md
+	$(VENV)/bin/spikeguard bench --json docs/bench.json --plots docs/img/bench --docs docs/bench.md \
+		--overwrite
 
 # The same harness under a pipeline, PP=2 x EP=2 on 4 processes: docs/bench_pp.md,
-# docs/bench_pp.json and docs/img/bench_pp/ (about 15 min here).
+# docs/bench_pp.json and docs/img/bench_pp/ (tracked: --overwrite).
 bench-pp: $(STAMP)
 	$(VENV)/bin/spikeguard bench --pp 2 --ep 2 --steps 48 --batch-size 4 --segments 3 \
 		--checkpoint-every 8 --spike-prob 0.08 --json docs/bench_pp.json \
-		--plots docs/img/bench_pp --docs docs/bench_pp.md
+		--plots docs/img/bench_pp --docs docs/bench_pp.md --overwrite
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -20,24 +20,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from spikeguard.errors import DeviceOutOfMemory, OutputError, UsageError
+from spikeguard.errors import ArgumentParser, DeviceOutOfMemory, OutputError, UsageError
 from spikeguard.runtime.interrupts import in_finalizer
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse prints usage plus a message; we want the one-line contract of UsageError.
-    No abbreviations (every command's parser is of this class): `--step` must not quietly
-    mean `--steps`."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):  # type: ignore[override]
-        if message.endswith("expected one argument"):
-            # argparse reads `--budget -1GiB` as two flags
-            message += " (a value that starts with '-' is written --flag=VALUE)"
-        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
 def package_version() -> str:
@@ -56,7 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from spikeguard.sim.cli import add_parser as add_simulate_parser
     from spikeguard.train.command import add_demo_parser, add_train_parser
 
-    parser = _ArgumentParser(
+    parser = ArgumentParser(
         prog="spikeguard",
         description="Keep MoE training under the device memory limit through routing spikes.")
     parser.add_argument("--version", action="version",
@@ -82,9 +66,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from spikeguard.parallel.launch import worker_argv
         argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
     rank_started()  # under torchrun: die with it (a no-op elsewhere)
+    from spikeguard.bench.worker import WORKER_COMMAND
+    if argv is not None and list(argv[:1]) == [WORKER_COMMAND] and "RANK" in os.environ:
+        from spikeguard.bench.worker import serve
+        return serve(argv[1], main)   # the bench's reusable worker: each job is a main()
     stops = _StopSignals()
     global _STOPS
-    _STOPS = stops
+    outer, _STOPS = _STOPS, stops   # main() may run again in this process (the bench's
+    try:                            # worker runs one per job): no stale signal carries over
+        code = _main_stopping(argv, stops)
+    finally:
+        _STOPS = outer
+    if "RANK" in os.environ and code:
+        _exit_now(code)
+    return code
+
+
+def _main_stopping(argv, stops: "_StopSignals") -> int:
     with stops.installed():
         try:
             code = _run(argv)
@@ -96,8 +94,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # After SIGINT/SIGTERM, whatever ends the command is its consequence (a
             # peer's broken collective): the stop, not a traceback.
             code = _stopped(stops.signum)
-    if "RANK" in os.environ and code:
-        _exit_now(code)
     return code
 
 
@@ -170,8 +166,12 @@ def _run(argv: Optional[Sequence[str]]) -> int:
             # The peer may have stopped on a SIGINT/SIGTERM the launcher forwarded to the
             # whole job, and this rank's is on its way (it lands here as Interrupted).
             _await_own_stop()
-        # A rank of the group died (the launcher names it): this one's collective broke.
-        # One line, not a traceback of the broken collective.
+            # A rank of the group died and this one's collective broke: the launcher's
+            # final line names the dead rank and why; a line from every survivor would
+            # only stand between the cause and it.
+            return 1
+        # Under a torchrun started by hand, no launcher speaks for the job: one line, not
+        # a traceback of the broken collective.
         print(f"spikeguard: rank {os.environ.get('RANK', '?')} stopped: another rank of "
               f"the group failed ({_one_line(peer).split('. ')[0]})", file=sys.stderr)
         return 1

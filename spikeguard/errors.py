@@ -6,6 +6,8 @@ everywhere: the emulated CPU budget raises it, and on CUDA `torch.cuda.OutOfMemo
 is caught and re-raised as it, so callers handle one type.
 """
 
+import argparse
+
 
 class UsageError(ValueError):
     """A user mistake: bad argument, unknown preset, missing file. Exit code 2."""
@@ -35,3 +37,19 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(f"signal {signum}")
         self.signum = signum
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse prints usage plus a message; we want the one-line contract of UsageError.
+    No abbreviations (every command's parser is of this class, and the benches' scripts
+    use it too): `--step` must not quietly mean `--steps`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        if message.endswith("expected one argument"):
+            # argparse reads `--budget -1GiB` as two flags
+            message += " (a value that starts with '-' is written --flag=VALUE)"
+        raise UsageError(f"{message} (see '{self.prog} --help')")

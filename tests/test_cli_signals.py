@@ -73,3 +73,46 @@ def test_sigterm_to_a_single_process_run_exits_143(monkeypatch, capsys):
     monkeypatch.setattr("spikeguard.train.loop.run_loop", train)
     assert cli.main(["train", "--preset", "tiny", "--steps", "3"]) == 143
     assert capsys.readouterr().err.splitlines() == ["spikeguard: interrupted by SIGTERM"]
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_rank_whose_peer_died_leaves_the_final_line_to_the_launcher(monkeypatch, capsys,
+                                                                      launched):
+    """A surviving rank's collective breaks when its peer dies. Under spikeguard's launcher
+    the survivor says nothing (the launcher's one final line names the dead rank); under a
+    torchrun started by hand, where nobody speaks for the job, it says one line."""
+    from spikeguard.errors import ArgumentParser
+    from spikeguard.parallel.launch import LAUNCHER_ENV
+
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    if launched:
+        monkeypatch.setenv(LAUNCHER_ENV, str(os.getpid()))
+    else:
+        monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    monkeypatch.setattr(cli, "PEER_STOP_WAIT_S", 0.05)
+
+    def broken(args):
+        raise RuntimeError("[Stage 0] failed to run forward: Connection closed by peer [::1]:1")
+
+    parser = ArgumentParser(prog="spikeguard")
+    parser.set_defaults(run=broken)
+    monkeypatch.setattr(cli, "_build_parser", lambda: parser)
+    assert cli._run([]) == 1
+    err = capsys.readouterr().err.splitlines()
+    if launched:
+        assert err == []
+    else:
+        assert len(err) == 1 and err[0].startswith("spikeguard: rank 1 stopped: another rank"), err
+
+
+def test_a_packed_tensor_half_built_by_an_interrupt_finalizes_quietly(monkeypatch):
+    """SIGINT inside Packed.__init__ left its slots unset, and its __del__ printed
+    "Exception ignored ... no attribute 'ledger'" after the interrupt's one line."""
+    from spikeguard.runtime.hooks import Packed
+
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+    half = Packed.__new__(Packed)   # __init__ never ran
+    del half
+    assert dropped == []

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,9 @@ def add_parser(commands) -> None:
     out.add_argument("--plots", default=None, metavar="DIR")
     out.add_argument("--docs", default=None, metavar="FILE.md",
                      help="write the benchmark page (command, machine, table, plots)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace existing --json, --docs and --plots files (refused "
+                          "without it)")
     bench.set_defaults(run=run_bench)
 
 
@@ -109,14 +112,17 @@ def _run_config(args):
 
 
 def _validate(args) -> list[str]:
+    import math
+
     for name in ("ep", "pp", "dp", "steps", "batch_size", "segments", "checkpoint_every"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.ep < 2:
         raise UsageError("--ep must be at least 2: spikes are one rank receiving more than its share")
     if args.segments > args.steps:
         raise UsageError(f"--segments {args.segments} exceeds --steps {args.steps}")
-    if args.restart_cost < 0:
-        raise UsageError(f"--restart-cost must be >= 0, got {args.restart_cost}")
+    if not math.isfinite(args.restart_cost) or args.restart_cost < 0:
+        raise UsageError(f"--restart-cost must be a finite number of seconds >= 0, "
+                         f"got {args.restart_cost}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies or len(set(policies)) != len(policies):
@@ -125,14 +131,14 @@ def _validate(args) -> list[str]:
     if args.budget != "auto":
         from spikeguard.memory.budget import parse_bytes
         args.budget_bytes = parse_bytes(args.budget)
+    from spikeguard.bench.outputs import check_outputs
+    check_outputs(args)   # an output that is the --trace is refused before it is read
+    if args.trace is not None:
+        from spikeguard.routing.trace import load_trace
+        load_trace(args.trace)   # missing, a folder, binary, not a trace: one line now
     cfg = _run_config(args)
     args.micro_batches = cfg.train.micro_batches   # what the schedule needs, resolved
     args.nproc = cfg.layout.nproc
-    for flag, path in (("--json", args.json), ("--docs", args.docs)):
-        if path is not None and (Path(path).is_dir() or not Path(path).parent.is_dir()):
-            raise UsageError(f"{flag} needs a file in an existing folder, got {path}")
-    if args.plots is not None and Path(args.plots).is_file():
-        raise UsageError(f"--plots {args.plots} is a file")
     if args.work is not None and Path(args.work).is_file():
         raise UsageError(f"--work {args.work} is a file")
     if args.work is not None and Path(args.work).is_dir() and any(Path(args.work).iterdir()):
@@ -158,7 +164,7 @@ def _common(args, trace: Path) -> list[str]:
                               "--checkpoint-every", str(args.checkpoint_every)]
 
 
-def _measure(args, work: Path, echo) -> tuple[Path, list[dict]]:
+def _measure(args, work: Path, echo, pool) -> tuple[Path, list[dict]]:
     """The measurement pass: records (or replays) the trace with everything saved."""
     from spikeguard.bench.runner import JobRunner
 
@@ -174,7 +180,8 @@ def _measure(args, work: Path, echo) -> tuple[Path, list[dict]]:
             extra += ["--spike-prob", str(args.spike_prob)]
         extra += ["--spike-max", str(args.spike_max if args.spike_max is not None
                                      else min(2.6, float(args.ep)))]
-    job = JobRunner(base, work, args.nproc, echo).run("measure", extra, 1, args.steps, "measure")
+    job = JobRunner(base, work, args.nproc, echo, pool).run("measure", extra, 1, args.steps,
+                                                            "measure")
     if job.crashed_step is not None:
         raise UsageError("the measurement pass ran out of a 1 TiB budget")
     return trace, _mark_spikes(job.records, trace)
@@ -218,9 +225,7 @@ def _segments(steps: int, count: int) -> list[tuple[int, int]]:
 def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from spikeguard.bench import results
-    from spikeguard.bench.runner import JobRunner, PolicyRun, run_policy_segment
-    from spikeguard.memory.budget import format_bytes
+    from spikeguard.bench.worker import WorkerPool
 
     policies = _validate(args)
     console = Console()
@@ -230,11 +235,34 @@ def run_bench(args: argparse.Namespace) -> int:
     def echo(text: str) -> None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="spikeguard-bench-"))
+    temporary = args.work is None
+    work = Path(tempfile.mkdtemp(prefix="spikeguard-bench-")) if temporary else Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    pool = WorkerPool(work / "workers", args.nproc)
+    try:
+        _bench(args, policies, work, pool, echo, console)
+    except UsageError as exc:
+        # A job failed: its logs are what the user needs, so the folder is kept and named.
+        raise UsageError(f"{exc} (the bench's logs are in {work})") from None
+    except BaseException:
+        if temporary:    # interrupted or worse: nothing of use left behind, unnamed
+            pool.close()
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    finally:
+        pool.close()
+    return 0
+
+
+def _bench(args, policies, work: Path, pool, echo, console) -> None:
+    from spikeguard.bench import outputs, results
+    from spikeguard.bench.runner import JobRunner, PolicyRun, run_policy_segment
+    from spikeguard.memory.budget import format_bytes
+
     echo(f"bench: {args.preset}, {_layout_text(args)}, {args.steps} steps, work in {work}")
+    args.load_start = _load()
     echo("measurement pass (everything saved, no limit; records the routing trace):")
-    trace, measured = _measure(args, work, echo)
+    trace, measured = _measure(args, work, echo, pool)
     spikes = [r["step"] for r in measured if r.get("skew_spike")]
     if args.budget == "auto":
         budget, calm_peak, static = _budget_from(measured)
@@ -245,7 +273,7 @@ def run_bench(args: argparse.Namespace) -> int:
         budget, how = args.budget_bytes, "given"
     echo(f"budget {format_bytes(budget)} per rank ({how}); spike steps in the trace: {spikes}")
     segments = _segments(args.steps, args.segments)
-    runner = JobRunner(_common(args, trace), work, args.nproc, echo)
+    runner = JobRunner(_common(args, trace), work, args.nproc, echo, pool)
     runs = {p: PolicyRun(p) for p in policies}
     for i, (first, last) in enumerate(segments):
         echo(f"segment {i + 1}/{len(segments)}: steps {first}-{last}")
@@ -254,6 +282,7 @@ def run_bench(args: argparse.Namespace) -> int:
             policy_args = [] if policy == "ceiling" else ["--policy", policy, "--budget", str(budget)]
             run_policy_segment(runner, runs[policy], policy_args, work / "ckpt" / policy,
                                first, last)
+    pool.close()
     measured_peak = max(r["max_peak_bytes"] for r in measured)
     figures = {p: results.policy_figures(runs[p], budget, segments, args.restart_cost,
                                          measured_peak if p == "ceiling" else None)
@@ -263,17 +292,26 @@ def run_bench(args: argparse.Namespace) -> int:
     if safe is not None:
         figures["safe-static"] = {**figures[safe], "is": safe}
     report = _report(args, policies, figures, budget, how, spikes, trace, work)
-    _print_table(console, report)
+    report["jobs"] = sum(len(r.jobs) for r in runs.values()) + 1   # + the measurement pass
+    report["worker_startups_s"] = pool.startups
+    outputs.print_table(console, report)
+    echo(f"jobs: {report['jobs']} on {len(pool.startups)} worker start-up(s) of "
+         f"{sum(pool.startups):.1f} s in all")
     if args.json:
-        _write_atomic(Path(args.json), json.dumps(report, indent=1, default=str))
+        outputs.write_json(args.json, report, args.overwrite)
         echo(f"wrote {args.json}")
-    plot_files = _plots(args, runs, figures, measured, echo)
+    plot_files = [] if not args.plots else outputs.write_plots(
+        args.plots, outputs.plot_runs(runs, measured), report, args.overwrite, echo)
     if args.docs:
-        from spikeguard.bench.bench_docs import page
-        docs = Path(args.docs)
-        _write_atomic(docs, page(report, plot_files, docs.parent, docs.name))
+        outputs.write_docs(args.docs, report, plot_files, args.overwrite)
         echo(f"wrote {args.docs}")
-    return 0
+
+
+def _load():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[str, Any]:
@@ -284,6 +322,8 @@ def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[s
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__,
+                    # other work on the machine, 1-minute load average: at the start, the end
+                    "load_average": [getattr(args, "load_start", None), _load()],
                     "device": "CPU only: the device is emulated by the CPU allocator (every live storage)"},
         "workload": {"preset": args.preset, "ep": args.ep, "pp": args.pp, "dp": args.dp,
                      "nproc": args.nproc, "schedule": args.schedule if args.pp > 1 else None,
@@ -300,49 +340,3 @@ def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[s
         "order": [p for p in policies] + (["safe-static"] if "safe-static" in figures else []),
         "work": str(work),
     }
-
-
-def _print_table(console, report: dict) -> None:
-    from rich.table import Table
-
-    from spikeguard.bench.table import table_header, table_rows
-
-    from spikeguard.memory.budget import format_bytes
-
-    table = Table(title=f"spikeguard bench: budget {format_bytes(report['budget_bytes'])} per "
-                        f"rank (CPU, emulated device)")
-    for i, name in enumerate(table_header(report)):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for row in table_rows(report):
-        table.add_row(*row)
-    console.print(table)
-
-
-def _plots(args, runs, figures, measured, echo) -> list[Path]:
-    if not args.plots:
-        return []
-    from spikeguard.bench.plots import draw_plots
-
-    folder = Path(args.plots)
-    folder.mkdir(parents=True, exist_ok=True)
-    logs = {name: run.final_records() for name, run in runs.items()}
-    if "ceiling" in logs:
-        # The ceiling runs without a guard, so it logs no bytes; its memory is the
-        # measurement pass's (the same trace, everything saved, no limit).
-        peaks = {r["step"]: r.get("max_peak_bytes") for r in measured}
-        logs["ceiling"] = [{**r, "max_peak_bytes": peaks.get(r["step"]),
-                            "peak_bytes": peaks.get(r["step"])} for r in logs["ceiling"]]
-    effective = {name: f["effective_tokens_per_s"] for name, f in figures.items() if name in logs}
-    relative = {name: f["relative_to_ceiling"] for name, f in figures.items() if name in logs}
-    written, notes = draw_plots(logs, folder, effective=effective, relative=relative)
-    for note in notes:
-        echo(f"plot left out: {note}")
-    for path in written:
-        echo(f"wrote {path}")
-    return written
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -9,12 +9,13 @@ pages beside it. A page can be written again from its report, without re-running
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from spikeguard.bench.table import table_header, table_rows
+from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.memory.budget import format_bytes
 
 
@@ -55,6 +56,35 @@ def _siblings(docs_dir: Path, own: str) -> list[str]:
     return sorted(p.name for p in Path(docs_dir).glob("bench*.md") if p.name != own)
 
 
+# The reused worker (spikeguard.bench.worker), measured once on this machine (2 shared CPU
+# cores, emulated device) with the same command before and after it.
+REUSE_MEASURED = ("`spikeguard bench --preset tiny --steps 40` took 376 s when every job "
+                  "was a new process tree (49 start-ups of launcher, torchrun and 2 ranks; "
+                  "load average 3.7 at its start) and 42 s and 52 s in two runs on the "
+                  "reused worker (1 start-up of 4.1 and 4.7 s; load 3.6 at the second's "
+                  "start), 2026-12-01")
+
+
+def _load_text(machine: dict) -> str:
+    start, end = (machine.get("load_average") or [None, None])
+    if start is None or end is None:
+        return ""
+    return (f" Load average (1 min) {start:g} at the start and {end:g} at the end, on "
+            f"{machine['cpus']} CPUs: above their number, other work shared the machine "
+            f"and the ratios are the noisier for it.")
+
+
+def _jobs_text(report: dict) -> list[str]:
+    startups = report.get("worker_startups_s")
+    if startups is None:   # a report from before the reused worker
+        return []
+    return [f"- Jobs: {report.get('jobs', '?')} `spikeguard train` jobs on "
+            f"{len(startups)} worker start-up(s), {sum(startups):.1f} s in all: the ranks "
+            f"are real processes reused from job to job until one dies (a crash kills its "
+            f"worker; the restart's fresh worker start-up is counted in `lost s`). "
+            f"{REUSE_MEASURED}."]
+
+
 def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md") -> str:
     w, m = report["workload"], report["machine"]
     header = table_header(report)
@@ -71,7 +101,8 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}. **{m['device']}**: "
         f"every figure here is a CPU figure, and the budget is the device's bytes: every live "
         f"storage, as an allocator counts them (parameters, gradients, optimizer state, saved "
-        f"activations, temporaries, activation gradients, recomputed tensors, reloads).",
+        f"activations, temporaries, activation gradients, recomputed tensors, reloads)."
+        + _load_text(m),
         f"Date: {report['date']}.",
         "",
         f"Workload: {_model_text(w)}, {layout_text(w)} "
@@ -94,14 +125,19 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         "re-does the steps since. `offload`, `experts`, `full`: static settings. "
         "`safe-static`: the fastest static setting that survived the whole trace. "
         "`adaptive`: spikeguard.",
-        "- `vs ceiling`: median over segments of the policy's throughput over the ceiling's "
-        "in the same segment (training time only); in brackets the lowest and highest "
-        "segment's ratio, the spread. `lost s`: measured, per crash the "
-        "re-done steps plus the crashed job's start-up, partial step and teardown. "
-        "`effective vs ceiling` counts that lost time; the next column replaces each "
+        "- `tok/s`: tokens of the steps kept over their training time (start-up, "
+        "evaluation and checkpoint writes excluded). `vs ceiling`: the ratio of totals, the "
+        "policy's `tok/s` over the ceiling's (every policy trains the same steps in the "
+        "same interleaved segments); in brackets the lowest and highest segment's ratio, "
+        "the spread. `lost s`: measured, per crash the re-done steps plus the crashed "
+        "job's partial step and teardown and the start-up of the worker that replaced it. "
+        "`effective vs ceiling`: tokens kept over training plus lost time, over the "
+        "ceiling's `tok/s`; the next column replaces each "
         f"measured restart by {w['restart_cost_s']:g} s, the cold-restart cost measured at "
-        "scale, so the small machine's result extrapolates honestly.",
+        "scale, so the small machine's result extrapolates honestly. The table, the JSON "
+        "and the throughput plot show the same numbers (one report renders all three).",
         "- `save/rec/off`: per-layer operator decisions summed over ranks and steps.",
+        *_jobs_text(report),
         "",
     ]
     for path in plots:
@@ -110,22 +146,42 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="write a bench page from its report JSON")
+def main(argv=None) -> int:
+    try:
+        return _main(argv, ArgumentParser)
+    except UsageError as err:
+        print(f"spikeguard: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+
+
+def _main(argv, parser_class) -> int:
+    parser = parser_class(description="write a bench page from its report JSON")
     parser.add_argument("report", help="the JSON that `spikeguard bench --json` wrote")
     parser.add_argument("page", help="the page to write (FILE.md)")
     parser.add_argument("--plots", default=None, metavar="DIR",
                         help="the folder its plots were written to")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing page")
     args = parser.parse_args(argv)
     from spikeguard.bench.plots import PLOT_FILES
 
-    report = json.loads(Path(args.report).read_text())
+    from spikeguard.files import check_outputs
+
+    check_outputs({"page": args.page}, inputs={"report": args.report}, overwrite=args.overwrite)
+    try:
+        report = json.loads(Path(args.report).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UsageError(f"{args.report} is not a bench report (JSON): "
+                         f"{str(err).splitlines()[0]}") from None
     plots = [] if args.plots is None else [
         Path(args.plots) / PLOT_FILES[k] for k in ("memory", "imbalance", "throughput")
         if (Path(args.plots) / PLOT_FILES[k]).exists()]   # the order run_bench writes them
+    from spikeguard.files import atomic_write
+
     out = Path(args.page)
-    out.write_text(page(report, plots, out.parent, out.name))
+    atomic_write(out, page(report, plots, out.parent, out.name), overwrite=args.overwrite,
+                 what="page")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

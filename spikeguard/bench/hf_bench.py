@@ -23,7 +23,6 @@ exchanges keep the ranks in step); rank 0 prints, with each policy's spread over
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -104,7 +103,10 @@ def _spread(values: list[float]) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from spikeguard.errors import ArgumentParser
+    from spikeguard.train.config import MAX_THREADS
+
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", default="mixtral", help="model type or config JSON")
     for flag, default in (("--d-model", 128), ("--num-layers", 4), ("--num-experts", 8),
                           ("--top-k", 2), ("--d-expert", 128), ("--seq-len", 128)):
@@ -116,16 +118,22 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1,
                         help="under torchrun: transformers' EP over the N ranks (N = --ep)")
-    args = parser.parse_args(argv)
     try:
-        for name in ("batch_size", "micro_batches", "reps", "threads"):
+        args = parser.parse_args(argv)   # a mistake is one line (UsageError), no abbreviation
+        for name in ("batch_size", "micro_batches", "reps"):
             if getattr(args, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive")
+        if not 0 < args.threads <= MAX_THREADS:
+            raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
         if not 0 < args.fraction <= 1:
-            raise UsageError("--fraction must be in (0, 1]")
+            raise UsageError(f"--fraction must be in (0, 1], got {args.fraction}")
         sizes = HFSizes(d_model=args.d_model, num_layers=args.num_layers,
                         num_experts=args.num_experts, top_k=args.top_k,
                         d_expert=args.d_expert, seq_len=args.seq_len)
+        from spikeguard.model.config import activation_bytes_floor, check_trainable_size
+        check_trainable_size(sizes.num_params, activation_bytes_floor(   # train's own check
+            args.batch_size * sizes.seq_len, getattr(sizes, "vocab_size", 256), sizes.d_model,
+            sizes.num_layers), f"model {args.hf}")
         torch.set_num_threads(args.threads)
         rank = _init_ep(args.ep)
         result = measure(args.hf, sizes, args.batch_size, args.micro_batches, args.reps,

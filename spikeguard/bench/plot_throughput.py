@@ -23,14 +23,16 @@ def throughput_stats(records: Records) -> Optional[tuple[float, float, float]]:
 
 
 def throughput(runs: Runs, effective: Optional[Mapping[str, float]] = None,
-               relative: Optional[Mapping[str, float]] = None) -> Figure:
+               relative: Optional[Mapping[str, float]] = None,
+               effective_relative: Optional[Mapping[str, float]] = None) -> Figure:
     """One bar per run. With a run named `ceiling`, bars are ratios to it: the run's median
     tokens/s over completed steps divided by the ceiling's (whisker: the run's 25-75%
-    range, over the same), or the bench's `relative` ({name: ratio}, its median of
-    per-segment ratios) when given, so the picture and the table say the same number.
-    Without a ceiling, bars are median tokens/s. `effective` ({name: tokens/s}, from the
-    bench) adds a hatched bar: throughput counting lost time and restarts, which a log
-    alone cannot know (as a ratio, over the ceiling's effective figure)."""
+    range, over the same), or the bench's `relative` ({name: ratio}, its
+    relative_to_ceiling) when given, so the picture and the table say the same number.
+    Without a ceiling, bars are median tokens/s. `effective` ({name: tokens/s}) adds a
+    hatched bar: throughput counting lost time and restarts, which a log alone cannot
+    know (as a ratio, over the ceiling's effective figure); `effective_relative` ({name:
+    ratio}, the bench's effective_relative_to_ceiling) gives those bars as they are."""
     check_runs(runs)
     stats = {name: throughput_stats(records) for name, records in runs.items()}
     if all(s is None for s in stats.values()) and not relative:
@@ -42,9 +44,11 @@ def throughput(runs: Runs, effective: Optional[Mapping[str, float]] = None,
     fig = canvas(Figure(figsize=(max(5.0, 1.3 * len(names) + 2), 4.2), layout="constrained"))
     ax = fig.subplots()
     x = np.arange(len(names))
+    if effective_relative:
+        effective = effective_relative
     width = 0.38 if effective else 0.6
     heights, err = _main_bars(names, stats, base if as_ratio else None, relative)
-    what = ("bench: median of per-segment ratios" if relative else
+    what = ("bench: tokens/s over the ceiling's" if relative else
             "median of steps (whisker: 25-75%)")
     bars = ax.bar(x - width / 2 if effective else x, heights, width,
                   yerr=err if np.nan_to_num(err).any() else None, capsize=3,
@@ -56,7 +60,7 @@ def throughput(runs: Runs, effective: Optional[Mapping[str, float]] = None,
         given = [_given_number(effective, n) for n in names]
         eff = np.array([np.nan if v is None else v for v in given])   # NaN: no bar
         eff_base = _given_number(effective, CEILING) or base
-        if as_ratio and eff_base:
+        if as_ratio and eff_base and not effective_relative:
             eff = eff / eff_base
         for bar, h in zip(ax.bar(x + width / 2, eff, width, color="#e9c46a", hatch="//",
                                  label="effective (lost time, restarts)"), eff):

@@ -22,7 +22,6 @@ completed record.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -43,18 +42,19 @@ PLOT_FILES = {"memory": "memory_timeline.png", "throughput": "throughput.png",
               "imbalance": "imbalance.png"}
 
 
-def save_png(fig: Figure, path: str | Path) -> Path:
-    """Write the figure as a PNG, atomically (a temp file, then rename), so a failed save
-    never leaves half an image where a good one was."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=110)
-    os.replace(tmp, path)
-    return path
+def save_png(fig: Figure, path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the figure as a PNG through spikeguard.files (a temporary name, then rename),
+    so a failed save never leaves half an image where a good one was; an existing file is
+    replaced only with `overwrite`."""
+    from spikeguard.files import atomic_write
+
+    return atomic_write(path, overwrite=overwrite, what="plot",
+                        writer=lambda tmp: fig.savefig(tmp, format="png", dpi=110))
 
 
 def make_figures(runs: Runs, *, effective: Optional[Mapping[str, float]] = None,
                  relative: Optional[Mapping[str, float]] = None,
+                 effective_relative: Optional[Mapping[str, float]] = None,
                  with_throughput: Optional[bool] = None) -> tuple[dict[str, Figure], list[str]]:
     """Every figure the logs can feed, {key of PLOT_FILES: Figure}, and one line per plot
     left out and why. Throughput is drawn when there are several runs unless
@@ -65,7 +65,8 @@ def make_figures(runs: Runs, *, effective: Optional[Mapping[str, float]] = None,
     makers = {"memory": lambda: memory_timeline(runs),
               "imbalance": lambda: imbalance_heatmap(runs)}
     if with_throughput:
-        makers["throughput"] = lambda: throughput(runs, effective, relative)
+        makers["throughput"] = lambda: throughput(runs, effective, relative,
+                                                      effective_relative)
     figures, notes = {}, []
     for key, make in makers.items():
         try:
@@ -75,16 +76,21 @@ def make_figures(runs: Runs, *, effective: Optional[Mapping[str, float]] = None,
     return figures, notes
 
 
-def save_figures(figures: Mapping[str, Figure], out_dir: str | Path) -> list[Path]:
+def save_figures(figures: Mapping[str, Figure], out_dir: str | Path, *,
+                 overwrite: bool = False) -> list[Path]:
     """Save make_figures' figures into `out_dir` (which must exist) under PLOT_FILES."""
-    return [save_png(fig, Path(out_dir) / PLOT_FILES[key]) for key, fig in figures.items()]
+    return [save_png(fig, Path(out_dir) / PLOT_FILES[key], overwrite=overwrite)
+            for key, fig in figures.items()]
 
 
 def draw_plots(runs: Runs, out_dir: str | Path, *,
                effective: Optional[Mapping[str, float]] = None,
                relative: Optional[Mapping[str, float]] = None,
-               with_throughput: Optional[bool] = None) -> tuple[list[Path], list[str]]:
+               effective_relative: Optional[Mapping[str, float]] = None,
+               with_throughput: Optional[bool] = None,
+               overwrite: bool = False) -> tuple[list[Path], list[str]]:
     """make_figures, then save_figures: the files written and the plots left out (why)."""
     figures, notes = make_figures(runs, effective=effective, relative=relative,
+                                  effective_relative=effective_relative,
                                   with_throughput=with_throughput)
-    return save_figures(figures, out_dir), notes
+    return save_figures(figures, out_dir, overwrite=overwrite), notes

@@ -30,6 +30,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                         help="training logs (spikeguard train --log), one run each")
     report.add_argument("--plots", required=True, metavar="DIR",
                         help="folder for the PNGs (created if missing)")
+    report.add_argument("--overwrite", action="store_true",
+                        help="replace PNGs already in --plots (refused without it)")
     report.set_defaults(run=run_report)
     return report
 
@@ -39,7 +41,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     paths = [Path(p) for p in args.logs]
     runs = {name: read_log(path) for name, path in zip(run_names(paths), paths)}
-    out_dir = _check_out_dir(Path(args.plots), paths, PLOT_FILES.values())
+    out_dir = _check_out_dir(Path(args.plots), paths, PLOT_FILES.values(), args.overwrite)
     figures, notes = make_figures(runs)
     if not figures:
         raise UsageError("no plot could be drawn: " + "; ".join(notes))
@@ -47,7 +49,7 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"skipped: {note}")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        written = save_figures(figures, out_dir)
+        written = save_figures(figures, out_dir, overwrite=args.overwrite)
     except OSError as exc:
         raise UsageError(f"cannot write plots to {out_dir}: {exc.strerror or exc}") from None
     for path in written:
@@ -112,9 +114,10 @@ def run_names(paths: list[Path]) -> list[str]:
     return names
 
 
-def _check_out_dir(out_dir: Path, logs: list[Path], file_names) -> Path:
-    """The --plots folder must be a folder (or creatable), and no PNG it would write may
-    land on a log or on a file that is not a PNG."""
+def _check_out_dir(out_dir: Path, logs: list[Path], file_names, overwrite: bool) -> Path:
+    """The --plots folder must be a folder (or creatable), no PNG it would write may land
+    on a log or on a file that is not a PNG, and an existing PNG needs --overwrite
+    (spikeguard.files' rule for every output)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--plots must be a folder, but is a file: {out_dir}")
     parent = next((p for p in out_dir.absolute().parents if p.exists()), None)
@@ -130,6 +133,8 @@ def _check_out_dir(out_dir: Path, logs: list[Path], file_names) -> Path:
         if target.exists() and not _is_png(target):
             raise UsageError(f"--plots holds {target}, which is not a PNG; it will not be "
                              "overwritten (move it or choose another folder)")
+        if target.exists() and not overwrite:
+            raise UsageError(f"--plots {target} exists; pass --overwrite to replace it")
     return out_dir
 
 

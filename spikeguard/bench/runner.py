@@ -8,6 +8,11 @@ dropped (as operators do; replaying it would crash again), and the restarted job
 the steps since that checkpoint. The wall clock of every job is kept so the lost time is
 measured, not assumed.
 
+Every job runs on the bench's reusable worker (spikeguard.bench.worker): the same rank
+processes run job after job until one dies, so a short bench is not its process start-ups;
+a crash is still the death of those processes, and the replacement's start-up is charged
+to it (Job.wall_s).
+
 Interleaving: the steps are cut into segments; segment by segment, every policy runs its
 part (each part a job resuming from the policy's own checkpoint), in an order that rotates,
 so machine noise in one minute hits all policies alike.
@@ -16,15 +21,14 @@ so machine noise in one minute hits all policies alike.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from spikeguard.errors import UsageError
+
+if TYPE_CHECKING:
+    from spikeguard.bench.worker import WorkerPool
 
 CRASH_MARK = "spikeguard: out of memory"
 JOB_TIMEOUT_S = 1800
@@ -70,35 +74,42 @@ def read_log(path: Path) -> list[dict]:
 
 
 class JobRunner:
-    """Starts `spikeguard train` with the common arguments plus a policy's own."""
+    """Runs `spikeguard train` with the common arguments plus a policy's own, on the
+    bench's reusable worker (spikeguard.bench.worker: real processes, reused until a job
+    kills them)."""
 
     def __init__(self, common: list[str], work: Path, nproc: int,
-                 echo: Callable[[str], None] = lambda text: None):
+                 echo: Callable[[str], None] = lambda text: None,
+                 pool: Optional["WorkerPool"] = None):
+        from spikeguard.bench.worker import WorkerPool
+
         self.common = common
         self.work = work
         self.nproc = nproc
         self.echo = echo
+        self.pool = pool if pool is not None else WorkerPool(work / "workers", nproc)
         self._count = 0
+        self._crashed: Optional[Job] = None   # the last job that killed its worker
 
     def run(self, name: str, extra: list[str], first_step: int, last_step: int,
             policy: str) -> Job:
+        from spikeguard.files import LineFile
+
         self._count += 1
         stem = self.work / "logs" / f"{self._count:03d}-{name}"
         stem.parent.mkdir(parents=True, exist_ok=True)
         log = stem.with_suffix(".jsonl")
-        argv = [sys.executable, "-m", "spikeguard", "train", *self.common, *extra,
-                "--steps", str(last_step), "--log", str(log)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        start = time.perf_counter()
-        with open(stem.with_suffix(".out"), "w") as out, open(stem.with_suffix(".err"), "w") as err:
-            try:
-                code = subprocess.call(argv, stdout=out, stderr=err, env=env,
-                                       timeout=JOB_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise UsageError(f"bench job {stem.name} ran past {JOB_TIMEOUT_S} s") from None
-        wall = time.perf_counter() - start
+        argv = ["train", *self.common, *extra, "--steps", str(last_step), "--log", str(log)]
+        out, err = stem.with_suffix(".out"), stem.with_suffix(".err")
+        for path in (out, err):   # created here, exclusively; the ranks append to them
+            LineFile(path, mode="new", what="bench job output").close()
+        code, wall, startup = self.pool.run(argv, out, err, JOB_TIMEOUT_S)
+        if startup and self._crashed is not None:
+            # The replacement worker's start-up is the crash's: a real restart pays it.
+            self._crashed.wall_s += startup
+        self._crashed = None
         records = read_log(log)
-        stderr = stem.with_suffix(".err").read_text()
+        stderr = err.read_text(errors="replace")
         crashed = None
         if code != 0:
             if CRASH_MARK not in stderr:
@@ -106,8 +117,12 @@ class JobRunner:
                 raise UsageError(f"bench job {stem.name} failed (exit {code}): {tail}")
             crashed = (records[-1]["step"] if records else first_step - 1) + 1
         self.echo(f"  {name:<10} steps {first_step}-{last_step}: "
-                  f"{'died on step ' + str(crashed) if crashed else 'done'} in {wall:.1f} s")
-        return Job(policy, first_step, last_step, wall, crashed, records)
+                  f"{'died on step ' + str(crashed) if crashed else 'done'} in {wall:.1f} s"
+                  + (f" (+{startup:.1f} s worker start-up)" if startup else ""))
+        job = Job(policy, first_step, last_step, wall, crashed, records)
+        if crashed is not None:
+            self._crashed = job
+        return job
 
 
 def run_policy_segment(runner: JobRunner, run: PolicyRun, policy_args: list[str],

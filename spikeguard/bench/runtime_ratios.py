@@ -10,7 +10,6 @@ CPU allocator (every live storage): the ratios are CPU figures.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -131,7 +130,10 @@ def _decisions(counts: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from spikeguard.errors import ArgumentParser
+    from spikeguard.train.config import MAX_THREADS
+
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--micro-batches", type=int, default=2)
@@ -139,15 +141,20 @@ def main(argv=None) -> int:
     parser.add_argument("--fraction", type=float, default=0.85)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: steadier on a shared machine)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)   # a mistake is one line (UsageError), no abbreviation
         for name in ("batch_size", "micro_batches", "reps"):
             if getattr(args, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be positive")
         if not 0 < args.fraction <= 1:
-            raise UsageError("--fraction must be in (0, 1]")
-        if args.threads <= 0:
-            raise UsageError("--threads must be positive")
+            raise UsageError(f"--fraction must be in (0, 1], got {args.fraction}")
+        if not 0 < args.threads <= MAX_THREADS:
+            raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+        from spikeguard.model.config import activation_bytes_floor, check_trainable_size
+        cfg = model_config(args.preset)   # an unknown preset: one line
+        check_trainable_size(cfg.num_params, activation_bytes_floor(   # train's own check
+            args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
+            f"model {args.preset}")
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         print_table(measure(args.preset, args.batch_size, args.micro_batches, args.reps,

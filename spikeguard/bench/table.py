@@ -1,5 +1,6 @@
 """The comparison table, as rows of text: the terminal table (bench_cli) and the docs page
-(bench_docs) print the same rows."""
+(bench_docs) print the same rows. Every number is a field of the report
+(spikeguard.bench.results), formatted, never computed here."""
 
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ def _fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
-def _relative(f: dict, ceiling) -> str:
-    """The median ratio to the ceiling, with the lowest and highest segment's (the spread)."""
-    from spikeguard.bench.results import segment_ratios
-
+def _relative(f: dict, name: str) -> str:
+    """The ratio to the ceiling (of totals: results.add_ratios), with the lowest and
+    highest segment's ratio beside it (the spread, from the same report)."""
     text = _fmt(f["relative_to_ceiling"], ".3f")
-    ratios = segment_ratios(f, ceiling) if ceiling is not None and f is not ceiling else []
+    ratios = (f.get("segment_ratios") or []) if name != "ceiling" else []
     return f"{text} ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else text
 
 
@@ -36,7 +36,7 @@ def table_rows(report: dict) -> list[list[str]]:
         label = f"{name} ({f['is']})" if "is" in f else name
         d = f["decisions"]
         rows.append([
-            label, _fmt(f["tokens_per_s"], ".0f"), _relative(f, report["policies"].get("ceiling")),
+            label, _fmt(f["tokens_per_s"], ".0f"), _relative(f, name),
             format_bytes(f["peak_bytes"]) if f["peak_bytes"] else "-",
             str(f["overruns"]), str(f["oom_events"]), _fmt(f["lost_seconds"], ".1f"),
             _fmt(f.get("effective_relative_to_ceiling"), ".3f"),

@@ -18,9 +18,9 @@ never asserted). Needs `pip install 'spikeguard[titan]'`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned
 
 SETTINGS = ("ceiling", "none", "full", "adaptive")
@@ -95,18 +96,29 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
     close_gloo()
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--spike-every", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
-    args = parser.parse_args(argv)
-    out = Path(tempfile.mkdtemp())
-    run_spawned(_worker, 2, (str(out), args.reps, args.steps, args.spike_every,
-                             args.batch_size, args.seq_len), out / "store", timeout_s=3000)
-    ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    try:
+        args = parser.parse_args(argv)   # a mistake is one line (UsageError), no abbreviation
+        for name in ("reps", "steps", "spike_every", "batch_size", "seq_len"):
+            if not 0 < getattr(args, name) <= 100_000:
+                raise UsageError(f"--{name.replace('_', '-')} must be in [1, 100000], "
+                                 f"got {getattr(args, name)}")
+        if args.reps < 2:
+            raise UsageError("--reps must be at least 2 (the first round is dropped)")
+    except UsageError as err:
+        print(f"spikeguard: error: {err}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="spikeguard-titan-") as tmp:
+        out = Path(tmp)
+        run_spawned(_worker, 2, (str(out), args.reps, args.steps, args.spike_every,
+                                 args.batch_size, args.seq_len), out / "store", timeout_s=3000)
+        ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
     rows = ranks[0]["rows"]
     peaks = {s: max(r["peak"] for rk in ranks for r in rk["rows"] if r["setting"] == s)
              for s in SETTINGS}
@@ -121,7 +133,8 @@ def main(argv=None) -> None:
         ratio = statistics.median(ceiling[r["rep"]] / r["s"] for r in mine)
         peak = f"{peaks[s] / 2**20:.2f} MiB" if peaks[s] else "-"
         print(f"| {s} | {tps:.0f} | {ratio:.3f} | {peak} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

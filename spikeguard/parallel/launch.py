@@ -97,7 +97,7 @@ def launch_job(nproc: int, argv: Sequence[str]) -> int:
             job = _Job(subprocess.Popen(torchrun_command(nproc), env=env,
                                         start_new_session=True))
             code = job.run()
-            failures = _read_failures(failures_path)
+            failures = read_failures(failures_path)
         finally:
             os.unlink(failures_path)
         errors = usage_errors(usage_dir)
@@ -188,7 +188,7 @@ def job_processes(launcher_pid: int) -> list[int]:
     return found
 
 
-def _read_failures(path: str) -> list[dict]:
+def read_failures(path: str) -> list[dict]:
     try:
         with open(path) as f:
             text = f.read()
@@ -290,6 +290,7 @@ class Worker:
     rank: int
     world_size: int
     group: object
+    owned: bool = True   # this call created the group (so the run ends it), or joined one
 
     @property
     def is_main(self) -> bool:
@@ -297,11 +298,16 @@ class Worker:
 
 
 def init_worker(timeout_s: float = GROUP_TIMEOUT_S) -> Optional[Worker]:
-    """Join the process group torchrun set up (None when not under torchrun)."""
+    """Join the process group torchrun set up (None when not under torchrun). A process
+    that is in one already (the bench's reusable worker: spikeguard.bench.worker) gets
+    that group, not owned: the run that asked must leave it alive."""
     if not under_torchrun():
         return None
     import torch
     import torch.distributed as dist
+
+    if dist.is_initialized():
+        return Worker(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, owned=False)
 
     # The first checkpoint imports torch._dynamo, which then holds on to an existing group
     # and keeps it from shutting down cleanly: import it first (see launch_utils.init_gloo).

@@ -28,10 +28,18 @@ _LAYER_CODES = 256
 _MB_CODES = MICRO_BATCH_CODES   # micro-batches told apart (modulo): a pipeline's resident ones
 
 
+# The output head's position: apart from every layer number. A pipeline stage numbers its
+# layers globally, so its head at len(moe_blocks) (stage 1 of 2 of a 4-layer model: 2)
+# shared the code of a global layer (layer 2), in the OOM messages and in the layer-peak
+# calibration alike.
+HEAD_LAYER = _LAYER_CODES - 2
+
+
 def where_code(phase: int, layer: int, micro_batch: int = 0) -> int:
     """One small integer per (phase, micro-batch modulo 4, layer); layer -1 is the
-    embedding. The device keeps a peak per code (spikeguard/memory/device_allocator.cpp:
-    4096 of them)."""
+    embedding, HEAD_LAYER the output head. The device keeps a peak per code
+    (spikeguard/memory/device_allocator.cpp: 4096 of them)."""
+    assert layer == HEAD_LAYER or layer < HEAD_LAYER, layer
     return ((phase * _MB_CODES + micro_batch % _MB_CODES) * _LAYER_CODES
             + min(max(layer + 1, 0), _LAYER_CODES - 1))
 
@@ -41,15 +49,14 @@ def decode_where(code: int) -> tuple[int, int]:
     return code // (_LAYER_CODES * _MB_CODES), code % _LAYER_CODES - 1
 
 
-def place_text(phase: int, micro_batch: int, layer: int, op: str, num_layers: int) -> str:
-    """'backward of micro-batch 0, layer 2, op experts' (the embedding and the head by name)."""
+def place_text(phase: int, micro_batch: int, layer: int, op: str) -> str:
+    """'backward of micro-batch 0, layer 2, op experts': layers by their global number (a
+    pipeline stage's too), the embedding and the head by name."""
     if phase == PHASE_OPTIMIZER:
         return "the optimizer step"
-    # By the op where it is known: a pipeline stage's layers are numbered globally, so
-    # its head's position can share a layer's number.
     if op == "embed" or (layer < 0 and op in ("", "attn")):
         part = "the embedding"
-    elif op == "head" or layer >= num_layers:
+    elif op == "head" or layer == HEAD_LAYER:
         part = "the output head"
     else:
         part = f"layer {layer}, op {op}" if op else f"layer {layer}"

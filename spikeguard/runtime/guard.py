@@ -45,6 +45,7 @@ from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast, head_bytes_estimate, shared_bytes_estimate
 from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES,
                                              PHASE_OPTIMIZER, GradSnapshot, decode_where,
+                                             HEAD_LAYER,
                                              move_state_to_device, resolve_budget)
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.history import StepRecorder
@@ -290,7 +291,7 @@ class Guard:
             peak_bytes=step.peak_bytes, budget_bytes=self.budget_bytes,
             static_bytes=self.ledger.static_bytes,
             offloaded_bytes_now=self.engine.offloaded_bytes_total,
-            peak_phase=PHASE_NAMES[phase], peak_layer=layer,
+            peak_phase=PHASE_NAMES[phase], peak_layer="head" if layer == HEAD_LAYER else layer,
             reserved_bytes=self.meter.reserved()))
         self._recorder = None
 

@@ -65,10 +65,14 @@ class Packed:
         return self.stored.view(*self.meta)
 
     def __del__(self):
-        if self.ledger is not None:
-            self.ledger.release(self.key)
-        if self.stored is not None:
-            self.stored.release()
+        # A SIGINT can land inside __init__ (its handler raises there), leaving slots
+        # unset: "Exception ignored in Packed.__del__ ... no attribute 'ledger'" then
+        # followed the one line of the interrupt (seen once in 3 runs, loaded machine).
+        ledger, stored = getattr(self, "ledger", None), getattr(self, "stored", None)
+        if ledger is not None:
+            ledger.release(self.key)
+        if stored is not None:
+            stored.release()
 
 
 class Tag(NamedTuple):

@@ -15,7 +15,7 @@ from dataclasses import replace
 from torch import nn
 
 from spikeguard.plan.layer_room import BACKWARD, FORWARD, LayerRoom, Probe
-from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
+from spikeguard.runtime.device_state import HEAD_LAYER, PHASE_BACKWARD, PHASE_FORWARD, where_code
 
 _PHASES = {FORWARD: PHASE_FORWARD, BACKWARD: PHASE_BACKWARD}
 
@@ -35,7 +35,7 @@ class LayerPeaks:
 
     def __init__(self, room: LayerRoom, num_layers: int):
         self.room = room
-        self.num_layers = num_layers   # the head's position is layer `num_layers`
+        self.num_layers = num_layers
         self._probes: dict[tuple[int, int], Probe] = {}
         self._head_probes: dict[tuple[int, int], tuple[int, int]] = {}
 
@@ -69,7 +69,7 @@ class LayerPeaks:
                 self._probes[key] = replace(probe, in_use=probe.in_use - num_bytes)
 
     def record_head(self, micro_batch: int, in_use: int, num_tokens: int) -> None:
-        self._head_probes[(self.num_layers, micro_batch)] = (in_use, num_tokens)
+        self._head_probes[(HEAD_LAYER, micro_batch)] = (in_use, num_tokens)
 
     def calibrate(self, meter, failed: tuple[int, int] = (0, 0)) -> None:
         """New slopes from this step's peaks, then a fresh step. `failed`: (position code,

@@ -16,7 +16,8 @@ import torch
 
 from spikeguard.errors import DeviceOutOfMemory
 from spikeguard.runtime.device_state import (PHASE_BACKWARD, PHASE_FORWARD, PHASE_IDLE,
-                                             oom_text, place_text, where_code)
+                                             oom_text, place_text, where_code,
+                                             HEAD_LAYER)
 from spikeguard.runtime.hooks import Context
 
 
@@ -26,7 +27,8 @@ class Position:
     def __init__(self, ctx: Context, meter, num_layers: int, budget_bytes: int):
         self.ctx = ctx
         self.meter = meter
-        self.num_layers = num_layers   # the head's layer index
+        self.num_layers = num_layers   # the head's layer index in the ledger (its position
+        #                                code is HEAD_LAYER: see device_state)
         self.budget_bytes = budget_bytes
         self.phase = PHASE_IDLE
         self.in_forward = False        # False during backward's recompute and evaluation
@@ -40,7 +42,7 @@ class Position:
     def at_head_backward(self) -> None:
         """A forward is done: what runs next on this micro-batch is the head's backward."""
         self.ctx.layer, self.ctx.op = self.num_layers, "head"
-        self.set_where(PHASE_BACKWARD, self.num_layers)
+        self.set_where(PHASE_BACKWARD, HEAD_LAYER)
 
     def enter_layer(self, layer: int) -> None:
         self.ctx.layer, self.ctx.op = layer, "attn"
@@ -61,8 +63,7 @@ class Position:
         """The one-line error of an out-of-memory, naming where it happened."""
         if isinstance(err, DeviceOutOfMemory):
             return err
-        place = place_text(self.phase, self.ctx.micro_batch, self.ctx.layer, self.ctx.op,
-                           self.num_layers)
+        place = place_text(self.phase, self.ctx.micro_batch, self.ctx.layer, self.ctx.op)
         asked, after = self.meter.last_refusal()
         return DeviceOutOfMemory(oom_text(place, self.meter, err), needed_bytes=after,
                                  budget_bytes=self.budget_bytes)
@@ -87,7 +88,7 @@ class Position:
     def enter_head(self, module, args, output) -> None:
         if self.in_forward:
             self.ctx.layer, self.ctx.op = self.num_layers, "head"
-            self.set_where(PHASE_FORWARD, self.num_layers)
+            self.set_where(PHASE_FORWARD, HEAD_LAYER)
 
 
 def forget_aux_loss(block) -> None:

@@ -64,7 +64,7 @@ def group_overflow(guards: Sequence, failed: Optional[dict] = None) -> Optional[
     if over:
         guard, _, where = next(m for m in mine if m[1] == over)
         phase, layer = decode_where(where)
-        place = place_text(phase, guard.ctx.micro_batch, layer, "", len(guard.moe_blocks))
+        place = place_text(phase, guard.ctx.micro_batch, layer, "")
         place = place.split(", op")[0].replace("of micro-batch", "of a micro-batch")
         return (f"the step reached {format_bytes(over)} on a device of "
                 f"{format_bytes(guard.budget_bytes)} ({place})")

@@ -54,7 +54,8 @@ def _run_rank(cfg: RunConfig) -> int:
     if worker is not None and worker.world_size != cfg.parallel.nproc:
         # Started by torchrun by hand (several nodes): the world is torchrun's.
         cfg = cfg.with_world(worker.world_size)
-    run = RankRun(cfg, worker.rank if worker is not None else 0)
+    run = RankRun(cfg, worker.rank if worker is not None else 0,
+                  shared_groups=worker is not None and not worker.owned)
     try:
         code = run.train()
     except BaseException:
@@ -66,9 +67,11 @@ def _run_rank(cfg: RunConfig) -> int:
     del run
     if worker is not None:
         # The group's threads end only once nothing refers to it (models do through
-        # their dispatchers): drop, destroy, collect while the interpreter is whole.
+        # their dispatchers): drop, destroy, collect while the interpreter is whole. A
+        # group this run only joined (the bench's worker) lives on for the next run.
         dist.barrier()
-        dist.destroy_process_group()
+        if worker.owned:
+            dist.destroy_process_group()
         gc.collect()
     return code
 
@@ -76,10 +79,11 @@ def _run_rank(cfg: RunConfig) -> int:
 class RankRun:
     """Everything one rank holds for the run."""
 
-    def __init__(self, cfg: RunConfig, rank: int):
+    def __init__(self, cfg: RunConfig, rank: int, shared_groups: bool = False):
         from spikeguard.data.corpus import load_corpus
 
         self.cfg, self.rank = cfg, rank
+        self.shared_groups = shared_groups   # the process group outlives this run
         self.console = Console(quiet=rank != 0)
         self.corpus = load_corpus(cfg.files.data)
         self.groups = self._groups()
@@ -95,7 +99,7 @@ class RankRun:
         if not self.cfg.parallel.distributed:
             return None
         from spikeguard.parallel.mesh import MeshGroups
-        return MeshGroups.build(self.cfg.layout)
+        return MeshGroups.build(self.cfg.layout, shared=self.shared_groups)
 
     def _model(self):
         from spikeguard.train.engines import BuiltinFamily, HFFamily

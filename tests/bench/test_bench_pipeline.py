@@ -46,7 +46,8 @@ def test_a_short_real_pipeline_bench(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "spikeguard", "bench", *TINY_PIPELINE, "--steps", "4",
          "--segments", "1", "--checkpoint-every", "1", "--pattern", "one-hot-rank",
-         "--spike-prob", "0.5", "--spike-max", "2", "--policies", ",".join(policies),
+         "--spike-prob", "0.5", "--spike-max", "2", "--skew-seed", "9",  # one spike: step 3
+         "--policies", ",".join(policies),
          "--work", str(work), "--json", str(out)],
         capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -199,10 +199,17 @@ def test_report_draws_from_a_real_log_and_leaves_it_alone(real_log, tmp_path, ca
         (width, height), size = _png_size(out / path.rsplit("/", 1)[1])
         assert width >= 400 and size > 10_000
     assert real_log.read_bytes() == before
-    # Two logs (one renamed copy): throughput too, and a second run over the same folder.
+    # Two logs (one renamed copy): throughput too, and a second run over the same folder,
+    # which needs --overwrite (refused without it, the PNGs untouched).
     other = tmp_path / "other.jsonl"
     other.write_bytes(before)
-    assert cli.main(["report", str(real_log), str(other), "--plots", str(out)]) == 0
+    png = (out / "memory_timeline.png").read_bytes()
+    assert cli.main(["report", str(real_log), str(other), "--plots", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "exists; pass --overwrite" in err[0], err
+    assert (out / "memory_timeline.png").read_bytes() == png
+    assert cli.main(["report", str(real_log), str(other), "--plots", str(out),
+                     "--overwrite"]) == 0
     assert (out / "throughput.png").exists()
     assert len(capsys.readouterr().out.split()) == 3
 

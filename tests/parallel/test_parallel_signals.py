@@ -111,7 +111,8 @@ def test_a_killed_rank_is_named_and_no_other_prints_a_traceback(tmp_path, layout
     text = err.read()
     assert "Traceback" not in text, text[-3000:]
     assert code == 1
-    assert text.splitlines()[-1] == "spikeguard: rank 1 was killed by SIGKILL; the job stopped", text
+    # one line: the dead rank, named; no survivor's "rank N stopped" before it
+    assert text.splitlines() == ["spikeguard: rank 1 was killed by SIGKILL; the job stopped"], text
 
 
 def test_pipeline_out_of_memory_names_the_rank_without_a_traceback():
@@ -123,5 +124,8 @@ def test_pipeline_out_of_memory_names_the_rank_without_a_traceback():
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 3, proc.stderr[-2000:]
-    last = proc.stderr.splitlines()[-1]
+    # the rank's own out-of-memory line, then the final line naming it: nothing else
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("spikeguard: out of memory on rank "), lines
+    last = lines[-1]
     assert last.startswith("spikeguard: rank ") and "ran out of memory (exit 3" in last, last

@@ -13,7 +13,7 @@ import random
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MARGIN, MICRO_BATCH_CODES,
                                         LayerRoom, Probe)
-from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
+from spikeguard.runtime.device_state import HEAD_LAYER, PHASE_BACKWARD, PHASE_FORWARD, where_code
 from spikeguard.runtime.layer_room import LayerPeaks
 
 SHAPE = ExpertShape(d_model=128, d_expert=256, combine_after_exchange=True)
@@ -66,9 +66,10 @@ def test_the_runtime_reads_its_device_as_the_pure_calibration_does():
                 for phase in (FORWARD, BACKWARD):
                     key = (phase, layer, mb % MICRO_BATCH_CODES)
                     peaks[key] = max(peaks.get(key, 0), in_use + rng.randint(0, 3 * 10**7))
-            heads[(LAYERS, mb)] = (rng.randint(10**7, 6 * 10**7), 1024)
-            key = (BACKWARD, LAYERS, mb % MICRO_BATCH_CODES)
-            peaks[key] = max(peaks.get(key, 0), heads[(LAYERS, mb)][0] + rng.randint(0, 4 * 10**6))
+            # the head's position is HEAD_LAYER, apart from every (global) layer number
+            heads[(HEAD_LAYER, mb)] = (rng.randint(10**7, 6 * 10**7), 1024)
+            key = (BACKWARD, HEAD_LAYER, mb % MICRO_BATCH_CODES)
+            peaks[key] = max(peaks.get(key, 0), heads[(HEAD_LAYER, mb)][0] + rng.randint(0, 4 * 10**6))
         start = LayerRoom.from_shape(SHAPE.bytes_per_token(), LOGIT)
         runtime = LayerPeaks(start, LAYERS)
         for p in probes:
