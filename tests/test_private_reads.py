@@ -68,6 +68,10 @@ ALLOWED = {
     ("integrations/titan_models.py", "_EMBEDDING_INIT"),
     ("integrations/titan_models.py", "_NORM_INIT"),
     ("integrations/titan_models.py", "_output_linear_init"),
+    # and its qwen3 MoE layers the same way (its debug MoE model's recipe)
+    ("integrations/titan_models.py", "_build_qwen3_moe_layers"),
+    ("integrations/titan_models.py", "_qwen3_norm"),
+    ("integrations/titan_models.py", "_LINEAR_INIT"),
 }
 
 

@@ -6,8 +6,9 @@
     # torchtitan's own expert parallelism (its AllToAllTokenDispatcher, experts as DTensors
     # sharded over its `ep` mesh), applied by its own `Module.parallelize`
 
-The architecture is torchtitan 0.3.0's `deepseek_v3` (multi-head latent attention, the
-first layer dense, then MoE layers with shared experts) at small sizes, with two changes
+The architectures are torchtitan 0.3.0's `deepseek_v3` (multi-head latent attention, the
+first layer dense, then MoE layers with shared experts) and `qwen3`'s MoE form (grouped
+query attention with q/k norms, every layer MoE, no shared expert), at small sizes, with two changes
 for CPU: each layer's `inner_attention` is torchtitan's `ScaledDotProductAttention`
 (FlexAttention has no CPU backward in torch 2.13), and the model is called without
 positions (causal attention over one document). The vocabulary is spikeguard's 256 byte
@@ -24,7 +25,7 @@ from torch import nn
 from spikeguard.errors import UsageError
 
 BYTE_VOCAB = 256
-FAMILIES = ("deepseek_v3",)
+FAMILIES = ("deepseek_v3", "qwen3")
 # torchtitan's default is "spmd_types", whose all-to-all is c10d's (not torch's functional
 # collectives, whose outputs a recomputed layer keeps): spikeguard runs torchtitan's
 # "partial_dtensor" backend, which dispatches with `_functional_collectives.all_to_all_single`.
@@ -50,7 +51,8 @@ class TitanSizes:
         if self.top_k > self.num_experts:
             raise UsageError(f"top_k {self.top_k} is above num_experts {self.num_experts}")
         if self.num_layers < 2:
-            raise UsageError("a torchtitan deepseek_v3 needs 2 layers at least (the first is dense)")
+            raise UsageError("a torchtitan model here has 2 layers at least (deepseek_v3's "
+                             "first is dense)")
 
     @property
     def num_params(self) -> int:
@@ -85,6 +87,8 @@ def check_family(name: str) -> str:
 def titan_config(name: str, sizes: TitanSizes):
     """torchtitan's model config of `name` at `sizes` (see the module docstring)."""
     check_family(name)
+    if name == "qwen3":
+        return _qwen3_config(sizes)
     ds, Embedding, Linear, RMSNorm, SDPA, ComplexRoPE = torchtitan_modules()
     d, head = sizes.d_model, sizes.d_model // sizes.num_heads
     rope_dim = max(2, head // 2 - head // 2 % 2)
@@ -110,6 +114,30 @@ def titan_config(name: str, sizes: TitanSizes):
         layers=layers, mtp_layers=[])
 
 
+def _qwen3_config(sizes: TitanSizes):
+    """Qwen3-MoE at `sizes`, through torchtitan's own layer builder (its debug MoE model's
+    recipe: every layer MoE, softmax router with normalised top-k weights)."""
+    _, Embedding, Linear, _, SDPA, _ = torchtitan_modules()
+    from torchtitan.models import qwen3
+    from torchtitan.models.common import CosSinRoPE
+    d, head = sizes.d_model, sizes.d_model // sizes.num_heads
+    layers = qwen3._build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=sizes.num_layers, dim=d, n_heads=sizes.num_heads,
+        n_kv_heads=1, head_dim=head, moe_hidden_dim=sizes.d_expert,
+        num_experts=sizes.num_experts, top_k=sizes.top_k, attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=head, max_seq_len=max(sizes.seq_len, 64), theta=1e6),
+        moe_comm_backend="standard")
+    for layer in layers:
+        layer.attention.inner_attention = SDPA.Config()
+    return qwen3.Qwen3Model.Config(
+        vocab_size=BYTE_VOCAB, dim=d, norm=qwen3._qwen3_norm(d),
+        tok_embeddings=Embedding.Config(num_embeddings=BYTE_VOCAB, embedding_dim=d,
+                                        param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=d, out_features=BYTE_VOCAB,
+                              param_init=qwen3._LINEAR_INIT),
+        layers=layers)
+
+
 def build_titan_model(name: str, sizes: TitanSizes, seed: int = 0, ep: int = 1) -> nn.Module:
     """A torchtitan `name` at `sizes`, random weights from `seed` (the same on every rank).
     With `ep` > 1 (inside a process group of `ep` ranks) torchtitan's own expert
@@ -132,11 +160,14 @@ def _with_expert_parallel(cfg, ep: int):
     The "standard" dispatcher is already the all-to-all one (local when EP is 1)."""
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() != ep:
         raise UsageError(f"torchtitan expert parallelism over {ep} ranks needs a process group "
                          f"of {ep} ranks (run under torchrun: spikeguard train --nproc {ep} --ep {ep})")
     dist_utils.set_spmd_backend(SPMD_BACKEND)
-    set_deepseek_v3_sharding_config(cfg, enable_sp=False, enable_ep=True)
+    is_qwen3 = type(cfg).__qualname__.startswith("Qwen3")
+    set_sharding = set_qwen3_sharding_config if is_qwen3 else set_deepseek_v3_sharding_config
+    set_sharding(cfg, enable_sp=False, enable_ep=True)
     return cfg
 
 

@@ -57,7 +57,7 @@ def add_train_parser(commands) -> None:
                             "type such as mixtral, qwen3_moe, olmoe, or a config JSON; random "
                             "weights, nothing downloaded; needs spikeguard[hf]); see docs/hf.md")
     train.add_argument("--titan", default=None, metavar="NAME",
-                       help="train a tiny torchtitan MoE model instead (deepseek_v3; random "
+                       help="train a tiny torchtitan MoE model instead (deepseek_v3 or qwen3; random "
                             "weights; one process, or --nproc N --ep N under torchtitan's own "
                             "expert parallelism; needs spikeguard[titan]); see docs/titan.md")
     model = train.add_argument_group("model overrides")

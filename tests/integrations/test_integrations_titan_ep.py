@@ -11,7 +11,8 @@ AllToAllTokenDispatcher's all-to-alls. Shown here:
     (the emulated allocator's, not the ledger) while rank 1 keeps everything: the ranks
     decide differently and the step completes, gradients bitwise;
   * a whole-layer fallback forced on rank 0 only completes (the layer's all-to-alls are
-    kept, not re-issued, by its recompute), gradients bitwise.
+    kept, not re-issued, by its recompute), gradients bitwise;
+  * torchtitan's qwen3 MoE family under the same EP: gradients bitwise under every policy.
 
     .venv/bin/python -m pytest tests/integrations/test_integrations_titan_ep.py -q
 """
@@ -80,6 +81,7 @@ def _worker(rank, world, store, out_dir, scenario):
         result["fallback_bitwise"] = bitwise(reference, step(model, data, guard))
         result["fallback_decisions"] = guard.history[-1]["decisions"]
         guard.detach()
+        result["qwen3"] = _qwen3_every_policy(data)
     else:   # "none": dies on the spiked rank, the other sees its peer go
         guard = spikeguard.attach(model, budget=budget, policy="none")
         try:
@@ -94,6 +96,22 @@ def _worker(rank, world, store, out_dir, scenario):
     (out_dir / f"{rank}.json").write_text(json.dumps(result))
     del model, guard
     close_gloo()
+
+
+def _qwen3_every_policy(data) -> dict:
+    """torchtitan's qwen3 MoE (every layer MoE, no shared expert) under the same EP=2:
+    each policy's gradients against its unguarded ones."""
+    import spikeguard
+    from spikeguard.integrations.titan_models import TitanSizes, build_titan_model
+    from titan_helpers import HUGE, bitwise, step
+    model = build_titan_model("qwen3", TitanSizes(num_layers=2), seed=0, ep=2)
+    reference = step(model, data)
+    out = {}
+    for policy in POLICIES:
+        guard = spikeguard.attach(model, budget=HUGE, policy=policy)
+        out[policy] = bitwise(reference, step(model, data, guard))
+        guard.detach()
+    return out
 
 
 def _run(tmp_path, scenario):
@@ -123,3 +141,5 @@ def test_every_policy_bitwise_then_a_spike_adaptive_fits_and_a_lone_fallback_com
     assert r0["fallback_bitwise"] and r1["fallback_bitwise"], (r0, r1)
     assert r0["fallback_decisions"]["recompute"] >= 2, r0
     assert r1["fallback_decisions"]["recompute"] == 0, r1
+    for result in (r0, r1):   # the qwen3 family under the same EP: bitwise under every policy
+        assert result["qwen3"] == {p: True for p in POLICIES}, result

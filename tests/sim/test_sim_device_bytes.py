@@ -20,7 +20,7 @@ import spikeguard.sim.chunk as chunk
 from spikeguard.data.corpus import load_corpus
 from spikeguard.model import build_model, model_config
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, Action, LayerPlan
-from spikeguard.runtime.device_state import PHASE_BACKWARD, PHASE_FORWARD, where_code
+from spikeguard.runtime.device_state import HEAD_LAYER, PHASE_BACKWARD, PHASE_FORWARD, where_code
 from spikeguard.sim.engine import device_cost
 from spikeguard.plan.layer_room import BACKWARD, FORWARD
 from spikeguard.sim.shape import build
@@ -67,8 +67,9 @@ def _runtime(plan: LayerPlan, batches) -> tuple[dict, list, int]:
         for layer in range(cfg.num_layers):
             peaks[(FORWARD, layer, mb)] = guard.meter.where_peak(where_code(PHASE_FORWARD, layer, mb))
             peaks[(BACKWARD, layer, mb)] = guard.meter.where_peak(where_code(PHASE_BACKWARD, layer, mb))
+        # the head's own code on the device; the simulator numbers it after the layers
         peaks[(BACKWARD, cfg.num_layers, mb)] = guard.meter.where_peak(
-            where_code(PHASE_BACKWARD, cfg.num_layers, mb))
+            where_code(PHASE_BACKWARD, HEAD_LAYER, mb))
     step_peak = guard.history[-1]["peak_bytes"]
     guard.detach()
     return peaks, counts, step_peak
