@@ -37,7 +37,7 @@ from torch import nn
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.runtime.adapter import SHARED_POLICIES, find_adapter
-from spikeguard.memory.ledger import Ledger, local_tensor, storage_key
+from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.static import static_bytes
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
@@ -48,6 +48,7 @@ from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NA
                                              HEAD_LAYER,
                                              move_state_to_device, resolve_budget)
 from spikeguard.runtime.executor import ExpertPathExecutor
+from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.layers import GuardedLayers
@@ -141,8 +142,8 @@ class Guard:
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`
         self._handles: list = []
-        self._trained = [p for p in model.parameters() if p.requires_grad]
-        self._grad_layers = self._parameter_layers()
+        self.grads = GradsToCome([p for p in model.parameters() if p.requires_grad],
+                                 self.adapter, self.moe_blocks)
         self._install()
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self.recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
@@ -363,7 +364,7 @@ class Guard:
         """One attempt at micro-batch `mb`'s forward (the net decides what to do with it)."""
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
-        self.window.begin_micro_batch(num_tokens(args, kwargs), self._grads_to_come())
+        self.window.begin_micro_batch(num_tokens(args, kwargs), self.grads.by_layer())
         if self._recorder is not None:
             self._recorder.begin_attempt()
         if self.policy == "adaptive":  # static policies never rank plans
@@ -381,40 +382,6 @@ class Guard:
                                     [self.adapter.layer_index(b) for b in self.moe_blocks])
         if self._recorder is not None:
             self._recorder.end_attempt()
-        return out
-
-    def _parameter_layers(self) -> list[int]:
-        """Per trained parameter, the guarded layer whose backward makes its gradient: the
-        highest layer holding it (tied: the first backward to reach it), or one past the
-        last layer for the rest (embedding, head, final norm), taken as made before any
-        layer's backward (conservative: the embedding's is made last)."""
-        top = max((self.adapter.layer_index(b) for b in self.moe_blocks), default=0) + 1
-        layer_of = {}
-        for block in self.moe_blocks:
-            idx = self.adapter.layer_index(block)
-            for p in self.adapter.parent_layer(block).parameters():
-                layer_of[id(p)] = max(layer_of.get(id(p), idx), idx)
-        return [layer_of.get(id(p), top) for p in self._trained]
-
-    def _grads_to_come(self) -> dict[int, int]:
-        """Layer -> the gradient bytes not yet allocated that exist by the time backward
-        has reached that layer: those of its own and the later layers' parameters, and of
-        the parameters outside the layers. A lower layer's are made after its backward
-        peak, so they are not part of it (counting them put the last layer's predicted
-        backward peak ~20 MiB over the device's on `small`, and made calm steps evict)."""
-        by_layer: dict[int, int] = {}
-        for p, layer in zip(self._trained, self._grad_layers):
-            if p.grad is None:
-                # a sharded (DTensor) expert: its local shard's gradient
-                num_bytes = local_tensor(p).numel() * p.element_size()
-                by_layer[layer] = by_layer.get(layer, 0) + num_bytes
-        out, total = {}, 0
-        for layer in sorted(by_layer, reverse=True):
-            total += by_layer[layer]
-            out[layer] = total
-        for block in self.moe_blocks:   # layers whose gradients all exist: the layers' above
-            idx = self.adapter.layer_index(block)
-            out.setdefault(idx, next((out[k] for k in sorted(out) if k > idx), 0))
         return out
 
     def abandon_micro_batch(self, mb: int) -> None:
