@@ -263,7 +263,10 @@ def test_pp_ep_safety_net_inside_a_stage_keeps_counts_and_gradients(pp2ep2):
     gradients are still bitwise the plain run's."""
     world, load = pp2ep2
     results = [load("squeeze1", r) for r in range(world)]
-    assert results[0]["records"][0]["safety_net_reruns"] == 1, results[0]["records"]
+    # The forced one at least; under a loaded machine the cost model's timings may pick a
+    # plan whose own micro-batch also re-runs (seen once in a full suite: 2), which the
+    # checks below hold for just the same.
+    assert results[0]["records"][0]["safety_net_reruns"] >= 1, results[0]["records"]
     for r in results:
         record = r["records"][0]
         assert record["safety_net"] == [], record["safety_net"]
