@@ -9,7 +9,6 @@ torch start-up); a representative handful, and the torchrun cases, run the real 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from spikeguard import cli
+
+from one_line import check_one_line, digests
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -73,40 +74,27 @@ def _inputs(tmp: Path) -> list[Path]:
     return [tmp / n for n in ("binary.dat", "run.toml", "nan.toml")]
 
 
-def _digests(paths: list[Path]) -> dict:
-    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
-
-
 def _argv(case: str, tmp: Path) -> list[str]:
     return [a.replace("{tmp}", str(tmp)) for a in CASES[case][0]]
-
-
-def _check_one_line(code: int, err: str, fragment: str) -> None:
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("spikeguard: error: "), err
-    assert fragment in lines[0], err
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     inputs = _inputs(tmp_path)
-    before = _digests(inputs)
+    before = digests(inputs)
     code = cli.main(_argv(case, tmp_path))
-    _check_one_line(code, capsys.readouterr().err, CASES[case][1])
-    assert _digests(inputs) == before
+    check_one_line(code, capsys.readouterr().err, CASES[case][1])
+    assert digests(inputs) == before
 
 
 def test_bad_input_through_the_real_command(tmp_path):
     inputs = _inputs(tmp_path)
-    before = _digests(inputs)
+    before = digests(inputs)
     for case in SUBPROCESS_CASES:
         proc = subprocess.run([sys.executable, "-m", "spikeguard", *_argv(case, tmp_path)],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        _check_one_line(proc.returncode, proc.stderr, CASES[case][1])
-    assert _digests(inputs) == before
+        check_one_line(proc.returncode, proc.stderr, CASES[case][1])
+    assert digests(inputs) == before
 
 
 def test_version_is_the_package_version():
@@ -132,7 +120,7 @@ def test_rank_input_errors_are_found_before_torchrun(tmp_path):
     data.write_text("abc" * 20)
     proc = subprocess.run([sys.executable, "-m", "spikeguard", *TINY, "--nproc", "2",
                            "--data", str(data)], capture_output=True, text=True, timeout=120)
-    _check_one_line(proc.returncode, proc.stderr, "too little data")
+    check_one_line(proc.returncode, proc.stderr, "too little data")
 
 
 @pytest.mark.timeout(300)
@@ -144,7 +132,7 @@ def test_a_usage_error_in_every_rank_is_printed_once_with_exit_2(tmp_path):
               f"sys.exit(launch_job(2, {json.dumps(argv)}))")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=280)
-    _check_one_line(proc.returncode, proc.stderr, "data path does not exist")
+    check_one_line(proc.returncode, proc.stderr, "data path does not exist")
 
 
 def test_the_launcher_maps_a_rank_exit_2_to_2():

@@ -14,7 +14,7 @@ loss on. Nothing is downloaded. Needs `pip install spikeguard[hf]`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from spikeguard.errors import UsageError
+from spikeguard.integrations.sizes import check_model_sizes
 
 BYTE_VOCAB = 256
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -45,14 +46,10 @@ class HFSizes:
     seq_len: int = 128
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
-        if self.top_k > self.num_experts:
-            raise UsageError(f"top_k {self.top_k} is above num_experts {self.num_experts}")
-        if self.d_model % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise UsageError(f"d_model {self.d_model} must divide into {self.num_heads} heads, "
-                             f"and the heads into {self.num_kv_heads} key/value heads")
+        check_model_sizes(self)
+        if self.num_heads % self.num_kv_heads:
+            raise UsageError(f"{self.num_heads} heads must divide into {self.num_kv_heads} "
+                             f"key/value heads")
 
     @property
     def num_params(self) -> int:

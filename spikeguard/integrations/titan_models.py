@@ -17,12 +17,13 @@ values. Needs `pip install 'spikeguard[titan]'`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from spikeguard.errors import UsageError
+from spikeguard.integrations.sizes import check_model_sizes
 
 BYTE_VOCAB = 256
 FAMILIES = ("deepseek_v3", "qwen3")
@@ -45,11 +46,7 @@ class TitanSizes:
     seq_len: int = 128
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
-        if self.top_k > self.num_experts:
-            raise UsageError(f"top_k {self.top_k} is above num_experts {self.num_experts}")
+        check_model_sizes(self)
         if self.num_layers < 2:
             raise UsageError("a torchtitan model here has 2 layers at least (deepseek_v3's "
                              "first is dense)")

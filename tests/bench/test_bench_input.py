@@ -10,7 +10,6 @@ interpreter and a torch start-up); a handful run the real command.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -22,6 +21,8 @@ import pytest
 
 from spikeguard import cli
 from spikeguard.bench import bench_docs, hf_bench, runtime_ratios
+
+from one_line import check_one_line, digests
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -86,30 +87,17 @@ def _inputs(tmp: Path) -> list[Path]:
     return [tmp / name for name in files]
 
 
-def _digests(paths: list[Path]) -> dict:
-    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
-
-
 def _argv(case: str, tmp: Path) -> list[str]:
     return [a.replace("{tmp}", str(tmp)) for a in CASES[case][1]]
-
-
-def _check_one_line(code: int, err: str, fragment: str) -> None:
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("spikeguard: error: "), err
-    assert fragment in lines[0], err
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     inputs = _inputs(tmp_path)
-    before = _digests(inputs)
+    before = digests(inputs)
     code = MAINS[CASES[case][0]](_argv(case, tmp_path))
-    _check_one_line(code, capsys.readouterr().err, CASES[case][2])
-    assert _digests(inputs) == before
+    check_one_line(code, capsys.readouterr().err, CASES[case][2])
+    assert digests(inputs) == before
     assert not (tmp_path / "new.md").exists() and not (tmp_path / "page.md").exists()
 
 
@@ -121,14 +109,14 @@ def _command(case: str, tmp: Path) -> list[str]:
 
 def test_bad_input_through_the_real_command(tmp_path):
     inputs = _inputs(tmp_path)
-    before = _digests(inputs)
+    before = digests(inputs)
     scratch = tmp_path / "tmpdir"
     scratch.mkdir()
     for case in SUBPROCESS_CASES:
         proc = subprocess.run(_command(case, tmp_path), capture_output=True, text=True,
                               timeout=120, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(scratch)))
-        _check_one_line(proc.returncode, proc.stderr, CASES[case][2])
-    assert _digests(inputs) == before
+        check_one_line(proc.returncode, proc.stderr, CASES[case][2])
+    assert digests(inputs) == before
     assert list(scratch.iterdir()) == []   # no work folder made before the input was checked
 
 
