@@ -1,7 +1,8 @@
 """torchtitan MoE models under the guard, one process: bitwise gradients, bytes, refusals.
 
 A tiny torchtitan 0.3.0 `deepseek_v3` (3 layers: one dense, two MoE with a shared expert,
-8 experts top-3, SDPA attention): one step of two micro-batches under every policy,
+8 experts top-3, SDPA attention) and `qwen3` (its MoE form: 2 MoE layers, no shared
+expert), each: one step of two micro-batches under every policy,
 adaptive at budgets that force recompute and offload, gives gradients `torch.equal` to
 the unguarded model's; the byte model of `GroupedExperts` is what autograd really saves
 (a saved-tensor hook, not spikeguard's ledger); torchtitan's own activation checkpointing
@@ -19,9 +20,11 @@ pytest.importorskip("torchtitan")
 
 import spikeguard  # noqa: E402
 from spikeguard.integrations.titan_blocks import TitanAdapter, derive_titan_bytes  # noqa: E402
+from spikeguard.integrations.titan_models import TitanSizes, build_titan_model  # noqa: E402
 
 from runtime.true_device_support import PhaseMeter, host_marks  # noqa: E402
-from titan_helpers import HUGE, batches, bitwise, build, moe_blocks, step  # noqa: E402
+
+from titan_helpers import HUGE, SIZES, batches, bitwise, build, moe_blocks, step  # noqa: E402
 
 assert host_marks   # a fixture: imported for pytest to find, used as an argument
 
@@ -30,10 +33,16 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:In CP
 DATA = batches(1)
 
 
-@pytest.fixture(scope="module")
-def case():
+# deepseek_v3: 3 layers (the first dense, 2 MoE with a shared expert); qwen3: 2 layers,
+# both MoE, no shared expert. Two MoE layers each: 4 decisions a step of 2 micro-batches.
+FAMILIES = {"deepseek_v3": SIZES, "qwen3": TitanSizes(num_layers=2)}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def case(request):
     """(model, unguarded gradients, the true peak with everything kept, under full)."""
-    model = build()
+    model = build_titan_model(request.param, FAMILIES[request.param], seed=0)
+    assert len(moe_blocks(model)) == 2
     reference = step(model, DATA)
     peaks = {}
     for policy in ("none", "full"):
@@ -41,6 +50,7 @@ def case():
         assert bitwise(reference, step(model, DATA, guard)), policy
         peaks[policy] = guard.history[-1]["peak_bytes"]
         guard.detach()
+    assert peaks["full"] < peaks["none"]
     return model, reference, peaks
 
 
