@@ -8,9 +8,9 @@ layout (spikeguard.train.loop runs every layout through it).
 
 B = sequences per micro-batch, T = tokens per sequence, M = micro-batches per step.
 
-A `family` says how a model of its kind is fed and scored (the built-in model:
-`model(idx, targets)`; a Hugging Face one: `model(input_ids=w, labels=w)`), so the same
-engines serve both. Every engine draws nothing: the loop draws the step's micro-batches
+A `family` (spikeguard.train.families) says how a model of its kind is fed and scored
+(the built-in model: `model(idx, targets)`; a Hugging Face one: `model(input_ids=w,
+labels=w)`), so the same engines serve every kind. Every engine draws nothing: the loop draws the step's micro-batches
 before the step (a re-run by the guard's safety net sees the same data).
 """
 
@@ -29,54 +29,6 @@ from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, exp
 from spikeguard.parallel.summary import RoutingMonitor, ep_summary, pipeline_summary
 
 GuardMaker = Callable[[nn.Module, torch.optim.Optimizer], Any]
-
-
-# ---- model families ---------------------------------------------------------------------
-class BuiltinFamily:
-    """spikeguard's own MoE transformer: a micro-batch is (idx_BT, targets_BT)."""
-
-    name = "builtin"
-    token_offset = 0   # tokens counted per sequence: T
-    own_parallelism = False   # the engine shards its experts and reduces its gradients
-
-    @staticmethod
-    def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
-        return corpus.get_batch(split, batch_size, seq_len, gen)
-
-    @staticmethod
-    def losses(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = model(*batch)
-        return out.loss, out.ce_loss, out.aux_loss
-
-    @staticmethod
-    def eval_loss(model: nn.Module, batch) -> torch.Tensor:
-        return model(*batch).ce_loss
-
-
-class HFFamily:
-    """A transformers causal LM: a micro-batch is one window w_BT of T+1 tokens, fed as
-    input and labels (transformers shifts them); the loss is transformers' own
-    (cross-entropy plus the router's load-balancing term). Under a process group its
-    layout is transformers' own (EP and FSDP2, spikeguard.integrations.hf_models), which
-    reduces the gradients itself: FSDP2 averages them over the ranks."""
-
-    name = "hf"
-    token_offset = 1
-    own_parallelism = True
-
-    @staticmethod
-    def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
-        idx_BT, targets_BT = corpus.get_batch(split, batch_size, seq_len, gen)
-        return (torch.cat([idx_BT, targets_BT[:, -1:]], dim=1),)
-
-    @staticmethod
-    def losses(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        loss = model(input_ids=batch[0], labels=batch[0]).loss
-        return loss, loss, torch.zeros(())
-
-    @staticmethod
-    def eval_loss(model: nn.Module, batch) -> torch.Tensor:
-        return model(input_ids=batch[0], labels=batch[0]).loss
 
 
 # ---- one process, or EP / DP / DP x EP without a pipeline -------------------------------

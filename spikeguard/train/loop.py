@@ -151,7 +151,8 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
     validation loss) on the first record, plus whatever the guard recorded for the step.
     This is `run_loop` on a LocalEngine; spikeguard.train.run builds the other layouts.
     """
-    from spikeguard.train.engines import BuiltinFamily, LocalEngine
+    from spikeguard.train.engines import LocalEngine
+    from spikeguard.train.families import BuiltinFamily
 
     if guard is not None and guard_factory is not None:
         raise UsageError("pass either guard or guard_factory to train(), not both")

@@ -23,9 +23,9 @@ from rich.console import Console
 
 from spikeguard.train.checks import check_files, checkpoint_identity, load_trace, rank_log
 from spikeguard.train.config import RunConfig
+from spikeguard.train.families import family_for
 
 AUTO_PROBE_SEED = 7919   # the budget probe's micro-batches are drawn apart from the training data
-HF_AUTO_FRACTION = 0.85  # --hf without a budget: this much of the unguarded step's peak
 
 
 def run_training(cfg: RunConfig) -> int:
@@ -87,10 +87,12 @@ class RankRun:
         self.console = Console(quiet=rank != 0)
         self.corpus = load_corpus(cfg.files.data)
         self.groups = self._groups()
-        self.family, model, self.seq_len = self._model()
+        self.family = family_for(cfg)
+        self.seq_len = self.family.seq_len
         self.corpus.check_seq_len(self.seq_len)
+        model = self.family.build()
         self.num_params = sum(p.numel() for p in model.parameters())   # global shapes
-        self.engine = self._engine(model)
+        self.engine = self.family.engine(model, self.groups)
         self.injector = self._injector()
         self.observers: list = []
 
@@ -100,48 +102,6 @@ class RankRun:
             return None
         from spikeguard.parallel.mesh import MeshGroups
         return MeshGroups.build(self.cfg.layout, shared=self.shared_groups)
-
-    def _model(self):
-        from spikeguard.train.engines import BuiltinFamily, HFFamily
-
-        cfg = self.cfg
-        if cfg.model.titan is not None:
-            from spikeguard.train.titan_family import TitanFamily, build_for_run
-            model, self.titan_sizes = build_for_run(cfg.model.titan, cfg.model.overrides,
-                                                    cfg.train.seed, cfg.layout.ep)
-            return TitanFamily, model, self.titan_sizes.seq_len
-        if cfg.model.hf is None:
-            from spikeguard.model.transformer import build_model
-            model_cfg = cfg.model.builtin
-            return BuiltinFamily, build_model(model_cfg, seed=cfg.train.seed), model_cfg.seq_len
-        from spikeguard.integrations.hf_models import HFSizes, build_hf_model
-
-        self.hf_sizes = HFSizes(**cfg.model.overrides)
-        model = build_hf_model(cfg.model.hf, self.hf_sizes, seed=cfg.train.seed)
-        if cfg.parallel.distributed:   # transformers' own EP, FSDP2 over every rank
-            from spikeguard.integrations.hf_models import distribute_hf_model
-            model = distribute_hf_model(model, cfg.layout.nproc, cfg.layout.ep)
-        return HFFamily, model, self.hf_sizes.seq_len
-
-    def _engine(self, model):
-        from spikeguard.train.engines import LocalEngine, PipelineEngine
-
-        cfg = self.cfg
-        if cfg.model.titan is not None:
-            from spikeguard.train.titan_family import TitanEngine
-            return TitanEngine(model, self.family, self.groups, grad_clip=cfg.train.grad_clip)
-        if cfg.layout.pp == 1:
-            target = None
-            if cfg.skew_config is not None:
-                from spikeguard.routing.skew import SkewSchedule
-                target = SkewSchedule(cfg.skew_config, cfg.layout.ep).draw
-            return LocalEngine(model, self.family, self.groups, grad_clip=cfg.train.grad_clip,
-                               skew_target=target)
-        from spikeguard.parallel.pipeline_training import PipelineRank
-
-        prank = PipelineRank(model, self.groups, micro_batches=cfg.train.micro_batches,
-                             batch_size=cfg.train.batch_size, schedule=cfg.parallel.schedule)
-        return PipelineEngine(prank, self.family, grad_clip=cfg.train.grad_clip)
 
     def _injector(self):
         skew = self.cfg.skew_config
@@ -197,7 +157,7 @@ class RankRun:
     # ---- the guard ----------------------------------------------------------------------
     def _guard_maker(self):
         guard_cfg = self.cfg.guard
-        if self.cfg.model.hf is not None and guard_cfg.budget is None:
+        if self.family.budget_by_default and guard_cfg.budget is None:
             guard_cfg = type(guard_cfg)(budget="auto", policy=guard_cfg.policy or "adaptive",
                                         shared_policy=guard_cfg.shared_policy)
         if not guard_cfg.enabled:
@@ -220,12 +180,7 @@ class RankRun:
             if guard_cfg.policy is not None:
                 kwargs["policy"] = guard_cfg.policy
             guard = spikeguard.attach(module, **kwargs)
-            if self.cfg.model.hf is not None:
-                self._say(f"guard: {len(guard.moe_blocks)} MoE blocks "
-                          f"({type(guard.moe_blocks[0]).__name__}), experts call planned as one "
-                          f"region; bytes per routed copy {guard.shape.source}: keep "
-                          f"{guard.shape.save_per_token} B, recompute keeps "
-                          f"{guard.shape.recompute_per_token} B")
+            self._say(self.family.guard_line(guard))
             return guard
 
         self._say("memory: CPU run, peak / budget are the emulated device's (every live "
@@ -236,9 +191,8 @@ class RankRun:
         return make
 
     def _auto_budget(self) -> int:
-        from spikeguard.memory.budget import format_bytes
-        from spikeguard.train.auto_budget import AUTO_MARGIN, auto_budget, calm_peak_bytes
-
+        """The family's `--budget auto`, measured on micro-batches drawn apart from the
+        training data, with the routing skew (if any) held at its calm maximum."""
         cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.train.seed + AUTO_PROBE_SEED + self.rank)
         batches = [self.family.draw(self.corpus, "train", cfg.train.batch_size, self.seq_len, gen)
@@ -248,54 +202,9 @@ class RankRun:
             calm = self.injector.schedule.config.calm_max_ratio
             self.injector.hold(calm)
             held = f", routing held at the calm maximum {calm:g}x on rank 0"
-        if cfg.model.titan is not None:
-            from spikeguard.train.titan_family import calm_peak_bytes as titan_calm_peak
-            peak, static = titan_calm_peak(self.engine.model, self.engine.optimizers[0], batches,
-                                           self.groups is not None)
-            budget = auto_budget(peak, static)
-            self._say(f"memory: budget auto = {format_bytes(budget)}: a calm step with "
-                      f"everything saved peaks at {format_bytes(peak)} (worst rank), plus "
-                      f"{AUTO_MARGIN:.0%} of its activations (emulated device)")
-            return budget
-        if cfg.model.hf is not None:
-            from spikeguard.train.hf_probe import measure_unguarded_peak
-            peak = measure_unguarded_peak(self.engine.model, self.engine.optimizers[0], batches)
-            worst = ""
-            if self.groups is not None:   # one budget for the job: the worst rank's peak
-                flag = torch.tensor([peak], dtype=torch.int64)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                peak, worst = int(flag.item()), " (worst rank)"
-            budget = int(HF_AUTO_FRACTION * peak)
-            self._say(f"memory: budget {format_bytes(budget)} = {HF_AUTO_FRACTION} x the "
-                      f"unguarded peak {format_bytes(peak)}{worst} (emulated device)")
-            return budget
-        if cfg.layout.pp > 1:
-            peak, static = self._pipeline_probe(batches)
-        else:
-            group = dist.group.WORLD if self.groups is not None else None
-            peak, static = calm_peak_bytes(self.engine.model, self.engine.optimizers[0],
-                                           batches, group=group)
-        budget = auto_budget(peak, static)
-        self._say(f"memory: budget auto = {format_bytes(budget)}: a calm step with everything "
-                  f"saved peaks at {format_bytes(peak)} (worst rank{held}; "
-                  f"{format_bytes(static)} of it parameters, gradients and optimizer state), "
-                  f"plus {AUTO_MARGIN:.0%} of its activations (emulated device)")
+        budget, line = self.family.auto_budget(self.engine, batches, self.groups, held=held)
+        self._say(line)
         return budget
-
-    def _pipeline_probe(self, batches) -> tuple[int, int]:
-        """A calm step of a pipeline built for the probe alone (same weights, same layout),
-        thrown away after: the run's schedule is built once, with its own guards."""
-        from spikeguard.train.auto_budget import pipeline_calm_peak_bytes
-        from spikeguard.train.loop import make_optimizer
-
-        probe = self._engine(self._model()[1])
-        try:
-            probe.build_optimizers(lambda m: make_optimizer(m, self.cfg.train))
-            return pipeline_calm_peak_bytes(probe, batches)
-        finally:
-            probe.close()
-            del probe
-            gc.collect()
 
     # ---- training -----------------------------------------------------------------------
     def train(self) -> int:
@@ -323,39 +232,13 @@ class RankRun:
         return "append" if files.resume else "overwrite" if files.overwrite else "new"
 
     def _say_model(self) -> None:
-
-        cfg, train_cfg = self.cfg, self.cfg.train
+        train_cfg = self.cfg.train
         tokens = train_cfg.micro_batches * train_cfg.batch_size * (self.seq_len + self.family.token_offset)
-        if cfg.model.titan is not None:
-            from spikeguard.train.titan_family import describe
-            what = describe(cfg.model.titan, self.titan_sizes, cfg.layout.ep)
-        elif cfg.model.hf is None:
-            m = cfg.model.builtin
-            what = (f"model {cfg.model.preset}: {m.num_layers} layers, {m.num_experts} experts "
-                    f"top-{m.top_k}")
-        else:
-            s, kind = self.hf_sizes, self.engine.model.config.model_type
-            what = (f"model {cfg.model.hf} ({kind}, transformers, random weights): "
-                    f"{s.num_layers} layers, {s.num_experts} experts top-{s.top_k}")
-        self._say(f"{what}, {self.num_params / 1e6:.2f}M params | {train_cfg.steps} steps x "
-                  f"{tokens} tokens | CPU threads {torch.get_num_threads()}")
+        self._say(f"{self.family.describe(self.engine)}, {self.num_params / 1e6:.2f}M params | "
+                  f"{train_cfg.steps} steps x {tokens} tokens | CPU threads "
+                  f"{torch.get_num_threads()}")
         self._say(f"data: {self.corpus.source}")
-        L = cfg.layout
-        if L.pp > 1:
-            self._say(f"pipeline: {L.nproc} ranks = pp {L.pp} x dp {L.dp} x ep {L.ep} (gloo, "
-                      f"{cfg.parallel.schedule}), {train_cfg.micro_batches} micro-batches of "
-                      f"{train_cfg.batch_size} x {self.seq_len} tokens per shard; step lines "
-                      f"are rank 0's, loss the last stage's, peak and spike the cluster's")
-        elif L.nproc > 1 and cfg.model.hf is not None:
-            self._say(f"expert parallel: transformers' own, ep {L.ep} x FSDP2 over {L.nproc} "
-                      f"ranks (gloo), {self.hf_sizes.num_experts // L.ep} experts each; step "
-                      f"lines are rank 0's, peak the cluster's")
-        elif L.nproc > 1:
-            self._say(f"expert parallel: {L.ep} ranks (gloo)"
-                      + (f" x data parallel {L.dp}" if L.dp > 1 else "")
-                      + f", {cfg.model.shape.num_experts // L.ep} experts each; skew "
-                      f"{cfg.skew.pattern or 'none'}; step lines are rank 0's, rank-imb and "
-                      f"peak are the cluster's")
+        self._say(self.family.layout_line())
 
     def _say_done(self, s: dict, records: list) -> None:
         from spikeguard.train.log import format_rate

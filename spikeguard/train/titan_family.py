@@ -27,10 +27,18 @@ warnings.filterwarnings("ignore", message="In CPU autocast")
 
 
 class TitanFamily:
-    """A torchtitan decoder: a micro-batch is (idx_BT, targets_BT), its forward the logits."""
+    """A torchtitan decoder: a micro-batch is (idx_BT, targets_BT), its forward the logits.
+    Under a process group the experts are sharded by torchtitan's own EP at build."""
 
     name = "titan"
     token_offset = 0
+    own_parallelism = False   # TitanEngine reduces what torchtitan's EP does not
+    budget_by_default = False
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.sizes = TitanSizes(**cfg.model.overrides)
+        self.seq_len = self.sizes.seq_len
 
     @staticmethod
     def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
@@ -45,10 +53,40 @@ class TitanFamily:
     def eval_loss(model: nn.Module, batch) -> torch.Tensor:
         return lm_loss(model, *batch)
 
+    def build(self) -> nn.Module:
+        cfg = self.cfg
+        return build_titan_model(cfg.model.titan, self.sizes, seed=cfg.train.seed,
+                                 ep=cfg.layout.ep)
 
-def build_for_run(name: str, overrides: dict, seed: int, ep: int) -> tuple[nn.Module, TitanSizes]:
-    sizes = TitanSizes(**overrides)
-    return build_titan_model(name, sizes, seed=seed, ep=ep), sizes
+    def engine(self, model: nn.Module, groups) -> "TitanEngine":
+        return TitanEngine(model, self, groups, grad_clip=self.cfg.train.grad_clip)
+
+    def auto_budget(self, engine, batches: list, groups, held: str = "") -> tuple[int, str]:
+        from spikeguard.train.auto_budget import auto_budget
+        from spikeguard.train.families import auto_budget_line
+
+        peak, static = calm_peak_bytes(engine.model, engine.optimizers[0], batches,
+                                       groups is not None)
+        budget = auto_budget(peak, static)
+        return budget, auto_budget_line(peak, None, budget)
+
+    def describe(self, engine) -> str:
+        name, sizes, ep = self.cfg.model.titan, self.sizes, self.cfg.layout.ep
+        per = f", {sizes.num_experts // ep} experts per rank (torchtitan's EP)" if ep > 1 else ""
+        return (f"model {name} (torchtitan 0.3.0, random weights, SDPA attention): "
+                f"{sizes.num_layers} layers (1 dense), {sizes.num_experts} experts "
+                f"top-{sizes.top_k}{per}")
+
+    def layout_line(self) -> str:
+        L = self.cfg.layout
+        if L.nproc == 1:
+            return ""
+        return (f"expert parallel: torchtitan's own, ep {L.ep} (gloo), "
+                f"{self.sizes.num_experts // L.ep} experts each; step lines are rank 0's")
+
+    @staticmethod
+    def guard_line(guard) -> str:
+        return ""
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -124,11 +162,4 @@ def calm_peak_bytes(model: nn.Module, optimizer, batches, distributed: bool) -> 
     return int(peak), int(min(static, peak))
 
 
-def describe(name: str, sizes: TitanSizes, ep: int) -> str:
-    per = f", {sizes.num_experts // ep} experts per rank (torchtitan's EP)" if ep > 1 else ""
-    return (f"model {name} (torchtitan 0.3.0, random weights, SDPA attention): "
-            f"{sizes.num_layers} layers (1 dense), {sizes.num_experts} experts top-{sizes.top_k}"
-            f"{per}")
-
-
-__all__ = ["TitanFamily", "TitanEngine", "build_for_run", "calm_peak_bytes", "describe"]
+__all__ = ["TitanFamily", "TitanEngine", "calm_peak_bytes"]
