@@ -20,8 +20,9 @@ the runtime's figure is corrected by the allocator's. Under a pipeline the devic
 backward peak also holds the micro-batches the schedule ran between the decision and that
 backward (on stage 0 of 2 under 1F1B: the whole next micro-batch); they are taken out
 (`Probe.others_added`), or the slope counted them and the forecast reserved them again
-(measured on PP=2 x EP=2, `small`: 25.6 KB per routed copy against 8.9 KB net, every
-other step recomputing a whole micro-batch). The head's backward (the logits'
+(measured on PP=2 x EP=2, `small`, stage 0: 25.6 KB per routed copy where the layers'
+own came to 8.2 KB; every other step then recomputed the second micro-batch's layers
+whole). The head's backward (the logits'
 gradient beside the logits) is a slope per token of the micro-batch, calibrated the same
 way. One arithmetic for the runtime (spikeguard/runtime/layer_room.py keeps its probes)
 and the simulator (spikeguard/sim/walk.py): pure, frozen values.

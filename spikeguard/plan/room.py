@@ -11,6 +11,7 @@ change nothing.
     forward headroom = budget - in use - still to come - forward transient
                        - the resident micro-batches' backward working set (pipeline)
     backward room    = budget - in use - prefetch margin - backward reserve - backward extra
+                       (the reserve is negative where older residents are freed first)
     layer shortfall  = max(layer's forward peak, layer's backward peak + backward reserve)
                        - budget: to evict first, whatever the plan
 
@@ -123,15 +124,25 @@ def forward_transient_bytes_per_routed(shape: ExpertShape, on_cuda: bool) -> int
     return shape.bytes_per_token()["gate_up"] if on_cuda else 0
 
 
-def backward_above_end(backward_peak_bytes: int, end_in_use_bytes: int) -> int:
-    """What a finished forward's backward adds on top of the device as that forward left it:
-    its largest predicted layer backward peak (device bytes, as `LayerRoom.needs` gives
-    them at each decision) less the in-use at the forward's end. A later micro-batch's
-    in-use already holds every byte this one keeps, so only this excess is room it must
-    leave. (Taken over each decision's own in-use instead, the excess counted again the
-    bytes of this micro-batch's layers above that decision, which its backward frees
-    before it gets there: measured on PP=2 x EP=2, `small`, stage 0, ~10 MiB of a 64.9
-    MiB budget.) Never negative: a backward that stays below that level needs no room."""
+def backward_above_end(backward_peak_bytes: int, end_in_use_bytes: int,
+                       over_decision_bytes: int, measured: bool) -> int:
+    """What a finished forward's backward adds on top of the device as that forward left it.
+
+    `measured` (the layer peaks' slopes set from the device's own peaks, LayerRoom.observed):
+    its largest predicted layer backward peak (device bytes, as `LayerRoom.needs` gives them
+    at each decision) less the in-use at the forward's end. A later micro-batch's in-use
+    already holds every byte this one keeps, so only this excess is room it must leave.
+    (Taken over each decision's own in-use instead, it counted again the bytes of this
+    micro-batch's layers above that decision, which its backward frees before it gets
+    there: ~10 MiB of a 64.9 MiB budget on stage 0 of PP=2 x EP=2, `small`.)
+
+    Not measured (the first step; CUDA, whose device keeps no peaks per position): the
+    slopes are the shapes' guess, and the simulator's 188B at PP=8 showed that guess short
+    of its backward byte model by more than the excess leaves (195 step re-runs in 40
+    steps); then the largest excess over each decision's own in-use,
+    `over_decision_bytes`, as before. Never negative."""
+    if not measured:
+        return max(0, over_decision_bytes)
     return max(0, backward_peak_bytes - end_in_use_bytes)
 
 

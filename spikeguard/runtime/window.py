@@ -75,7 +75,8 @@ class DecisionWindow:
         # micro-batches; plan/room.py, backward_above_end). During its forward: the
         # largest backward peak predicted so far, in device bytes (`_backward_peak`).
         self.pending_backward: dict[int, int] = {}
-        self._backward_peak: dict[int, int] = {}
+        # mb -> (largest backward peak predicted, largest excess over its decision's in-use)
+        self._backward_peak: dict[int, tuple[int, int]] = {}
         self._defers = False
         self._held: Optional[BudgetInfeasible] = None
 
@@ -122,8 +123,9 @@ class DecisionWindow:
         self.forecast.observe(head + int(self.layer_room.head_backward_per_token * num_tokens),
                               post, num_tokens)
         if mb in self._backward_peak:
-            self.pending_backward[mb] = backward_above_end(self._backward_peak.pop(mb),
-                                                           self.ledger.in_use())
+            peak, over = self._backward_peak.pop(mb)
+            self.pending_backward[mb] = backward_above_end(
+                peak, self.ledger.in_use(), over, self.layer_room.room.observed)
         # The head's backward is measured from what is in use when it starts: the loss's
         # gradient is its first (the caller may have dropped the logits by then).
         self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
@@ -208,8 +210,7 @@ class DecisionWindow:
                       evictable: int, in_use: int) -> WindowState:
         forward_peak, backward_peak = self.layer_room.needs(
             in_use, num_routed, self.grads_to_come.get(layer, 0), layer_part)
-        mb = self.ctx.micro_batch
-        self._backward_peak[mb] = max(self._backward_peak.get(mb, 0), backward_peak)
+        self._predicted_backward(self.ctx.micro_batch, backward_peak, in_use)
         return WindowState(
             layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=in_use,
             num_routed=num_routed, layer_part_bytes=layer_part, max_routed=seen.max_routed,
@@ -255,11 +256,15 @@ class DecisionWindow:
                                                 self.grads_to_come.get(layer, 0), part)
             mb = self.ctx.micro_batch
             # Its backward is a working set later micro-batches must leave room for too.
-            self._backward_peak[mb] = max(self._backward_peak.get(mb, 0), backward)
+            self._predicted_backward(mb, backward, entry.in_use_bytes)
             short = backward + self._resident_backward() - self.budget_bytes
             if short > 0:
                 self._evict(mb, layer, short)
         return True
+
+    def _predicted_backward(self, mb: int, backward_peak: int, in_use: int) -> None:
+        peak, over = self._backward_peak.get(mb, (0, 0))
+        self._backward_peak[mb] = (max(peak, backward_peak), max(over, backward_peak - in_use))
 
     def _resident_backward(self) -> int:
         """The largest predicted backward excess of the other resident micro-batches (each

@@ -221,6 +221,7 @@ class Chunk:
         residents = ResidentTracker(evictable)
         seen, room = memory.seen, memory.room
         backward_peak_max = 0   # the largest backward peak predicted, device bytes
+        over_decision = 0       # the largest excess of one over its decision's in-use
 
         def now() -> int:
             """The device's figure: what was in use, less what went to host, plus this
@@ -260,6 +261,7 @@ class Chunk:
                     part, routed = estimate
                     backward = room.needs(start + part, int(routed), to_come(i), part)[1]
                     backward_peak_max = max(backward_peak_max, backward)   # as runtime/window.py
+                    over_decision = max(over_decision, backward - start)
                     short = backward + resident_backward - cap
                     if short > 0:
                         seconds += evict(short)
@@ -276,9 +278,10 @@ class Chunk:
             probes.append((i, at_decision - in_use, count, sum(residents.evicted.values())))
 
             def window(at: int):
-                nonlocal backward_peak_max
+                nonlocal backward_peak_max, over_decision
                 forward_peak, backward_peak = room.needs(at, count, to_come(i), layer_part)
                 backward_peak_max = max(backward_peak_max, backward_peak)
+                over_decision = max(over_decision, backward_peak - at)
                 own = sum(sum(n for _, n in layer.storages) for layer in layers)
                 return decision_inputs(WindowState(
                     layer=i, budget_bytes=cap, in_use_bytes=at, num_routed=count,
@@ -324,7 +327,8 @@ class Chunk:
         head = self.hb.ledger(T) / T + room.head_backward_per_token if w.last_chunk(chunk) \
             else memory.head_per_token
         out.memory = Memory(seen, room, head)
-        out.pending = backward_above_end(backward_peak_max, in_use + out.kept - out.resident_freed)
+        out.pending = backward_above_end(backward_peak_max, in_use + out.kept - out.resident_freed,
+                                         over_decision, room.observed)
         return out
 
     def safety_net(self, chunk: int, counts: tuple[int, ...], layer: int) -> Forward:

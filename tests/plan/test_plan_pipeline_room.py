@@ -71,8 +71,14 @@ def test_the_last_forward_of_stage_0_plans_its_backward_without_the_first():
 
 def test_a_resident_backward_needs_only_its_excess_over_its_forwards_end():
     """Micro-batch 0's layers predicted backward peaks of 34 and 43 MiB (device bytes,
-    each at its own decision); its forward left 37 MiB in use. A later forward's in-use
-    holds those 37 already: its plan leaves 6 MiB, not the 43 - 28 = 15 MiB over the top
-    layer's decision in-use (which counted the layer's own kept bytes a second time)."""
-    assert backward_above_end(max(34 * MiB, 43 * MiB), 37 * MiB) == 6 * MiB
-    assert backward_above_end(30 * MiB, 37 * MiB) == 0    # never below the device as it is
+    each at its own decision, 18 and 28 MiB in use then); its forward left 37 MiB in use.
+    A later forward's in-use holds those 37 already: with measured layer peaks its plan
+    leaves 6 MiB, not the 34 - 18 = 16 MiB over the lower layer's decision in-use (which
+    counted the layers above it, freed by then). With the shapes' guess only, the larger
+    figure stays."""
+    over_decision = max(34 * MiB - 18 * MiB, 43 * MiB - 28 * MiB)
+    assert backward_above_end(43 * MiB, 37 * MiB, over_decision, measured=True) == 6 * MiB
+    assert backward_above_end(43 * MiB, 37 * MiB, over_decision, measured=False) == 16 * MiB
+    # never below the device as it is
+    assert backward_above_end(30 * MiB, 37 * MiB, -1, measured=True) == 0
+    assert backward_above_end(30 * MiB, 37 * MiB, -1, measured=False) == 0
