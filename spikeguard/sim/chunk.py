@@ -196,7 +196,7 @@ class Chunk:
                  resident_backward: int = 0) -> Forward:
         """`resident_backward`: the largest backward excess the window predicted for the
         other resident micro-batches (runtime/window.py's pending backward)."""
-        from spikeguard.sim.walk import ResidentTracker, relative
+        from spikeguard.sim.residents import ResidentTracker, relative
 
         w, lb, T, dm, planner = self.w, self.lb, self.T, self.w.dm, self.w.planner
         cap = int(w.capacity)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -42,6 +41,8 @@ from spikeguard.plan.planner import Planner
 from spikeguard.plan.residency import grads_at_backward
 from spikeguard.plan.room import Seen, forward_transient_bytes_per_routed
 from spikeguard.sim.chunk import HEAD, Chunk, Forward, Memory
+from spikeguard.sim.residents import positions_of as _positions
+from spikeguard.sim.residents import residency as _residency
 from spikeguard.sim.config import SimConfig
 from spikeguard.plan.layer_room import BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe
 from spikeguard.sim.schedule import Op, stage_ops
@@ -67,53 +68,6 @@ class WalkResult:
     # The largest in-use per (phase "F"/"B", layer in the chunk, micro-batch mod 4): the
     # runtime's position codes (uniform static walks do not record them).
     where: Optional[dict] = None
-
-
-def _positions(ops: list[Op]) -> list:
-    """The runtime's own reading of a schedule (plan/residency.positions), fed
-    the attributes it reads from torch's pipeline IR. All chunks of a stage count as one
-    (under the interleaved schedule the unit resident is a micro-batch chunk)."""
-    from spikeguard.plan.residency import positions
-
-    actions = [SimpleNamespace(computation_type=SimpleNamespace(value=op.kind), stage_index=0)
-               for op in ops]
-    return positions(actions, 0)
-
-
-class ResidentTracker:
-    """The two tracker calls Residency.evictable/evict make (runtime/hooks.py's
-    SavedTensorTracker), over what the walk's resident micro-batches could send to host
-    (their saved storages of 16 KiB or more)."""
-
-    def __init__(self, evictable: dict):
-        self.left = dict(evictable)
-        self.evicted: dict = {}
-
-    def evictable(self, micro_batch: int, before_layer: int) -> int:
-        return self.left.get(micro_batch, 0)
-
-    def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
-        take = min(num_bytes, self.left.get(micro_batch, 0))
-        if take > 0:
-            self.left[micro_batch] -= take
-            self.evicted[micro_batch] = self.evicted.get(micro_batch, 0) + take
-        return max(take, 0)
-
-
-def relative(residency, residents: ResidentTracker) -> tuple:
-    """Evictions as (index among the older micro-batches, newest first, bytes)."""
-    if not residents.evicted:
-        return ()
-    order = sorted(residency.position().older, reverse=True)
-    return tuple((order.index(mb), n) for mb, n in residents.evicted.items())
-
-
-def _residency(schedule_positions, forward: int, host: dict, device: dict):
-    """The runtime's Residency object, reading this walk's host and device bytes."""
-    from spikeguard.plan.residency import Residency
-
-    return Residency(schedule_positions, micro_batch=lambda: forward,
-                     host_bytes=lambda: dict(host), device_bytes=lambda k: device.get(k, 0))
 
 
 class StageWalker:
