@@ -37,6 +37,10 @@ class PipelineResidency(Protocol):
         """Bytes of the older resident micro-batches that could go to the host."""
         ...
 
+    def grads_at_backward(self, grads_by_layer: dict[int, int]) -> dict[int, int]:
+        """Layer -> gradient bytes that will exist by this micro-batch's backward there."""
+        ...
+
     def evict(self, tracker, num_bytes: int) -> int:
         """Move up to `num_bytes` of them to the host; the bytes freed."""
         ...

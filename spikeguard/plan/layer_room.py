@@ -16,7 +16,13 @@ backward the gradients still to come, and the attention part's gradients, taken 
 as what that part keeps). The slopes start from the shapes (conservative: every tensor of
 the path at once, its gradient as large again) and are then set, after every step, from
 the peak the device really reached in that layer, phase and micro-batch, with a 5% margin:
-the runtime's figure is corrected by the allocator's. The head's backward (the logits'
+the runtime's figure is corrected by the allocator's. Under a pipeline the device's
+backward peak also holds the micro-batches the schedule ran between the decision and that
+backward (on stage 0 of 2 under 1F1B: the whole next micro-batch); they are taken out
+(`Probe.others_added`), or the slope counted them and the forecast reserved them again
+(measured on PP=2 x EP=2, `small`, stage 0: 25.6 KB per routed copy where the layers'
+own came to 8.2 KB; every other step then recomputed the second micro-batch's layers
+whole). The head's backward (the logits'
 gradient beside the logits) is a slope per token of the micro-batch, calibrated the same
 way. One arithmetic for the runtime (spikeguard/runtime/layer_room.py keeps its probes)
 and the simulator (spikeguard/sim/walk.py): pure, frozen values.
@@ -47,6 +53,12 @@ class Probe:
     num_routed: int
     grads_to_come: int
     layer_part: int = 0
+    # Pipeline: what the other micro-batches of the stage hold at this layer's backward
+    # beyond what they held at the decision (the forwards the schedule ran in between,
+    # less the backwards). The device's peak there includes them; the layer's own
+    # working set is read net of them, since the forecast reserves them apart (the
+    # schedule's `at_backward` forwards, the older ones' pending backward).
+    others_added: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,8 +102,8 @@ class LayerRoom:
             if f_peak:
                 fwd = max(fwd, (f_peak - p.in_use) / p.num_routed)
             if b_peak:
-                bwd = max(bwd, (b_peak - p.in_use - p.grads_to_come - p.layer_part)
-                          / p.num_routed)
+                bwd = max(bwd, (b_peak - p.in_use - p.others_added - p.grads_to_come
+                                - p.layer_part) / p.num_routed)
         head = 0.0
         for (layer, mb), (in_use, num_tokens) in head_probes.items():
             reached = peak(BACKWARD, layer, mb)

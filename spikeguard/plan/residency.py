@@ -16,7 +16,9 @@ object tells it, at each decision, where that micro-batch stands in the schedule
     by what the older resident ones hold (their backward runs first and frees it);
   * the older resident micro-batches run their backward while this one is resident, and
     their offloaded tensors come back then: the forward reserves the largest layer of
-    them that is on the host (reloads come back a layer at a time).
+    them that is on the host (reloads come back a layer at a time). Their backward also
+    makes every gradient of the stage, so by this one's backward they all exist
+    (`grads_at_backward`), whichever of them are not allocated at its forward.
 
 It is read from the schedule's own action list (`schedule.pipeline_order[rank]`, the IR
 torch.distributed.pipelining builds, torch 2.13), by position, not by micro-batch number:
@@ -77,6 +79,20 @@ def positions(actions: Sequence, stage_index: int) -> list[SchedulePosition]:
     return out
 
 
+def grads_at_backward(grads_by_layer: dict[int, int],
+                      position: Optional[SchedulePosition]) -> dict[int, int]:
+    """Layer -> gradient bytes not allocated now that will exist when this micro-batch's
+    backward reaches that layer. Without an older resident micro-batch, those of the layer
+    and the ones above (runtime/grads.py); with one, its backward runs first and makes all
+    of them: every layer gets the largest figure. (Counted per layer instead, the second
+    micro-batch's probes on stage 0 of PP=2 x EP=2 read the gradients the first one's
+    backward had made, ~2 MiB, as working set: the slope rose by ~2 KB per routed copy.)"""
+    if position is None or not position.older or not grads_by_layer:
+        return grads_by_layer
+    total = max(grads_by_layer.values())
+    return {layer: total for layer in grads_by_layer}
+
+
 class Reserve(NamedTuple):
     """What a pipeline stage reserves at one decision, for the other micro-batches."""
 
@@ -104,6 +120,10 @@ class Residency:
     def position(self) -> Optional[SchedulePosition]:
         k = self.micro_batch()
         return self.schedule_positions[k] if 0 <= k < len(self.schedule_positions) else None
+
+    def grads_at_backward(self, grads_by_layer: dict[int, int]) -> dict[int, int]:
+        """`grads_at_backward` at this forward's position (unchanged when disabled)."""
+        return grads_at_backward(grads_by_layer, self.position() if self.enabled else None)
 
     def reserve(self, layer: int, whole_micro_batch_bytes: int) -> Reserve:
         """Bytes to reserve at this decision: for the forwards still to come before the

@@ -11,6 +11,7 @@ change nothing.
     forward headroom = budget - in use - still to come - forward transient
                        - the resident micro-batches' backward working set (pipeline)
     backward room    = budget - in use - prefetch margin - backward reserve - backward extra
+                       (the reserve is negative where older residents are freed first)
     layer shortfall  = max(layer's forward peak, layer's backward peak + backward reserve)
                        - budget: to evict first, whatever the plan
 
@@ -89,9 +90,10 @@ class WindowState:
     # spikeguard/plan/layer_room.py): device bytes, 0 when not modelled.
     layer_forward_peak_bytes: int = 0
     layer_backward_peak_bytes: int = 0
-    # Pipeline: the largest backward working set (beyond what they keep) of the other
-    # micro-batches resident now. Their backward runs while what this one keeps is
-    # still here, so it is room this one's plan must leave free.
+    # Pipeline: how far the other resident micro-batches' backward will reach above the
+    # in-use they left at the end of their forward (`backward_above_end`), the largest.
+    # Their backward runs while what this one keeps is still here, and their bytes are
+    # in `in_use_bytes` already, so it is room this one's plan must leave free.
     resident_backward_bytes: int = 0
 
 
@@ -122,6 +124,28 @@ def forward_transient_bytes_per_routed(shape: ExpertShape, on_cuda: bool) -> int
     return shape.bytes_per_token()["gate_up"] if on_cuda else 0
 
 
+def backward_above_end(backward_peak_bytes: int, end_in_use_bytes: int,
+                       over_decision_bytes: int, measured: bool) -> int:
+    """What a finished forward's backward adds on top of the device as that forward left it.
+
+    `measured` (the layer peaks' slopes set from the device's own peaks, LayerRoom.observed):
+    its largest predicted layer backward peak (device bytes, as `LayerRoom.needs` gives them
+    at each decision) less the in-use at the forward's end. A later micro-batch's in-use
+    already holds every byte this one keeps, so only this excess is room it must leave.
+    (Taken over each decision's own in-use instead, it counted again the bytes of this
+    micro-batch's layers above that decision, which its backward frees before it gets
+    there: ~10 MiB of a 64.9 MiB budget on stage 0 of PP=2 x EP=2, `small`.)
+
+    Not measured (the first step; CUDA, whose device keeps no peaks per position): the
+    slopes are the shapes' guess, and the simulator's 188B at PP=8 showed that guess short
+    of its backward byte model by more than the excess leaves (195 step re-runs in 40
+    steps); then the largest excess over each decision's own in-use,
+    `over_decision_bytes`, as before. Never negative."""
+    if not measured:
+        return max(0, over_decision_bytes)
+    return max(0, backward_peak_bytes - end_in_use_bytes)
+
+
 def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
     """Forward headroom and backward room of one decision (see the module doc)."""
     s = state
@@ -131,7 +155,11 @@ def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
     transient = s.num_routed * s.transient_bytes_per_routed
     headroom = s.budget_bytes - s.in_use_bytes - to_come - transient - s.resident_backward_bytes
     margin = s.layer_part_bytes if s.prefetch and not s.last_layer else 0
-    reserve = max(0, forecast.backward_reserve(*args))
+    # Negative when older resident micro-batches, in `in_use` now, are freed by their own
+    # backward before this one's starts: this one's backward finds that room free. (Held
+    # at 0, the last forward of stage 0 of PP=2 x EP=2 planned its backward beside the
+    # whole first micro-batch: ~20 MiB of a 64.9 MiB budget, on `small`.)
+    reserve = forecast.backward_reserve(*args)
     backward_room = s.budget_bytes - s.in_use_bytes - margin - reserve - s.backward_extra_bytes
     shortfall = max(0, s.layer_forward_peak_bytes - s.budget_bytes,
                     (s.layer_backward_peak_bytes + reserve - s.budget_bytes)

@@ -38,6 +38,7 @@ class LayerPeaks:
         self.num_layers = num_layers
         self._probes: dict[tuple[int, int], Probe] = {}
         self._head_probes: dict[tuple[int, int], tuple[int, int]] = {}
+        self._others: dict[tuple[int, int], int] = {}   # (mb, layer) -> at the decision
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int,
               layer_part: int = 0) -> tuple[int, int]:
@@ -53,9 +54,20 @@ class LayerPeaks:
                               self.room.observed)
 
     def record(self, micro_batch: int, layer: int, in_use: int, num_routed: int,
-               grads_to_come: int, layer_part: int = 0) -> None:
+               grads_to_come: int, layer_part: int = 0, others: int = 0) -> None:
+        """`others`: the bytes of the other micro-batches on the device at the decision."""
         self._probes[(micro_batch, layer)] = Probe(micro_batch, layer, in_use, num_routed,
                                                    grads_to_come, layer_part)
+        self._others[(micro_batch, layer)] = others
+
+    def backward_starts(self, micro_batch: int, layer: int, others: int) -> None:
+        """Backward reached `layer` of `micro_batch` with `others` bytes of the other
+        micro-batches on the device: its probe's base grows by what they added since the
+        decision (plan/layer_room.py, Probe.others_added)."""
+        key = (micro_batch, layer)
+        probe = self._probes.get(key)
+        if probe is not None:
+            self._probes[key] = replace(probe, others_added=others - self._others[key])
 
     def evicted(self, micro_batch: int, layer: int, num_bytes: int) -> None:
         """`num_bytes` of `layer` went to host after the window probed the layers above it:
@@ -85,3 +97,4 @@ class LayerPeaks:
         self.room = self.room.calibrated(peak, list(self._probes.values()), self._head_probes)
         self._probes.clear()
         self._head_probes.clear()
+        self._others.clear()

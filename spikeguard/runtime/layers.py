@@ -52,6 +52,7 @@ class GuardedLayers:
                                                     self.position.ctx.micro_batch))
         out = self._body(layer, orig_forward, layer_idx, args, kwargs)
         self.position.mark_backward(out, layer_idx, "combine")
+        self.window.watch_backward(out, layer_idx)
         return out
 
     def _body(self, layer, orig_forward, layer_idx, args, kwargs):

@@ -10,7 +10,8 @@ Its collaborators are passed in (ledger, planner, tracker, forecast, layer peaks
 offload engine's prefetch switch, the open step's recorder); its own state is declared in
 `__init__`: what it remembers of earlier decisions (`seen`), the micro-batch it is in
 (`num_tokens`, `grads_to_come`, `layer_entry_in_use`), each resident micro-batch's
-predicted backward working set (`pending_backward`), and, under expert parallelism, the
+predicted backward above the in-use its forward left (`pending_backward`; during its own
+forward, the largest backward peak predicted so far), and, under expert parallelism, the
 infeasible plan it held back instead of raising mid-forward (`deferring`).
 """
 
@@ -29,7 +30,8 @@ from spikeguard.memory.ledger import Ledger
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.planner import Decision
-from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs, entry_estimate,
+from spikeguard.plan.room import (EntryState, Seen, WindowState, backward_above_end,
+                                  decision_inputs, entry_estimate,
                                   forward_transient_bytes_per_routed, layer_cannot_fit)
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
@@ -68,15 +70,24 @@ class DecisionWindow:
         # (its own and the layers' above, and those outside the layers; see the guard).
         self.grads_to_come: dict[int, int] = {}
         self.layer_entry_in_use = 0      # the device's figure at the current layer's entry
-        # Micro-batch -> its predicted backward working set, until its backward is done
-        # (a pipeline holds several micro-batches; see plan/room.py).
+        # Micro-batch -> how far its backward is predicted to reach above the in-use at
+        # its forward's end, until its backward is done (a pipeline holds several
+        # micro-batches; plan/room.py, backward_above_end). During its forward: the
+        # largest backward peak predicted so far, in device bytes (`_backward_peak`).
         self.pending_backward: dict[int, int] = {}
+        # mb -> (largest backward peak predicted, largest excess over its decision's in-use)
+        self._backward_peak: dict[int, tuple[int, int]] = {}
         self._defers = False
         self._held: Optional[BudgetInfeasible] = None
 
     # ---- what the guard tells the window ----------------------------------------------
     def begin_micro_batch(self, num_tokens: int, grads_to_come: dict[int, int]) -> None:
         self.seen = self.seen.next_micro_batch()
+        if self.forecast.residency is not None:   # older micro-batches' backward makes them
+            grads_to_come = self.forecast.residency.grads_at_backward(grads_to_come)
+        # A new attempt (or a net re-run) of this micro-batch predicts its backward afresh.
+        self.pending_backward.pop(self.ctx.micro_batch, None)
+        self._backward_peak.pop(self.ctx.micro_batch, None)
         self.grads_to_come = grads_to_come
         self.num_tokens = num_tokens
 
@@ -87,6 +98,21 @@ class DecisionWindow:
         """Backward has reached the first layer's input: its working set is behind it."""
         self.pending_backward.pop(micro_batch, None)
 
+    def others_bytes(self, micro_batch: int) -> int:
+        """What the ledger attributes to the other micro-batches on the device now."""
+        return self.ledger.activation_bytes - self.ledger.bytes_by(micro_batch=micro_batch)
+
+    def watch_backward(self, out, layer: int) -> None:
+        """When backward reaches this layer's output, the layer peaks learn what the other
+        micro-batches hold then (pipeline: the forwards the schedule ran since)."""
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        if self.policy == "adaptive" and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(functools.partial(self._layer_backward_starts,
+                                                self.ctx.micro_batch, layer))
+
+    def _layer_backward_starts(self, mb: int, layer: int, grad) -> None:
+        self.layer_room.backward_starts(mb, layer, self.others_bytes(mb))
+
     def observe_forward(self, mb: int, out, num_tokens: int, layers: list[int]) -> None:
         """A forward is done: the forecast learns what the head and the shared part kept,
         the layer peaks where the head's backward starts."""
@@ -96,6 +122,10 @@ class DecisionWindow:
         head = self.ledger.bytes_by(mb, self.num_layers, "head")
         self.forecast.observe(head + int(self.layer_room.head_backward_per_token * num_tokens),
                               post, num_tokens)
+        if mb in self._backward_peak:
+            peak, over = self._backward_peak.pop(mb)
+            self.pending_backward[mb] = backward_above_end(
+                peak, self.ledger.in_use(), over, self.layer_room.room.observed)
         # The head's backward is measured from what is in use when it starts: the loss's
         # gradient is its first (the caller may have dropped the logits by then).
         self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
@@ -149,7 +179,7 @@ class DecisionWindow:
             evictable += residency.evictable(self.tracker)
         in_use = self.ledger.in_use()
         self.layer_room.record(mb, layer, in_use, num_routed, self.grads_to_come.get(layer, 0),
-                               layer_part)
+                               layer_part, self.others_bytes(mb))
         room = decision_inputs(self._window_state(layer, num_routed, layer_part, seen,
                                                   evictable, in_use), self.forecast)
         if room.layer_shortfall_bytes > 0:
@@ -180,9 +210,7 @@ class DecisionWindow:
                       evictable: int, in_use: int) -> WindowState:
         forward_peak, backward_peak = self.layer_room.needs(
             in_use, num_routed, self.grads_to_come.get(layer, 0), layer_part)
-        mb = self.ctx.micro_batch
-        pending = self.pending_backward
-        pending[mb] = max(pending.get(mb, 0), backward_peak - in_use)
+        self._predicted_backward(self.ctx.micro_batch, backward_peak, in_use)
         return WindowState(
             layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=in_use,
             num_routed=num_routed, layer_part_bytes=layer_part, max_routed=seen.max_routed,
@@ -228,14 +256,18 @@ class DecisionWindow:
                                                 self.grads_to_come.get(layer, 0), part)
             mb = self.ctx.micro_batch
             # Its backward is a working set later micro-batches must leave room for too.
-            self.pending_backward[mb] = max(self.pending_backward.get(mb, 0),
-                                            backward - entry.in_use_bytes)
+            self._predicted_backward(mb, backward, entry.in_use_bytes)
             short = backward + self._resident_backward() - self.budget_bytes
             if short > 0:
                 self._evict(mb, layer, short)
         return True
 
+    def _predicted_backward(self, mb: int, backward_peak: int, in_use: int) -> None:
+        peak, over = self._backward_peak.get(mb, (0, 0))
+        self._backward_peak[mb] = (max(peak, backward_peak), max(over, backward_peak - in_use))
+
     def _resident_backward(self) -> int:
-        """The largest predicted backward working set of the other resident micro-batches."""
+        """The largest predicted backward excess of the other resident micro-batches (each
+        over the in-use its forward left, which the device's figure holds now)."""
         mb = self.ctx.micro_batch
         return max((v for m, v in self.pending_backward.items() if m != mb), default=0)

@@ -25,8 +25,8 @@ from typing import Optional
 from spikeguard.errors import BudgetInfeasible
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS, LayerPlan
 from spikeguard.plan.forecast import Forecast
-from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs,
-                                  entry_estimate, layer_cannot_fit)
+from spikeguard.plan.room import (EntryState, Seen, WindowState, backward_above_end,
+                                  decision_inputs, entry_estimate, layer_cannot_fit)
 from spikeguard.plan.layer_room import LayerRoom
 
 FIXED_PLANS = {"ceiling": ALL_SAVE, "none": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
@@ -84,13 +84,16 @@ class Forward:
     # Where the device's peaks are, for the runtime's calibration of its layer peaks, by
     # the layer's index in the chunk (the guard's numbering): forward (layer, above the
     # start), backward (layer, above the backward's start, the same in a first backward),
-    # probes (layer, in use at the decision above the start, routed copies) and the
-    # in-use after the forward above its start.
+    # probes (layer, in use at the decision above the start, routed copies, bytes of
+    # older resident micro-batches it had sent to host by then) and the in-use after the
+    # forward above its start.
     forward_where: tuple = ()
     backward_where: tuple = ()
     probes: tuple = ()
     end: int = 0
-    pending: int = 0      # adaptive: the largest backward working set its window predicted
+    # adaptive: how far its backward is predicted to reach above the in-use this forward
+    # leaves (plan/room.py, backward_above_end), as the runtime's window keeps it
+    pending: int = 0
     evictable: int = 0    # of what it keeps, the saved storages that could go to host
 
     @property
@@ -189,19 +192,19 @@ class Chunk:
 
     # ---- adaptive: Planner.decide with the runtime's inputs ------------------------------
     def adaptive(self, chunk: int, counts: tuple[int, ...], in_use: int, residency,
-                 evictable: dict, memory: Memory, grads_to_come: int,
+                 evictable: dict, memory: Memory, grads_by_layer: tuple,
                  resident_backward: int = 0) -> Forward:
-        """`resident_backward`: the largest backward working set the window predicted for
-        the other resident micro-batches (runtime/window.py's pending backward)."""
-        from spikeguard.sim.walk import ResidentTracker, relative
+        """`resident_backward`: the largest backward excess the window predicted for the
+        other resident micro-batches (runtime/window.py's pending backward)."""
+        from spikeguard.sim.residents import ResidentTracker, relative
 
         w, lb, T, dm, planner = self.w, self.lb, self.T, self.w.dm, self.w.planner
         cap = int(w.capacity)
 
         def to_come(i: int) -> int:
-            """As the runtime's guard: by layer i's backward, the gradients of the chunk's
-            layers below i are not made yet."""
-            return max(0, grads_to_come - i * dm.layer_grad_bytes) if grads_to_come else 0
+            """As the runtime's guard: the gradients that exist by layer i's backward and
+            not now (walk.py, StageWalker.grads_by_layer)."""
+            return grads_by_layer[i]
         embed, tail, head_flops = self._ends(chunk)
         head_forecast = memory.head_per_token if w.last_chunk(chunk) else 0.0
         forecast = Forecast(num_layers=len(counts), head_bytes_per_token=head_forecast,
@@ -217,7 +220,8 @@ class Chunk:
         decisions: Counter = Counter()
         residents = ResidentTracker(evictable)
         seen, room = memory.seen, memory.room
-        pending = 0
+        backward_peak_max = 0   # the largest backward peak predicted, device bytes
+        over_decision = 0       # the largest excess of one over its decision's in-use
 
         def now() -> int:
             """The device's figure: what was in use, less what went to host, plus this
@@ -235,7 +239,8 @@ class Chunk:
                 freed += moved
                 # As the runtime's layer peaks: the layers above j will not find these
                 # bytes on the device in their backward (see runtime/layer_room.py).
-                probes[:] = [(p, rel - moved if p > j else rel, n) for p, rel, n in probes]
+                probes[:] = [(p, rel - moved if p > j else rel, n, ev)
+                             for p, rel, n, ev in probes]
             moved_s = w.copy_s(freed)
             if freed < num_bytes:
                 before = sum(residents.evicted.values())
@@ -255,7 +260,8 @@ class Chunk:
                 if estimate is not None:
                     part, routed = estimate
                     backward = room.needs(start + part, int(routed), to_come(i), part)[1]
-                    pending = max(pending, backward - start)   # as runtime/window.py
+                    backward_peak_max = max(backward_peak_max, backward)   # as runtime/window.py
+                    over_decision = max(over_decision, backward - start)
                     short = backward + resident_backward - cap
                     if short > 0:
                         seconds += evict(short)
@@ -269,12 +275,13 @@ class Chunk:
             # The window remembers the device's growth since the layer's entry.
             seen = seen.after(count, max(layer_part, lb.at_decision(T, count)), T)
             at_decision = start + lb.at_decision(T, count)
-            probes.append((i, at_decision - in_use, count))
+            probes.append((i, at_decision - in_use, count, sum(residents.evicted.values())))
 
             def window(at: int):
-                nonlocal pending
+                nonlocal backward_peak_max, over_decision
                 forward_peak, backward_peak = room.needs(at, count, to_come(i), layer_part)
-                pending = max(pending, backward_peak - at)
+                backward_peak_max = max(backward_peak_max, backward_peak)
+                over_decision = max(over_decision, backward_peak - at)
                 own = sum(sum(n for _, n in layer.storages) for layer in layers)
                 return decision_inputs(WindowState(
                     layer=i, budget_bytes=cap, in_use_bytes=at, num_routed=count,
@@ -320,7 +327,8 @@ class Chunk:
         head = self.hb.ledger(T) / T + room.head_backward_per_token if w.last_chunk(chunk) \
             else memory.head_per_token
         out.memory = Memory(seen, room, head)
-        out.pending = pending
+        out.pending = backward_above_end(backward_peak_max, in_use + out.kept - out.resident_freed,
+                                         over_decision, room.observed)
         return out
 
     def safety_net(self, chunk: int, counts: tuple[int, ...], layer: int) -> Forward:

@@ -32,15 +32,17 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
 
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.planner import Planner
+from spikeguard.plan.residency import grads_at_backward
 from spikeguard.plan.room import Seen, forward_transient_bytes_per_routed
 from spikeguard.sim.chunk import HEAD, Chunk, Forward, Memory
+from spikeguard.sim.residents import positions_of as _positions
+from spikeguard.sim.residents import residency as _residency
 from spikeguard.sim.config import SimConfig
 from spikeguard.plan.layer_room import BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe
 from spikeguard.sim.schedule import Op, stage_ops
@@ -66,53 +68,6 @@ class WalkResult:
     # The largest in-use per (phase "F"/"B", layer in the chunk, micro-batch mod 4): the
     # runtime's position codes (uniform static walks do not record them).
     where: Optional[dict] = None
-
-
-def _positions(ops: list[Op]) -> list:
-    """The runtime's own reading of a schedule (plan/residency.positions), fed
-    the attributes it reads from torch's pipeline IR. All chunks of a stage count as one
-    (under the interleaved schedule the unit resident is a micro-batch chunk)."""
-    from spikeguard.plan.residency import positions
-
-    actions = [SimpleNamespace(computation_type=SimpleNamespace(value=op.kind), stage_index=0)
-               for op in ops]
-    return positions(actions, 0)
-
-
-class ResidentTracker:
-    """The two tracker calls Residency.evictable/evict make (runtime/hooks.py's
-    SavedTensorTracker), over what the walk's resident micro-batches could send to host
-    (their saved storages of 16 KiB or more)."""
-
-    def __init__(self, evictable: dict):
-        self.left = dict(evictable)
-        self.evicted: dict = {}
-
-    def evictable(self, micro_batch: int, before_layer: int) -> int:
-        return self.left.get(micro_batch, 0)
-
-    def evict(self, micro_batch: int, before_layer: int, num_bytes: int) -> int:
-        take = min(num_bytes, self.left.get(micro_batch, 0))
-        if take > 0:
-            self.left[micro_batch] -= take
-            self.evicted[micro_batch] = self.evicted.get(micro_batch, 0) + take
-        return max(take, 0)
-
-
-def relative(residency, residents: ResidentTracker) -> tuple:
-    """Evictions as (index among the older micro-batches, newest first, bytes)."""
-    if not residents.evicted:
-        return ()
-    order = sorted(residency.position().older, reverse=True)
-    return tuple((order.index(mb), n) for mb, n in residents.evicted.items())
-
-
-def _residency(schedule_positions, forward: int, host: dict, device: dict):
-    """The runtime's Residency object, reading this walk's host and device bytes."""
-    from spikeguard.plan.residency import Residency
-
-    return Residency(schedule_positions, micro_batch=lambda: forward,
-                     host_bytes=lambda: dict(host), device_bytes=lambda k: device.get(k, 0))
 
 
 class StageWalker:
@@ -184,6 +139,9 @@ class StageWalker:
             memory = replace(memory, seen=self._steady_seen())
         where: dict = {}    # (phase, layer, micro-batch mod 4): the runtime's position codes
         probes: list = []
+        # forward ordinal -> its probes, with the other micro-batches' bytes at each
+        # decision, until its backward says what they hold then (Probe.others_added)
+        waiting: dict = {}
         head_probes: dict = {}
         mod = MICRO_BATCH_CODES
         k = 0
@@ -191,6 +149,9 @@ class StageWalker:
             if op.kind == "B":
                 done = live.pop((op.micro_batch, op.chunk))
                 fwd = fwds.pop(done)
+                others = sum(n for o, n in device.items() if o != done)
+                probes += [replace(p, others_added=others - before)
+                           for p, before in waiting.pop(done, ())]
                 first = op.chunk not in grads_done
                 top = in_use + (fwd.bwd_first if first else fwd.bwd)
                 peak = max(peak, top)
@@ -229,9 +190,11 @@ class StageWalker:
                 key = (FORWARD, layer, op.micro_batch % mod)
                 where[key] = max(where.get(key, 0), in_use + rel)
             part = self.dm.layer.layer_part(dm.tokens)
-            probes += [Probe(op.micro_batch, layer, in_use + rel, n,
-                             max(0, to_come - layer * dm.layer_grad_bytes) if to_come else 0, part)
-                       for layer, rel, n in fwd.probes]
+            others = sum(device.values())   # the live forwards before this one
+            grads = self.grads_by_layer(len(counts), k, to_come)
+            waiting[k] = [(Probe(op.micro_batch, layer, in_use + rel, n, grads[layer], part),
+                           others - sent)
+                          for layer, rel, n, sent in fwd.probes]
             if fwd.failed or top > self.capacity:
                 return self._overflow(load, state, peak, seconds, decisions)
             if fwd.resident_evictions:   # the older resident micro-batches it sent to host
@@ -358,7 +321,8 @@ class StageWalker:
         pos = self.positions[k]
         older = set(pos.older)
         reload = max((n for (o, _), n in host.items() if o in older), default=0)
-        key = (chunk, counts, in_use, grads_to_come, resident_backward, pos.to_add,
+        grads = self.grads_by_layer(len(counts), k, grads_to_come)
+        key = (chunk, counts, in_use, grads, resident_backward, pos.to_add,
                pos.at_backward, reload,
                tuple((device.get(o, 0), evictable.get(o, 0)) for o in sorted(older, reverse=True)),
                memory)
@@ -366,9 +330,21 @@ class StageWalker:
         if hit is None:
             residency = _residency(self.positions, k, host, device)
             hit = self._memo[key] = self.chunks.adaptive(chunk, counts, in_use, residency,
-                                                         evictable, memory, grads_to_come,
+                                                         evictable, memory, grads,
                                                          resident_backward)
         return hit
+
+    def grads_by_layer(self, num_layers: int, k: int, grads_to_come: int) -> tuple:
+        """Layer of the chunk -> gradient bytes not allocated yet that exist by the k-th
+        forward's backward there, as the runtime's guard counts them (runtime/grads.py:
+        the layer's own and those above; plan/residency.py, grads_at_backward: all of
+        them when an older resident micro-batch's backward runs first)."""
+        lg = self.dm.layer_grad_bytes
+        by_layer = {i: max(0, grads_to_come - i * lg) if grads_to_come else 0
+                    for i in range(num_layers)}
+        pos = self.positions[k] if k < len(self.positions) else None
+        by_layer = grads_at_backward(by_layer, pos)
+        return tuple(by_layer[i] for i in range(num_layers))
 
     # ---- pieces the chunk uses -----------------------------------------------------------
     def first_chunk(self, chunk: int) -> bool:

@@ -43,7 +43,9 @@ def pp_worker(rank: int, world_size: int, store_path: str, out_dir: str, micro_b
     plus F of the way up to "calm"'s: a budget full recompute fits and keeping
     everything does not, whatever the share of parameters in the peak), and
     optionally schedule, residency (bool), spike (micro-batch forced onto ep rank 0's
-    experts on stage 0), calm (every micro-batch's routing left unbiased), squeeze
+    experts on stage 0), calm (every micro-batch's routing left unbiased), steps (that
+    many steps, gradients set to None between them as a training loop does; the saved
+    `steps` has every step's records, `records` the last step's), squeeze
     ((micro-batch, times): on rank 0 only, that micro-batch's first MoE layer allocates
     past the budget in its first `times` forwards, an allocation no plan foresees)."""
     init_gloo(rank, world_size, store_path)
@@ -98,7 +100,11 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
         if scenario.get("meter"):
             losses, result["meter_peak"] = _metered_step(prank, tokens)
         else:
-            losses = prank.step(tokens[:, :-1], tokens[:, 1:])
+            for step in range(scenario.get("steps", 1)):
+                if step:
+                    prank.modules.zero_grad(set_to_none=True)
+                    forwards[0] = 0
+                losses = prank.step(tokens[:, :-1], tokens[:, 1:])
         result["losses"] = [x.detach() for x in losses]
     except DeviceOutOfMemory as err:
         result["oom"] = str(err)
@@ -106,6 +112,8 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
         raise
     result["grads"] = _global_grads(prank)
     result["records"] = [g.history[-1] for g in prank.guards]
+    result["steps"] = [[g.history[i] for g in prank.guards]
+                       for i in range(min((len(g.history) for g in prank.guards), default=0))]
     result["residency"] = [r.log for r in prank.residencies]
     result["forwards"] = forwards[0]
     if result["records"]:

@@ -60,6 +60,9 @@ PP_EP_SCENARIOS = [
     # pipeline peer outside the EP group must not go on alone).
     _s("squeeze1", "adaptive", "range*0.5", squeeze=(1, 1)),
     _s("squeeze2", "adaptive", "range*0.5", squeeze=(1, 2)),
+    # Calm, under a budget keeping everything fits in (1.1x `calm`'s true peak), three
+    # steps: the layer peaks are calibrated after each, from a pipeline's device.
+    _s("calm_adaptive", "adaptive", "calm*1.25", calm=True, steps=3),
     _s("spike_none", "none", "calm*1.0", spike=0),  # last: rank 0 dies of it
 ]
 PP_DP_SCENARIOS = [_s("plain", "plain"), _s("calm", "none"), _s("full", "full"),
@@ -228,6 +231,30 @@ def test_pp_ep_warmup_spike_none_dies_adaptive_stays_under_budget(pp2ep2):
     assert first["reserved_bytes"] > 0
     hot = load("spike_adaptive", 0)["records"][0]["decisions"]
     assert hot["recompute"] + hot["offload"] > 0, hot
+
+
+def test_pp_ep_calm_adaptive_saves_everywhere_when_keeping_everything_fits(pp2ep2):
+    """Adaptive pays for no memory it does not need: on calm steps under a budget that
+    `none` fits in, once the layer peaks are measured on the device (from the second step
+    on; the first plans on the shapes' guess), every rank keeps every tensor: no
+    recompute, offload, eviction or layer recomputed whole. Before the layer peaks were
+    read net of the micro-batches the schedule runs in between, stage 0's calibrated
+    backward slope counted the next micro-batch's bytes, which the forecast reserves
+    again: its second step recomputed 20 operators, 4 layers whole, and evicted."""
+    world, load = pp2ep2
+    for rank in range(world):
+        steps = load("calm_adaptive", rank)["steps"]
+        assert len(steps) == 3
+        for step, records in enumerate(steps):
+            for record in records:
+                assert record["peak_bytes"] <= record["budget_bytes"], (rank, step, record)
+                assert record["safety_net_reruns"] == 0, (rank, step, record)
+                if step == 0:
+                    continue
+                d = record["decisions"]
+                where = (rank, step, d, record["evicted_bytes"], record["full_layers"])
+                assert d["recompute"] == d["offload"] == 0 and d["save"] > 0, where
+                assert record["evicted_bytes"] == record["full_layers"] == 0, where
 
 
 @pytest.mark.parametrize("scenario", ["calm", "tight", "spike_adaptive"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MARGIN, MICRO_BATCH_CODES,
                                         LayerRoom, Probe)
@@ -81,3 +83,26 @@ def test_the_runtime_reads_its_device_as_the_pure_calibration_does():
         pure = start.calibrated(
             lambda p, ly, mb: peaks.get((p, ly, mb % MICRO_BATCH_CODES), 0), probes, heads)
         assert runtime.room == pure, trial
+
+
+def test_a_pipeline_stages_backward_slope_is_read_net_of_the_other_micro_batches():
+    """Stage 0 of PP=2 (1F1B: F0 F1 B0 B1): micro-batch 0's layer decided at 19 MB in use;
+    by its backward the schedule had run micro-batch 1's forward, 20 MB more, which the
+    device's peak there (48 MB) holds. The layer's own working set is 48 - 19 - 20 - 2
+    (gradients) - 3 (attention part) = 4 MB over 1000 copies; read against the decision's
+    in-use alone it was 24 MB, and the forecast then reserved micro-batch 1 again."""
+    room = LayerRoom.from_shape(SHAPE.bytes_per_token(), LOGIT)
+    M = 1_000_000
+    probe = Probe(0, 1, in_use=19 * M, num_routed=1000, grads_to_come=2 * M,
+                  layer_part=3 * M, others_added=20 * M)
+    peaks = {(FORWARD, 1, 0): 25 * M, (BACKWARD, 1, 0): 48 * M}
+    out = room.calibrated(lambda p, ly, mb: peaks.get((p, ly, mb), 0), [probe], {})
+    assert out.backward_per_token == pytest.approx(4000 * MARGIN)
+    # the runtime's probes: the other micro-batches' bytes at the decision (5 MB) and when
+    # backward reaches the layer (25 MB) give the same slope
+    runtime = LayerPeaks(room, LAYERS)
+    runtime.record(0, 1, 19 * M, 1000, 2 * M, 3 * M, others=5 * M)
+    runtime.backward_starts(0, 1, others=25 * M)
+    runtime.backward_starts(3, 1, others=99 * M)     # no probe there: nothing changes
+    runtime.calibrate(_Meter(peaks))
+    assert runtime.room == out
