@@ -254,7 +254,7 @@ class Chunk:
                 estimate = entry_estimate(entry)
                 if estimate is not None:
                     part, routed = estimate
-                    backward = room.needs(start + part, int(routed), to_come(i), part)[1]
+                    backward = room.whole_backward(start, part, int(routed), to_come(i))
                     pending = max(pending, backward - start)   # as runtime/window.py
                     short = backward + resident_backward - cap
                     if short > 0:

@@ -11,6 +11,7 @@ moves by more than 5% there from run to run).
 
 import pytest
 
+from spikeguard.bench.worker import WorkerPool
 from spikeguard.sim.validate import compare_peaks, compare_pp_ep
 
 TOLERANCE = 0.05
@@ -46,7 +47,9 @@ def test_adaptive_decides_as_the_runtime_did(peaks):
     row = peaks["policies"]["adaptive"]
     runtime, sim = row["runtime_decisions"], row["sim_decisions"]
     assert len(runtime) == len(sim) == 2
-    assert any(step["offload"] + step["recompute"] > 0 for step in runtime)
+    # Something leaves the device in every step: the window evicts earlier layers to host
+    # (the layer peaks' backward, the experts' weight gradients included, does not fit).
+    assert all(step["offload"] + step["recompute"] + step["evicted_bytes"] > 0 for step in runtime)
     assert any(step["evicted_bytes"] > 0 for step in runtime)
     assert sim == runtime
 
@@ -69,8 +72,12 @@ def test_pp2_ep2_four_processes_peaks_within_5_percent(tmp_path):
     reaches), so the planner really plans; every policy on one reused worker. The
     simulator replays the loads each rank logged (and prices plans with its own cost
     calibration, not the ranks')."""
-    out = compare_pp_ep(policies=[(p, "1GiB") for p in PP_EP_STATIC] + [("adaptive", "56000000")],
-                        steps=2, batch_size=4, folder=str(tmp_path), timeout_s=300)
+    pool = WorkerPool(tmp_path / "workers", 4)
+    try:
+        out = compare_pp_ep(policies=[(p, "1GiB") for p in PP_EP_STATIC] + [("adaptive", "56000000")],
+                            steps=2, batch_size=4, folder=str(tmp_path), timeout_s=300, pool=pool)
+    finally:
+        pool.close()
     assert list(out["policies"]) == [*PP_EP_STATIC, "adaptive"]
     for policy, row in out["policies"].items():
         assert row["sim_crashes"] == 0, policy
