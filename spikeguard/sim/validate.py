@@ -271,14 +271,17 @@ PP_EP_POLICIES = (("none", "1GiB"), ("offload", "1GiB"), ("experts", "1GiB"), ("
 
 
 def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 4,
-                  batch_size: int = 8, folder: Optional[str] = None, timeout_s: int = 600) -> dict:
+                  batch_size: int = 8, folder: Optional[str] = None, timeout_s: int = 600,
+                  pool=None) -> dict:
     """4 processes, PP=2 x EP=2 (`spikeguard train --nproc 4 --pp 2 --ep 2`, production skew
     with frequent spikes): each rank's device peak per step against the simulator replaying
-    the loads those ranks logged. "tight" is 0.9x the worst peak `none` reached. Every
-    policy runs on one reused worker (spikeguard.bench.worker: one torchrun start-up for
-    all of them, not one each; a static policy under 1 GiB never runs out, so the worker
-    lives to the end)."""
-    from spikeguard.bench.worker import WorkerPool
+    the loads those ranks logged. "tight" is 0.9x the worst peak `none` reached.
+
+    `pool`: something with spikeguard.bench.worker.WorkerPool's `run(argv, out, err,
+    timeout_s) -> (exit code, ...)`, to run every policy on one reused worker (one torchrun
+    start-up for all; a static policy under 1 GiB never runs out, so it lives to the end).
+    The simulator's room comes before bench's and cannot import it: the caller (the test,
+    `main`) hands it in. None: one `spikeguard train` process tree per policy."""
     from spikeguard.plan.catalogue import ExpertShape
     from spikeguard.plan.cost import CostModel
 
@@ -288,7 +291,6 @@ def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 
     cost.calibrate(ExpertShape(d_model=128, d_expert=256), 4, torch.device("cpu"))
     out: dict = {"policies": {}}
     worst_none = None
-    pool = WorkerPool(root / "workers", 4)
     try:
         for policy, budget in policies:
             if budget == "tight":
@@ -300,7 +302,7 @@ def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 
                     str(micro_batches), "--skew", "production", "--spike-prob", "0.5",
                     "--spike-max", "2", "--budget", budget, "--policy", policy, "--log",
                     str(run_dir / "run.jsonl"), "--threads", "1", "--eval-every", "1000"]
-            code, _, _ = pool.run(argv, run_dir / "train.out", run_dir / "train.err", timeout_s)
+            code = _run_train(pool, argv, run_dir, timeout_s)
             if code:
                 err = (run_dir / "train.err").read_text(errors="replace")
                 raise RuntimeError(f"{policy}: train exited {code}: {err[-800:]}")
@@ -315,10 +317,23 @@ def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 
                                        "runtime_decisions": [r[-1]["guards"][0]["decisions"] for r in ranks],
                                        "sim_decisions": dict(sim.decisions)}
     finally:
-        pool.close()
         if tmp is not None:
             tmp.cleanup()
     return out
+
+
+def _run_train(pool, argv: list[str], run_dir: Path, timeout_s: int) -> int:
+    """`spikeguard <argv>` on the pool's worker, or as its own process tree; its exit code,
+    its output in run_dir/train.out and train.err."""
+    import subprocess
+    import sys
+
+    out, err = run_dir / "train.out", run_dir / "train.err"
+    if pool is not None:
+        return pool.run(argv, out, err, timeout_s)[0]
+    with open(out, "w") as out_f, open(err, "w") as err_f:
+        return subprocess.run([sys.executable, "-m", "spikeguard", *argv], stdout=out_f,
+                              stderr=err_f, timeout=timeout_s).returncode
 
 
 def _pp_ep_measured(run_dir: Path, steps: int, micro_batches: int, batch_size: int):
