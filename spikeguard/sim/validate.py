@@ -306,12 +306,14 @@ def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 
             if code:
                 err = (run_dir / "train.err").read_text(errors="replace")
                 raise RuntimeError(f"{policy}: train exited {code}: {err[-800:]}")
-            measured, ranks = _pp_ep_measured(run_dir, steps, micro_batches, batch_size)
+            measured, ranks, exchanged = _pp_ep_measured(run_dir, steps, micro_batches,
+                                                         batch_size)
             if policy == "none":
                 worst_none = max(max(row) for row in measured)
             sim = _pp_ep_simulated(policy, budget, steps, micro_batches, batch_size,
                                    run_dir / "loads.trace.jsonl", cost)
             out["policies"][policy] = {"budget": budget, "measured": measured,
+                                       "exchanged_bytes": exchanged,
                                        "predicted": sim.peak_stage_step.tolist(),
                                        "sim_crashes": sim.crashes,
                                        "runtime_decisions": [r[-1]["guards"][0]["decisions"] for r in ranks],
@@ -337,17 +339,23 @@ def _run_train(pool, argv: list[str], run_dir: Path, timeout_s: int) -> int:
 
 
 def _pp_ep_measured(run_dir: Path, steps: int, micro_batches: int, batch_size: int):
-    """The worst rank's device peak per step and stage, and the loads the ranks logged
-    written as a trace beside them (loads.trace.jsonl)."""
+    """The worst rank's device peak per step and stage; the largest all-to-all of each
+    (rows sent and received by one layer of one micro-batch, D x b each: what gloo may
+    still hold at a peak, which the simulator takes as freed); and the loads the ranks
+    logged, written as a trace beside them (loads.trace.jsonl)."""
     ranks = _rank_logs(run_dir)
+    tokens, top_k, row_bytes = batch_size * 128, 2, 128 * 4
     _trace_from_logs(ranks, run_dir / "loads.trace.jsonl", layers_per_stage=2, num_experts=8,
-                     top_k=2, ep=2, micro_batches=micro_batches, tokens=batch_size * 128)
+                     top_k=top_k, ep=2, micro_batches=micro_batches, tokens=tokens)
     measured = [[0, 0] for _ in range(steps)]
+    exchanged = [[0, 0] for _ in range(steps)]
     for records in ranks:
         for step, rec in enumerate(records):
             stage = rec["coords"]["pp"]
             measured[step][stage] = max(measured[step][stage], rec["guards"][0]["peak_bytes"])
-    return measured, ranks
+            rows = max((tokens * top_k + item["received"] for item in rec["routing"]), default=0)
+            exchanged[step][stage] = max(exchanged[step][stage], rows * row_bytes)
+    return measured, ranks, exchanged
 
 
 def _pp_ep_simulated(policy: str, budget: str, steps: int, micro_batches: int, batch_size: int,
