@@ -26,6 +26,20 @@ whole). The head's backward (the logits'
 gradient beside the logits) is a slope per token of the micro-batch, calibrated the same
 way. One arithmetic for the runtime (spikeguard/runtime/layer_room.py keeps its probes)
 and the simulator (spikeguard/sim/walk.py): pure, frozen values.
+
+Two terms of a layer's backward no per-token slope carries, both per-layer constants
+whatever the load: the experts' weight gradients. Once they exist (any backward after the
+step's first) each backward makes a fresh one beside them before adding it in
+(`expert_grad_bytes`: the largest of the local experts' weights, all of them); and made
+per expert (runtime/executor.py's stages), each expert's is a full-size tensor summed into
+the one before, so one more copy and one expert's slice of it are alive at each sum
+(`expert_grad_sum_bytes`; 0 for a grouped GEMM that writes them in place). A calibrated
+slope has both already (it was read off the device's peaks); the shapes' slopes did not,
+which is why, on CUDA (never calibrated), every step's backward overflowed at scale on the
+first stages before they were counted (docs/simulator.md). A layer recomputed whole
+(decided at its entry, runtime/window.py `layer_cannot_fit`) comes back whole in its
+backward, as it was at its decision, then runs its backward as any layer
+(`whole_backward`).
 """
 
 from __future__ import annotations
@@ -68,24 +82,45 @@ class LayerRoom:
     # The head's backward, beyond what the head keeps, per token of the micro-batch.
     head_backward_per_token: float = 0.0
     observed: bool = False
+    # The experts' weight gradients in a layer's backward (see the module doc).
+    expert_grad_bytes: int = 0
+    expert_grad_sum_bytes: int = 0
 
     @staticmethod
-    def from_shape(bytes_per_token: Mapping[str, int], logit_bytes: float = 0.0) -> "LayerRoom":
+    def from_shape(bytes_per_token: Mapping[str, int], logit_bytes: float = 0.0,
+                   expert_grads: tuple[int, int] = (0, 0)) -> "LayerRoom":
         """Slopes before any step measured them: the expert path's tensors all at once, the
         per-expert GEMM pieces doubling the largest in forward, the gradients as large
         again in backward; the head's backward two logits per token."""
         path = sum(v for op, v in bytes_per_token.items() if op != "dispatch")
         return LayerRoom(forward_per_token=float(path + max(bytes_per_token.values())),
                          backward_per_token=float(2 * path),
-                         head_backward_per_token=2 * logit_bytes)
+                         head_backward_per_token=2 * logit_bytes,
+                         expert_grad_bytes=expert_grads[0],
+                         expert_grad_sum_bytes=expert_grads[1])
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int,
               layer_part: int = 0) -> tuple[int, int]:
         """(forward peak, backward peak) of the layer about to run, in device bytes."""
         forward = in_use + int(self.forward_per_token * num_routed)
         backward = (in_use + grads_to_come + layer_part
-                    + int(self.backward_per_token * num_routed))
+                    + int(self.backward_per_token * num_routed) + self._expert_grads(grads_to_come))
         return forward, backward
+
+    def _expert_grads(self, grads_to_come: int) -> int:
+        """The experts' weight gradients in the layer's backward (see the module doc),
+        unless a calibrated slope holds them: a fresh one beside those that exist (none
+        to come: not the step's first backward), and the per-expert sums."""
+        if self.observed:
+            return 0
+        return (0 if grads_to_come > 0 else self.expert_grad_bytes) + self.expert_grad_sum_bytes
+
+    def whole_backward(self, entry_in_use: int, layer_part: int, num_routed: int,
+                       grads_to_come: int) -> int:
+        """The backward peak, in device bytes, of a layer recomputed whole from its entry
+        (`entry_in_use`: before its attention ran): it comes back as it was at its decision
+        (its attention and router part), then its backward runs as any layer's."""
+        return self.needs(entry_in_use + layer_part, num_routed, grads_to_come, layer_part)[1]
 
     def calibrated(self, peak: PeakAt, probes: Sequence[Probe],
                    head_probes: Mapping[tuple[int, int], tuple[int, int]]) -> "LayerRoom":
@@ -116,3 +151,14 @@ class LayerRoom:
             out = replace(out, forward_per_token=fwd * MARGIN, backward_per_token=bwd * MARGIN,
                           observed=True)
         return out
+
+
+
+def expert_grads(largest_weight_bytes: int, num_local_experts: int,
+                 summed_per_expert: bool = True) -> tuple[int, int]:
+    """`LayerRoom.from_shape`'s `expert_grads` for experts whose largest weight (all local
+    experts together) is `largest_weight_bytes`: (the fresh gradient, the sums' extra copy
+    and one expert's slice; none for a grouped GEMM or a single expert)."""
+    if not summed_per_expert or num_local_experts < 2:
+        return largest_weight_bytes, 0
+    return largest_weight_bytes, largest_weight_bytes + largest_weight_bytes // num_local_experts

@@ -53,7 +53,7 @@ from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.layers import GuardedLayers
 from spikeguard.plan.layer_room import LayerRoom
-from spikeguard.runtime.layer_room import LayerPeaks, head_logit_bytes
+from spikeguard.runtime.layer_room import LayerPeaks, expert_weight_grads, head_logit_bytes
 from spikeguard.runtime.net import MicroBatchNet, num_tokens
 from spikeguard.runtime.offload import OffloadEngine, prefetch_below
 from spikeguard.runtime.position import Position, forget_aux_loss
@@ -122,9 +122,9 @@ class Guard:
         self.planner = self.adapter.planner(self.shape, self.cost)
         self.forecast = self._make_forecast()
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
-        self.layer_room = LayerPeaks(LayerRoom.from_shape(self.shape.bytes_per_token(),
-                                                          head_logit_bytes(model)),
-                                     len(self.moe_blocks))
+        self.layer_room = LayerPeaks(LayerRoom.from_shape(
+            self.shape.bytes_per_token(), head_logit_bytes(model),
+            expert_weight_grads(self.moe_blocks)), len(self.moe_blocks))
         self.window = DecisionWindow(
             policy=policy, budget_bytes=self.budget_bytes, ledger=self.ledger,
             planner=self.planner, shape=self.shape, ctx=self.ctx, tracker=self.tracker,

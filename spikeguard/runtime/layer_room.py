@@ -14,10 +14,26 @@ from dataclasses import replace
 
 from torch import nn
 
-from spikeguard.plan.layer_room import BACKWARD, FORWARD, LayerRoom, Probe
+from spikeguard.plan.layer_room import BACKWARD, FORWARD, LayerRoom, Probe, expert_grads
 from spikeguard.runtime.device_state import HEAD_LAYER, PHASE_BACKWARD, PHASE_FORWARD, where_code
 
 _PHASES = {FORWARD: PHASE_FORWARD, BACKWARD: PHASE_BACKWARD}
+
+
+def expert_weight_grads(blocks) -> tuple[int, int]:
+    """plan.layer_room.expert_grads for the first MoE block's experts: their largest 3-D
+    parameter (E x ..., all local experts; the local shard of a sharded one), summed per
+    expert as the built-in executor makes them; (0, 0) where the experts hold no stacked
+    weight (calibration then finds them, on the emulated device)."""
+    from spikeguard.memory.ledger import local_tensor
+
+    experts = getattr(blocks[0], "experts", None) if blocks else None
+    weights = [local_tensor(p.detach()) for p in experts.parameters()] if experts is not None else []
+    weights = [w for w in weights if w.dim() == 3]
+    if not weights:
+        return 0, 0
+    largest = max(weights, key=lambda w: w.numel() * w.element_size())
+    return expert_grads(largest.numel() * largest.element_size(), largest.shape[0])
 
 
 def head_logit_bytes(model: nn.Module) -> float:
@@ -44,14 +60,17 @@ class LayerPeaks:
               layer_part: int = 0) -> tuple[int, int]:
         return self.room.needs(in_use, num_routed, grads_to_come, layer_part)
 
+    def whole_backward(self, entry_in_use: int, layer_part: int, num_routed: int,
+                       grads_to_come: int) -> int:
+        return self.room.whole_backward(entry_in_use, layer_part, num_routed, grads_to_come)
+
     @property
     def head_backward_per_token(self) -> float:
         return self.room.head_backward_per_token
 
     def no_head(self) -> None:
         """This model chunk has no head (a pipeline stage before the last)."""
-        self.room = LayerRoom(self.room.forward_per_token, self.room.backward_per_token, 0.0,
-                              self.room.observed)
+        self.room = replace(self.room, head_backward_per_token=0.0)
 
     def record(self, micro_batch: int, layer: int, in_use: int, num_routed: int,
                grads_to_come: int, layer_part: int = 0, others: int = 0) -> None:

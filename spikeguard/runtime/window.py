@@ -252,8 +252,8 @@ class DecisionWindow:
         estimate = entry_estimate(entry)
         if estimate is not None:
             part, routed = estimate
-            _, backward = self.layer_room.needs(entry.in_use_bytes + part, int(routed),
-                                                self.grads_to_come.get(layer, 0), part)
+            backward = self.layer_room.whole_backward(entry.in_use_bytes, part, int(routed),
+                                                      self.grads_to_come.get(layer, 0))
             mb = self.ctx.micro_batch
             # Its backward is a working set later micro-batches must leave room for too.
             self._predicted_backward(mb, backward, entry.in_use_bytes)

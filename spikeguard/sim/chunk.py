@@ -259,7 +259,7 @@ class Chunk:
                 estimate = entry_estimate(entry)
                 if estimate is not None:
                     part, routed = estimate
-                    backward = room.needs(start + part, int(routed), to_come(i), part)[1]
+                    backward = room.whole_backward(start, part, int(routed), to_come(i))
                     backward_peak_max = max(backward_peak_max, backward)   # as runtime/window.py
                     over_decision = max(over_decision, backward - start)
                     short = backward + resident_backward - cap
@@ -294,6 +294,8 @@ class Chunk:
                     resident_backward_bytes=resident_backward), forecast)
 
             decision_room = window(at_decision)
+            # The device holds all of it at the decision, before anything is evicted.
+            before_evictions = at_decision
             if decision_room.layer_shortfall_bytes > 0:
                 # The layer's own peaks do not fit beside the layers below: evict first.
                 before = now()
@@ -313,8 +315,8 @@ class Chunk:
                 at_decision -= before - now()
             layers.append(Layer(d.plan, count, lb.kept(d.plan, T, count),
                                 lb.storages(d.plan, T, count)))
-            forward_where.append((i, at_decision - in_use
-                                  + lb.forward_over_decision(d.plan, T, count)))
+            forward_where.append((i, max(before_evictions, at_decision + lb.forward_over_decision(
+                d.plan, T, count)) - in_use))
             seconds += d.added_s
             decisions.update(a.value for a in d.plan.actions)
         host = [layer.on_host.total() + (planner.offload_bytes_per_token(layer.plan)

@@ -28,9 +28,13 @@ activation and gate_up, each bringing back what it needs (a saved tensor is ther
 offloaded or evicted one is copied back at its unpack, a recompute rematerialises its
 region at its first unpack, the GEMM pieces again included), making its gradients and
 freeing what it consumed. The experts' weight gradients are made per expert by
-`select_backward` into a full-size tensor and summed: three copies of the local experts'
-weights are alive at each sum (`grouped`: a grouped GEMM writing them in place, as
-production MoE kernels do, keeps one). The first backward of a step allocates every
+`select_backward` into a full-size tensor and summed into autograd's input buffer in place
+(the engine steals a buffer no one else holds): at each sum the buffer, the new full-size
+tensor and that expert's own slice are alive, two copies of the local experts' weights and
+1/E of one (`grouped`: a grouped GEMM writing them in place, as production MoE kernels do,
+keeps one). Under a Python dispatch mode (tests/meter.py's independent meter) every tensor
+also has a Python reference, the engine cannot steal it and adds out of place: three copies
+there, measured; the device without a mode is what this module models. The first backward of a step allocates every
 parameter's gradient as it goes (the shared expert's, then the experts' down, ...).
 
 Head (after the last layer, whose output is alive): the end of the forward holds
@@ -287,10 +291,12 @@ class _Backward:
                 self.present[op] = True
 
     def weight_grad(self, num_bytes: int) -> int:
-        """Transient of one weight's per-expert gradients (see the module doc)."""
-        if self.lb.grouped:
+        """Transient of one weight's per-expert gradients (see the module doc): the sum so
+        far, the next expert's full-size copy and its own slice (E >= 2)."""
+        e = self.lb.num_local_experts
+        if self.lb.grouped or e < 2:
             return num_bytes
-        return (3 if self.lb.num_local_experts >= 2 else 1) * num_bytes
+        return 2 * num_bytes + num_bytes // e
 
     def run(self) -> int:
         lb, n, T = self.lb, self.n, self.T

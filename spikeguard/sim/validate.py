@@ -266,18 +266,24 @@ def _trace_from_logs(ranks: list[list[dict]], path: Path, *, layers_per_stage: i
     writer.close()
 
 
-def compare_pp_ep(policies=(("none", "1GiB"), ("full", "1GiB"), ("adaptive", "tight")),
-                  steps: int = 3, micro_batches: int = 4, batch_size: int = 8,
-                  folder: Optional[str] = None, timeout_s: int = 600) -> dict:
+PP_EP_POLICIES = (("none", "1GiB"), ("offload", "1GiB"), ("experts", "1GiB"), ("full", "1GiB"),
+                  ("adaptive", "tight"))
+
+
+def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 4,
+                  batch_size: int = 8, folder: Optional[str] = None, timeout_s: int = 600,
+                  pool=None) -> dict:
     """4 processes, PP=2 x EP=2 (`spikeguard train --nproc 4 --pp 2 --ep 2`, production skew
     with frequent spikes): each rank's device peak per step against the simulator replaying
-    the loads those ranks logged. "tight" is 0.9x the worst peak `none` reached."""
-    import subprocess
-    import sys
+    the loads those ranks logged. "tight" is 0.9x the worst peak `none` reached.
 
+    `pool`: something with spikeguard.bench.worker.WorkerPool's `run(argv, out, err,
+    timeout_s) -> (exit code, ...)`, to run every policy on one reused worker (one torchrun
+    start-up for all; a static policy under 1 GiB never runs out, so it lives to the end).
+    The simulator's room comes before bench's and cannot import it: the caller (the test,
+    `main`) hands it in. None: one `spikeguard train` process tree per policy."""
     from spikeguard.plan.catalogue import ExpertShape
     from spikeguard.plan.cost import CostModel
-    from spikeguard.sim.engine import simulate
 
     tmp = tempfile.TemporaryDirectory() if folder is None else None
     root = Path(folder or tmp.name)
@@ -291,35 +297,23 @@ def compare_pp_ep(policies=(("none", "1GiB"), ("full", "1GiB"), ("adaptive", "ti
                 budget = str(int(0.9 * worst_none))
             run_dir = root / policy
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "spikeguard", "train", "--preset", "small", "--nproc", "4",
-                   "--pp", "2", "--ep", "2", "--steps", str(steps), "--batch-size", str(batch_size),
-                   "--micro-batches", str(micro_batches), "--skew", "production", "--spike-prob",
-                   "0.5", "--spike-max", "2", "--budget", budget, "--policy", policy, "--log",
-                   str(run_dir / "run.jsonl"), "--threads", "1", "--eval-every", "1000"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            if proc.returncode:
-                raise RuntimeError(f"{policy}: train exited {proc.returncode}: {proc.stderr[-800:]}")
-            ranks = _rank_logs(run_dir)
-            trace = run_dir / "loads.trace.jsonl"
-            _trace_from_logs(ranks, trace, layers_per_stage=2, num_experts=8, top_k=2, ep=2,
-                             micro_batches=micro_batches, tokens=batch_size * 128)
-            measured = [[0, 0] for _ in range(steps)]
-            for records in ranks:
-                for step, rec in enumerate(records):
-                    stage = rec["coords"]["pp"]
-                    measured[step][stage] = max(measured[step][stage], rec["guards"][0]["peak_bytes"])
+            argv = ["train", "--preset", "small", "--nproc", "4", "--pp", "2", "--ep", "2",
+                    "--steps", str(steps), "--batch-size", str(batch_size), "--micro-batches",
+                    str(micro_batches), "--skew", "production", "--spike-prob", "0.5",
+                    "--spike-max", "2", "--budget", budget, "--policy", policy, "--log",
+                    str(run_dir / "run.jsonl"), "--threads", "1", "--eval-every", "1000"]
+            code = _run_train(pool, argv, run_dir, timeout_s)
+            if code:
+                err = (run_dir / "train.err").read_text(errors="replace")
+                raise RuntimeError(f"{policy}: train exited {code}: {err[-800:]}")
+            measured, ranks, exchanged = _pp_ep_measured(run_dir, steps, micro_batches,
+                                                         batch_size)
             if policy == "none":
                 worst_none = max(max(row) for row in measured)
-            cfg = load_config("small", overrides={
-                "layout.devices": 4, "layout.pp": 2, "layout.ep": 2,
-                "layout.micro_batch_size": batch_size,
-                "layout.global_batch": batch_size * micro_batches * 2,
-                "training.optimizer_bytes": 8, "training.distributed_optimizer": False,
-                "device.capacity_bytes": int(budget) if budget.isdigit() else 1 << 30,
-                "workload.steps": steps, "workload.trace": str(trace),
-                "run.policies": [policy]})
-            sim = simulate(cfg, cost=cost).policies[policy]
+            sim = _pp_ep_simulated(policy, budget, steps, micro_batches, batch_size,
+                                   run_dir / "loads.trace.jsonl", cost)
             out["policies"][policy] = {"budget": budget, "measured": measured,
+                                       "exchanged_bytes": exchanged,
                                        "predicted": sim.peak_stage_step.tolist(),
                                        "sim_crashes": sim.crashes,
                                        "runtime_decisions": [r[-1]["guards"][0]["decisions"] for r in ranks],
@@ -328,6 +322,55 @@ def compare_pp_ep(policies=(("none", "1GiB"), ("full", "1GiB"), ("adaptive", "ti
         if tmp is not None:
             tmp.cleanup()
     return out
+
+
+def _run_train(pool, argv: list[str], run_dir: Path, timeout_s: int) -> int:
+    """`spikeguard <argv>` on the pool's worker, or as its own process tree; its exit code,
+    its output in run_dir/train.out and train.err."""
+    import subprocess
+    import sys
+
+    out, err = run_dir / "train.out", run_dir / "train.err"
+    if pool is not None:
+        return pool.run(argv, out, err, timeout_s)[0]
+    with open(out, "w") as out_f, open(err, "w") as err_f:
+        return subprocess.run([sys.executable, "-m", "spikeguard", *argv], stdout=out_f,
+                              stderr=err_f, timeout=timeout_s).returncode
+
+
+def _pp_ep_measured(run_dir: Path, steps: int, micro_batches: int, batch_size: int):
+    """The worst rank's device peak per step and stage; the largest all-to-all of each
+    (rows sent and received by one layer of one micro-batch, D x b each: what gloo may
+    still hold at a peak, which the simulator takes as freed); and the loads the ranks
+    logged, written as a trace beside them (loads.trace.jsonl)."""
+    ranks = _rank_logs(run_dir)
+    tokens, top_k, row_bytes = batch_size * 128, 2, 128 * 4
+    _trace_from_logs(ranks, run_dir / "loads.trace.jsonl", layers_per_stage=2, num_experts=8,
+                     top_k=top_k, ep=2, micro_batches=micro_batches, tokens=tokens)
+    measured = [[0, 0] for _ in range(steps)]
+    exchanged = [[0, 0] for _ in range(steps)]
+    for records in ranks:
+        for step, rec in enumerate(records):
+            stage = rec["coords"]["pp"]
+            measured[step][stage] = max(measured[step][stage], rec["guards"][0]["peak_bytes"])
+            rows = max((tokens * top_k + item["received"] for item in rec["routing"]), default=0)
+            exchanged[step][stage] = max(exchanged[step][stage], rows * row_bytes)
+    return measured, ranks, exchanged
+
+
+def _pp_ep_simulated(policy: str, budget: str, steps: int, micro_batches: int, batch_size: int,
+                     trace: Path, cost):
+    from spikeguard.sim.engine import simulate
+
+    cfg = load_config("small", overrides={
+        "layout.devices": 4, "layout.pp": 2, "layout.ep": 2,
+        "layout.micro_batch_size": batch_size,
+        "layout.global_batch": batch_size * micro_batches * 2,
+        "training.optimizer_bytes": 8, "training.distributed_optimizer": False,
+        "device.capacity_bytes": int(budget) if budget.isdigit() else 1 << 30,
+        "workload.steps": steps, "workload.trace": str(trace),
+        "run.policies": [policy]})
+    return simulate(cfg, cost=cost).policies[policy]
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,8 @@ from spikeguard.sim.chunk import HEAD, Chunk, Forward, Memory
 from spikeguard.sim.residents import positions_of as _positions
 from spikeguard.sim.residents import residency as _residency
 from spikeguard.sim.config import SimConfig
-from spikeguard.plan.layer_room import BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe
+from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe,
+                                        expert_grads)
 from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
 
@@ -103,7 +104,10 @@ class StageWalker:
             return StepState(optimizer=not self.dm.lazy_state)
         hb = self.dm.head
         logit = hb.vocab_size * hb.elem_bytes if self.stage.has_head else 0.0
-        room = LayerRoom.from_shape(self.dm.expert_shape.bytes_per_token(), logit)
+        lb = self.dm.layer
+        largest = max(lb.weight_grads()[2:])     # the experts' down and gate_up weights
+        room = LayerRoom.from_shape(self.dm.expert_shape.bytes_per_token(), logit,
+                                    expert_grads(largest, lb.num_local_experts, not lb.grouped))
         estimate = hb.elem_bytes * (4 * hb.d_model + hb.vocab_size) + 16 + 2 * logit
         head = estimate if self.stage.has_head else 0.0
         return StepState(optimizer=not self.dm.lazy_state,

@@ -9,12 +9,13 @@ the pure calibration on the same peaks.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MARGIN, MICRO_BATCH_CODES,
-                                        LayerRoom, Probe)
+                                        LayerRoom, Probe, expert_grads)
 from spikeguard.runtime.device_state import HEAD_LAYER, PHASE_BACKWARD, PHASE_FORWARD, where_code
 from spikeguard.runtime.layer_room import LayerPeaks
 
@@ -32,6 +33,25 @@ def test_the_shapes_slopes_and_needs_by_hand():
     assert room.needs(1000, 10, 300, 50) == (1000 + 10 * (path + 2048),
                                              1000 + 300 + 50 + 10 * 2 * path)
 
+
+
+def test_the_experts_weight_gradients_in_the_shapes_backward():
+    """The experts' largest weight w (all local experts): summed per expert, one more copy
+    and one expert's slice at each sum; once the gradients exist (none to come), a fresh
+    one beside them too. A grouped GEMM only the fresh one. A calibrated slope has them."""
+    w, e = 8 << 20, 4
+    assert expert_grads(w, e) == (w, w + w // e)
+    assert expert_grads(w, e, summed_per_expert=False) == (w, 0) == expert_grads(w, 1)
+    per = SHAPE.bytes_per_token()
+    plain = LayerRoom.from_shape(per, LOGIT)
+    room = LayerRoom.from_shape(per, LOGIT, expert_grads(w, e))
+    first = plain.needs(1000, 10, 300, 50)[1]
+    later = plain.needs(1000, 10, 0, 50)[1]
+    assert room.needs(1000, 10, 300, 50) == (plain.needs(1000, 10, 300, 50)[0], first + w + w // e)
+    assert room.needs(1000, 10, 0, 50)[1] == later + w + w + w // e
+    # recomputed whole: back as at its decision (entry + attention part), then its backward
+    assert room.whole_backward(1000, 50, 10, 0) == room.needs(1050, 10, 0, 50)[1]
+    assert replace(room, observed=True).needs(1000, 10, 0, 50)[1] == later
 
 def test_a_step_sets_the_slopes_from_the_peaks_it_reached():
     room = LayerRoom.from_shape(SHAPE.bytes_per_token(), LOGIT)

@@ -63,6 +63,18 @@ def test_adaptive_beats_full_recompute():
     assert p["full"].mfu < p["adaptive"].mfu
 
 
+
+def test_adaptive_keeps_up_with_every_surviving_static_policy_at_scale():
+    """`1t` at 12,288 devices (CUDA: the layer peaks keep the shapes' slopes): every layer's
+    backward, whole or planned, reserves the experts' weight gradients (a fresh one beside
+    those of the step's earlier backward: 1 GB a layer there); without them every step's
+    backward on the first stages ran out and re-ran fully recomputed (65 a step)."""
+    cfg = load_config("1t", overrides={"workload.steps": 12, "device.efficiency": 0.609})
+    p = simulate(cfg).policies
+    assert p["adaptive"].crashes == 0 and p["adaptive"].decisions["step_rerun"] == 0
+    alive = [p[n] for n in ("experts", "offload", "full") if p[n].crashes == 0]
+    assert alive and all(r.mfu <= p["adaptive"].mfu for r in alive)
+
 def test_every_adaptive_decision_comes_from_the_planner(monkeypatch):
     calls = []
     real = Planner.decide

