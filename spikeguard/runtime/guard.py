@@ -14,7 +14,8 @@
 
 The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
 counts every live storage. Every forward of the model is one micro-batch. The guard is
-composed of named parts, each in its own file: the ledger (memory/ledger.py), the cost
+composed of named parts, each in its own file: the wiring it puts on the model
+(runtime/wiring.py), the ledger (memory/ledger.py), the cost
 model and planner (plan/), the forecast (plan/forecast.py), the layer peaks
 (runtime/layer_room.py), the saved-tensor tracker and offload engine (runtime/hooks.py,
 runtime/offload.py), the executor (runtime/executor.py), the position (runtime/position.py),
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 from typing import Callable, Optional
 
 import torch
@@ -60,6 +60,7 @@ from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.policies import POLICIES
 from spikeguard.runtime.window import DecisionWindow
+from spikeguard.runtime.wiring import ModelWiring
 
 # Under "full" the whole layer is recomputed; recorded as every operator recomputed.
 FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
@@ -141,10 +142,11 @@ class Guard:
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`
-        self._handles: list = []
         self.grads = GradsToCome([p for p in model.parameters() if p.requires_grad],
                                  self.adapter, self.moe_blocks)
-        self._install()
+        self.wiring = ModelWiring(self)   # runtime/wiring.py
+        self.model._spikeguard = self
+        self.wiring.install(self._guarded_forward, self._optimizer_step)
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self.recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
         self.ledger.set_static(self._static_bytes())
@@ -169,45 +171,11 @@ class Guard:
         self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
         return static_bytes(self.model, self.optimizer)
 
-    def _install(self) -> None:
-        self.model._spikeguard = self
-        self._orig_forward = self.model.forward
-        self.model.forward = functools.partial(self._guarded_forward, self._orig_forward)
-        self._wrapped_layers = []
-        # Keep the signature visible (transformers' Trainer reads forward's parameters).
-        self.model.forward.__signature__ = inspect.signature(self._orig_forward)
-        position = self.position
-        for block in self.moe_blocks:
-            self.adapter.install(block, self)
-            layer = self.adapter.parent_layer(block)
-            self._wrapped_layers.append(layer)
-            layer.forward = functools.partial(self.layers.forward, layer, layer.forward,
-                                              self.adapter.layer_index(block))
-            self._handles.append(block.register_forward_pre_hook(position.enter_moe))
-            for shared in self.adapter.shared_modules(block):
-                self._handles.append(shared.register_forward_pre_hook(position.enter_shared))
-            self._handles.append(block.register_forward_hook(position.leave_moe))
-        last = self._wrapped_layers[-1]
-        self._handles.append(last.register_forward_hook(position.enter_head))
-        if self.optimizer is not None:
-            # The optimizer step runs on the device too (its state, foreach temporaries).
-            self._orig_opt_step = self.optimizer.step
-            self.optimizer.step = functools.wraps(self._orig_opt_step)(
-                functools.partial(self._optimizer_step, self._orig_opt_step))
-
     def detach(self) -> None:
         """Remove every hook and wrapper: the model computes exactly as before attach."""
         if not self.attached:
             raise UsageError("this guard is not attached (detach() was already called)")
-        for handle in self._handles:
-            handle.remove()
-        for block in self.moe_blocks:
-            self.adapter.uninstall(block)
-        for module in self._wrapped_layers + self.recomputed_modules:
-            del module.forward
-        del self.model.forward
-        if self.optimizer is not None:
-            del self.optimizer.step
+        self.wiring.remove(self.recomputed_modules)
         self.model._spikeguard = None
         self.meter.close()
 
