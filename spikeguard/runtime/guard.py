@@ -15,12 +15,12 @@
 The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
 counts every live storage. Every forward of the model is one micro-batch. The guard is
 composed of named parts, each in its own file: the wiring it puts on the model
-(runtime/wiring.py), the ledger (memory/ledger.py), the cost
-model and planner (plan/), the forecast (plan/forecast.py), the layer peaks
-(runtime/layer_room.py), the saved-tensor tracker and offload engine (runtime/hooks.py,
-runtime/offload.py), the executor (runtime/executor.py), the position (runtime/position.py),
-the decision window (runtime/window.py) and the micro-batch safety net (runtime/net.py,
-with the expert-parallel agreement its adapter gives). The guard wires them to the model
+(runtime/wiring.py), the ledger (memory/ledger.py), the cost model and planner (plan/), the
+forecast (plan/forecast.py), the layer peaks (runtime/layer_room.py), the saved-tensor
+tracker and offload engine (runtime/hooks.py, runtime/offload.py), the executor
+(runtime/executor.py) and its hookless runs (runtime/hookless.py), the position
+(runtime/position.py), the decision window (runtime/window.py) and the micro-batch safety
+net (runtime/net.py, with the expert-parallel agreement its adapter gives). The guard wires them to the model
 and owns the step's life cycle; in each MoE layer the window decides and the executor
 runs the expert path under the plan. Static policies share the same executor.
 """
@@ -50,6 +50,7 @@ from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NA
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
+from spikeguard.runtime.hookless import HooklessExperts
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.layers import GuardedLayers
 from spikeguard.plan.layer_room import LayerRoom
@@ -132,8 +133,9 @@ class Guard:
             engine=self.engine, forecast=self.forecast, layer_room=self.layer_room,
             num_layers=len(self.moe_blocks), on_cuda=self.device.type == "cuda",
             recorder=lambda: self._recorder)
+        self.hookless = HooklessExperts(self.window, self.tracker, self.ledger, self.shape,
+                                        exact_routing=self.group is None)
         self.net = MicroBatchNet(self, self.adapter.agreement())
-        # new layers start fully recomputed under "full"
         self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
                                     self.ledger, full_recompute=policy == "full",
                                     agreement=self.adapter.agreement()
@@ -332,6 +334,7 @@ class Guard:
         """One attempt at micro-batch `mb`'s forward (the net decides what to do with it)."""
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
+        self.hookless.forget_micro_batch(mb)  # ... and what it modelled
         self.window.begin_micro_batch(num_tokens(args, kwargs), self.grads.by_layer())
         if self._recorder is not None:
             self._recorder.begin_attempt()
@@ -377,18 +380,17 @@ class Guard:
         """The built-in block's decision window (its `expert_runner` seam): plan from the
         routed counts, then the executor runs the expert path under the plan."""
         counts = dispatched.tokens_per_expert
-        num_routed = dispatched.x_ND.shape[0]
         if not self.position.in_forward:  # evaluation under no_grad: nothing kept, nothing to plan
             return block.experts(dispatched.x_ND, counts)
         if self.layers.in_full_region:
             self.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
             return block.experts(dispatched.x_ND, counts)
-        decision = self.decide(block.layer_idx, num_routed)
+        decision = self.decide(block.layer_idx, dispatched.x_ND.shape[0])
         self.record_plan(block.layer_idx, counts, decision.plan)
         self.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
         self.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
-        y_ND = self.executor.run(block.experts, dispatched.x_ND, counts, decision.plan)
-        self.ctx.op = "combine"
+        y_ND = self.hookless.run(self.executor, block, dispatched, decision)
+        self.ctx.op = "combine"   # runs hooked: it saves down's output and its own
         self.position.mark_backward(y_ND, block.layer_idx, "experts")
         self.position.mark_backward(dispatched.x_ND, block.layer_idx, "dispatch")
         if dispatched.x_ND.requires_grad and block.layer_idx > 0:

@@ -132,9 +132,39 @@ class SavedTensorTracker:
         # Storages that are weights only while one call runs (an adapter's experts under
         # FSDP2: their all-gathered local tensors), set by `weights_during`.
         self.call_static: frozenset = frozenset()
+        self._open: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+    @contextlib.contextmanager
+    def hooks(self):
+        """The pack/unpack pair on autograd's stack while inside (the guarded forward);
+        `paused()` takes it off for a stretch of it."""
+        self._open = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        self._open.__enter__()
+        try:
+            yield
+        finally:
+            if self._open is not None:
+                self._open.__exit__(None, None, None)
+                self._open = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside, autograd saves tensors with no Python hook at all: nothing attributed,
+        nothing offloadable or evictable later (runtime/hookless.py says when that is
+        proven harmless). Only where this tracker's pair is the innermost on autograd's
+        stack (`saved_tensors_hooks.__exit__` pops the top one, torch 2.13): the caller
+        enters no hooks of its own between `hooks()` and here, and leaves any it enters
+        inside before leaving."""
+        if self._open is None:
+            yield
+            return
+        self._open.__exit__(None, None, None)
+        self._open = None
+        try:
+            yield
+        finally:
+            self._open = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+            self._open.__enter__()
 
     def pack(self, t: torch.Tensor):
         t = plain_tensor(t)
