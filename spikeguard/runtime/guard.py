@@ -18,7 +18,7 @@ composed of named parts, each in its own file: the wiring it puts on the model
 (runtime/wiring.py), the ledger (memory/ledger.py), the cost model and planner (plan/), the
 forecast (plan/forecast.py), the layer peaks (runtime/layer_room.py), the saved-tensor
 tracker and offload engine (runtime/hooks.py, runtime/offload.py), the executor
-(runtime/executor.py) and its hookless runs (runtime/hookless.py), the position
+(runtime/executor.py), the hookless layers (runtime/hookless.py), the position
 (runtime/position.py), the decision window (runtime/window.py) and the micro-batch safety
 net (runtime/net.py, with the expert-parallel agreement its adapter gives). The guard wires them to the model
 and owns the step's life cycle; in each MoE layer the window decides and the executor
@@ -50,7 +50,7 @@ from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NA
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
-from spikeguard.runtime.hookless import HooklessExperts
+from spikeguard.runtime.hookless import HooklessLayers
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.layers import GuardedLayers
 from spikeguard.plan.layer_room import LayerRoom
@@ -133,11 +133,11 @@ class Guard:
             engine=self.engine, forecast=self.forecast, layer_room=self.layer_room,
             num_layers=len(self.moe_blocks), on_cuda=self.device.type == "cuda",
             recorder=lambda: self._recorder)
-        self.hookless = HooklessExperts(self.window, self.tracker, self.ledger, self.shape,
-                                        exact_routing=self.group is None)
+        self.hookless = HooklessLayers(self.window, self.tracker, self.ledger, self.shape,
+                                       exact_routing=self.group is None)
         self.net = MicroBatchNet(self, self.adapter.agreement())
         self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
-                                    self.ledger, full_recompute=policy == "full",
+                                    self.ledger, self.hookless, full_recompute=policy == "full",
                                     agreement=self.adapter.agreement()
                                     if self.adapter.layer_fallback_agreed else None)
         self.layers.agree_at_attach(policy)

@@ -1,41 +1,48 @@
-"""Hookless expert paths: a layer that keeps everything, proven never to be evicted, runs
-its expert stages with no saved-tensor hook.
+"""Hookless layers: what a layer saves runs with no saved-tensor hook where nothing of the
+step can later want it off the device.
 
 One part of the guard (spikeguard.runtime.guard). The pack/unpack pair of
-runtime/hooks.py runs in Python for every tensor autograd saves; on a calm step of `small`
-(318 saves) the expert stages gate_up, silu, act and down make 140 of them. The hook is
-there for three things: offloading (the executor's tags), evicting what was saved earlier
-(the tracker's holders), and the ledger's attribution. Under an all-save plan the first is
-moot; this module proves the second moot, and models the third.
+runtime/hooks.py runs in Python for every tensor autograd saves (318 on a calm step of
+`small`: 120 in the attention parts and routers, 140 in the expert stages, 16 in combine,
+28 in the shared experts). The hook is there for three things: offloading (the
+executor's tags), evicting what was saved earlier (the tracker's holders), and the
+ledger's attribution. Under an all-save plan the first is moot; this module proves the
+second moot, and models the third.
 
-Who could ever want this layer's saved tensors off the device later: the later decisions
-of the same micro-batch (window.py: a layer's shortfall, the planner's `evict_bytes`, the
+Who could ever want a layer's saved tensors off the device later: the later decisions of
+the same micro-batch (window.py: a layer's shortfall, the planner's `evict_bytes`, the
 backward fit of a layer found unable to fit at its entry), and a pipeline's residency,
-which may take any layer of an older micro-batch (plan/residency.py). The proof:
+which may take any layer of an older micro-batch (plan/residency.py). The proof, at the
+decision of layer L:
   * policy "adaptive", no pipeline residency;
-  * this layer keeps everything, with no eviction asked;
+  * L keeps everything, with no eviction asked;
   * the later layers of this micro-batch, walked now with the window's own pure
     functions (plan/room.py: `layer_cannot_fit` at their entry, `decision_inputs` with
     the layer peaks), each find a plan of the menu that fits with no shortfall, at the
     most the device can hold there: every layer before keeping everything (no plan keeps
-    more) for the most routed copies, each growing the device by what this one grew it
-    since its entry (or by its attention part, the larger: same shapes, same bytes),
-    plus that expert path and the post-expert part.
-The most routed copies: in one process exactly this layer's (the built-in router is
-dropless top-k: tokens x top-k copies in every layer). Under expert parallelism a rank's
-count moves from layer to layer; there it is the forecast's own bound, (1 + its load
-margin) x the most seen in this micro-batch: the planner's prediction, not a proof.
-Then no decision of the micro-batch asks for eviction under the model the planner itself
-trusts (other micro-batches evict only their own layers, outside a pipeline). Should the
-prediction still be wrong, these bytes are just not evictable: the later layer picks a
-smaller plan, or the safety net re-runs; gradients and peaks are the same either
-way (the tensors autograd saves, and when it frees them, do not depend on the hook).
+    more) for the most routed copies, each growing the device by what L grew it since
+    its entry (or by its attention part, the larger: same shapes, same bytes), plus that
+    expert path and the post-expert part.
+The most routed copies: in one process exactly L's (the built-in router is dropless
+top-k: tokens x top-k copies in every layer). Under expert parallelism a rank's count
+moves from layer to layer; there it is the forecast's own bound, (1 + its load margin) x
+the most seen in this micro-batch: the planner's prediction, not a proof.
+Then no decision of the micro-batch asks for eviction (other micro-batches evict only
+their own layers, outside a pipeline): L's expert stages run hookless, and every later
+layer of the micro-batch is covered whole from its entry on (attention, router, experts,
+combine, shared expert), unless its own plan is not all-save: then the hook is back from
+its expert path on (the executor's tags need it). Should the prediction still be wrong,
+the bytes are just not evictable: the later layer picks a smaller plan, or the safety
+net re-runs; gradients and peaks are the same either way (the tensors autograd saves,
+and when it frees them, do not depend on the hook).
 
-Attribution of a hookless stretch: dispatch, gate_up, silu and act (what the stages save)
-are the byte model's bytes (ExpertShape.predict, which tests/runtime/
-test_runtime_attribution.py holds within 5% of the measured), per (micro-batch, layer, op),
-released when backward has passed the layer's expert path (the gradient of its dispatched
-rows is ready). down and combine stay measured: combine, which saves them, runs hooked.
+Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
+ops are the byte model's bytes (ExpertShape.predict, which tests/runtime/
+test_runtime_attribution.py holds within 5% of the measured), released when backward has
+passed the layer's expert path (the gradient of its dispatched rows is ready); attention,
+router and shared expert are what the hook measured on the last layer of the micro-batch
+that ran hooked (same shapes, same bytes), released when backward has passed the layer
+(the gradient of its input is ready).
 """
 
 from __future__ import annotations
@@ -50,12 +57,15 @@ from spikeguard.plan.room import (EntryState, WindowState, decision_inputs,
 from spikeguard.runtime.executor import release_all
 from spikeguard.runtime.hooks import SavedTensorTracker
 
-# The operators whose saved tensors the executor's stages make (the rest: combine's).
-HOOKLESS_OPS = ("dispatch", "gate_up", "silu", "act")
+# The operators whose saved tensors the executor's stages make; combine's after them.
+STAGE_OPS = ("dispatch", "gate_up", "silu", "act")
+COMBINE_OPS = ("down", "combine")
+# What the hook measures on a hooked layer, for the covered layers after it.
+MEASURED_OPS = ("attn", "router", "shared")
 
 
-class HooklessExperts:
-    """Runs a layer's expert path with the hooks paused when the proof holds."""
+class HooklessLayers:
+    """Pauses the tracker's hooks where the proof holds, and models what they would say."""
 
     def __init__(self, window, tracker: SavedTensorTracker, ledger: Ledger,
                  shape: ExpertShape, exact_routing: bool):
@@ -68,15 +78,58 @@ class HooklessExperts:
         self.exact_routing = exact_routing
         self._modelled: dict[int, list] = {}   # micro-batch -> its modelled ledger keys
         self._per_plan = None   # the menu's bytes per routed copy, computed at first use
+        # Micro-batch -> the first layer proven: every layer after it is covered whole.
+        self._covered_after: dict[int, int] = {}
+        # Micro-batch -> {op: bytes} of MEASURED_OPS on its last layer run hooked.
+        self._measured: dict[int, dict[str, int]] = {}
+        self._whole = False   # the layer running now is covered from its entry
+        self._decided = False   # the layer running now decided (it is not recomputed whole)
 
+    # ---- the layer's entry and end (runtime/layers.py) --------------------------------
+    def enter_layer(self, layer: int, x) -> None:
+        """A guarded layer's forward starts on input `x`: covered, it runs paused."""
+        mb = self.window.ctx.micro_batch
+        self._whole = self._decided = False
+        if not self.enabled or layer <= self._covered_after.get(mb, layer) \
+                or mb not in self._measured or not getattr(x, "requires_grad", False):
+            return
+        self.tracker.pause()
+        self._whole = True
+        measured = self._measured[mb]
+        self._model(mb, layer, {op: measured[op] for op in ("attn", "router")}, x)
+
+    def leave_layer(self, layer: int, x) -> None:
+        """The layer's forward is done: the hook is back. A layer whose attention ran
+        hooked leaves its measurement to the covered layers after it."""
+        mb = self.window.ctx.micro_batch
+        if not self.enabled:
+            return
+        if not self._whole and self._decided:
+            self._measured[mb] = {op: self.ledger.bytes_by(mb, layer, op) for op in MEASURED_OPS}
+        elif self.tracker.is_paused:   # the shared expert ran hookless too
+            self._model(mb, layer, {"shared": self._measured[mb]["shared"]}, x)
+        self.tracker.resume()
+        self._whole = False
+
+    # ---- the expert path (the guard's run_experts) ------------------------------------
     def run(self, executor, block, dispatched, decision):
         """The expert path of `block` under `decision`, hookless where proven so."""
         counts, x_ND = dispatched.tokens_per_expert, dispatched.x_ND
-        if not self.proven(block.layer_idx, x_ND.shape[0], decision) or not x_ND.requires_grad:
+        layer = block.layer_idx
+        self._decided = True
+        if not self.proven(layer, x_ND.shape[0], decision) or not x_ND.requires_grad:
+            self.tracker.resume()   # a covered layer that does not keep everything
             return executor.run(block.experts, x_ND, counts, decision.plan)
-        with self.tracker.paused():
-            y_ND = executor.run(block.experts, x_ND, counts, decision.plan)
-        self._attribute(block.layer_idx, x_ND)
+        self._covered_after[self.window.ctx.micro_batch] = min(
+            layer, self._covered_after.get(self.window.ctx.micro_batch, layer))
+        self.tracker.pause()
+        y_ND = executor.run(block.experts, x_ND, counts, decision.plan)
+        whole = self._whole and self.tracker.is_paused
+        ops = STAGE_OPS + COMBINE_OPS if whole else STAGE_OPS
+        if not whole:
+            self.tracker.resume()   # combine runs hooked
+        predicted = self.shape.predict(x_ND.shape[0])
+        self._model(self.window.ctx.micro_batch, layer, {op: predicted[op] for op in ops}, x_ND)
         step = self.window.recorder()
         if step is not None:
             step.hookless_layers += 1
@@ -149,17 +202,18 @@ class HooklessExperts:
         return planner.device_bytes_per_token(ALL_SAVE) * num_routed \
             + planner.layer_bytes(ALL_SAVE)[0]
 
-    def _attribute(self, layer: int, x_ND) -> None:
-        """The stages' saved bytes, from the byte model, until the layer's backward."""
-        mb = self.window.ctx.micro_batch
-        predicted = self.shape.predict(x_ND.shape[0])
-        keys = tuple(self.ledger.acquire_modelled(predicted[op], (mb, layer, op))
-                     for op in HOOKLESS_OPS if predicted[op])
-        self._modelled.setdefault(mb, []).extend(keys)
-        x_ND.register_hook(functools.partial(release_all, self.ledger, keys))
+    def _model(self, mb: int, layer: int, bytes_by_op: dict[str, int], t) -> None:
+        """Attribute what ran hookless (module doc) until the gradient of `t` is ready."""
+        keys = tuple(self.ledger.acquire_modelled(n, (mb, layer, op))
+                     for op, n in bytes_by_op.items() if n)
+        if keys:
+            self._modelled.setdefault(mb, []).extend(keys)
+            t.register_hook(functools.partial(release_all, self.ledger, keys))
 
     def forget_micro_batch(self, micro_batch: int) -> None:
         """A new forward of `micro_batch`: what an older one modelled and whose backward
         never ran (its gradient hook never fired) leaves the ledger."""
         for key in self._modelled.pop(micro_batch, []):
             self.ledger.release(key)
+        self._covered_after.pop(micro_batch, None)
+        self._measured.pop(micro_batch, None)
