@@ -1,10 +1,13 @@
-"""Hookless expert paths (spikeguard/runtime/hookless.py): an all-save layer that nothing can
-later evict runs its expert stages with no saved-tensor hook; everything else is as with
-the hook on every layer (the guard with `hookless.enabled = False`).
+"""Hookless layers (spikeguard/runtime/hookless.py): an all-save layer that nothing can
+later evict runs its expert stages with no saved-tensor hook, and the layers after it in
+the micro-batch run whole without one; everything else is as with the hook on every layer
+(the same guard with `hookless.enabled = False`).
 
-The reference is always the same guard with the hook everywhere: same gradients (torch.equal),
-same true peak (tests/meter.py), same decisions and evictions; the ledger's modelled
-attribution within 5% of what the hook measures.
+Against that reference: same gradients (torch.equal, and the plain model's), same true
+peak (tests/meter.py), same decisions and evictions where later layers do evict; the
+ledger's modelled attribution within 5% of what the hook measures (exact where it is
+shapes or a measurement); an out-of-memory inside a hookless layer re-runs and leaves
+autograd's hook stack empty.
 
     .venv/bin/python -m pytest tests/runtime/test_runtime_hookless.py -q
 """
@@ -132,3 +135,27 @@ def test_where_later_layers_evict_the_plans_and_evictions_are_the_hooked_ones(fa
         assert record["hookless_layers"] == SMALL.num_layers
     if factor < 1.05:
         assert record["evicted_bytes"] > 0   # the case this test is about does happen
+
+
+def test_an_out_of_memory_inside_a_hookless_layer_is_rerun_and_leaves_no_hook_behind():
+    # tiny: layer 0 is proven, so layer 1 runs whole with the hook off; the first attempt
+    # runs out inside its expert path, the micro-batch net re-runs it under full recompute.
+    batches = _batches(TINY, (4, 4), seed=5)
+    model, guard = _guarded(TINY, "1GiB", True)
+    run, failed = guard.executor.run, []
+
+    def out_of_memory_once(*args, **kwargs):
+        if guard.ctx.layer == 1 and not failed:
+            failed.append(guard.tracker.is_paused)
+            raise torch.OutOfMemoryError("forced inside the hookless layer")
+        return run(*args, **kwargs)
+
+    guard.executor.run = out_of_memory_once
+    grads, _ = _metered_step(model, guard, batches)
+    assert failed == [True] and guard.history[-1]["safety_net_reruns"] >= 1
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    plain = build_model(TINY, seed=0)
+    for t in batches:
+        plain(t[:, :-1], t[:, 1:]).loss.backward()
+    _same({n: p.grad for n, p in plain.named_parameters()}, grads)
+    assert guard.ledger.activation_bytes == 0
