@@ -11,9 +11,10 @@ step is calm). Three copies of the same model take turns every step in one proce
 saved-tensor hooks; `adaptive`), so the machine's noise hits all alike; the first round
 warms up and is dropped. Budget: the calm step's true peak plus 10% (`--budget-factor`;
 calm steps fit, so adaptive keeps everything). Prints medians and the spread
-(lowest-highest) of seconds per step and of the per-round ratios to plain, and the bytes
-adaptive evicted per step. `--clock cpu` times this process's CPU only: steadier on a
-shared machine, blind to waiting in collectives. CPU figures: the device is emulated.
+(lowest-highest) of seconds per step and of the per-round ratios to plain, the bytes
+adaptive evicted per step and the layers it ran hookless (spikeguard/runtime/hookless.py).
+`--clock cpu` times this process's CPU only: steadier on a shared machine, blind to
+waiting in collectives. CPU figures: the device is emulated.
 """
 
 from __future__ import annotations
@@ -122,11 +123,13 @@ def main() -> None:
             seconds = run(p)
             if rep:
                 times[p].append(seconds)
-    evicted = {}
+    evicted, hookless = {}, {}
     for p, g in guards.items():
         d = g.history[-1]["decisions"]
         assert d["recompute"] == 0 and d["offload"] == 0, (p, d)
         evicted[p] = sum(r["evicted_bytes"] for r in g.history[1:]) / max(1, len(g.history) - 1)
+        hookless[p] = sum(r.get("hookless_layers", 0) for r in g.history[1:]) \
+            / max(1, len(g.history) - 1)
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
         print(f"calm step of small, 8 x {cfg.seq_len} tokens per rank, {where}, "
@@ -137,7 +140,8 @@ def main() -> None:
             print(f"  {p:9s} {statistics.median(times[p]) * 1e3:7.1f} ms "
                   f"({min(times[p]) * 1e3:.1f}-{max(times[p]) * 1e3:.1f})   plain/this "
                   f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
-                  + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step" if p in evicted else ""))
+                  + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step, hookless layers "
+                     f"{hookless[p]:.1f}/step" if p in evicted else ""))
     if group is not None:
         torch.distributed.destroy_process_group()
 

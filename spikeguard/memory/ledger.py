@@ -5,7 +5,9 @@ live storage on the device, read from the CPU allocator that emulates the device
 CUDA's. The ledger adds the explanation of that figure: the saved activations of the
 expert path and the layers around it, by (micro-batch, layer, operator), deduplicated by
 storage, from the moment autograd saves them until it frees them (plus tensors selective
-checkpointing caches, and reloads from host memory in backward). The planner reads the
+checkpointing caches, and reloads from host memory in backward). Where a layer's expert
+path ran with no saved-tensor hook (spikeguard/runtime/hookless.py) its bytes are the byte
+model's, per operator, until its backward (`acquire_modelled`). The planner reads the
 attribution (what a layer's attention part keeps, what can be evicted); the budget is
 checked against the device's figure, by the device itself, at every allocation.
 Offloaded bytes are counted separately, as host bytes.
@@ -70,6 +72,7 @@ class Ledger:
     host_bytes: int = 0
     _entries: dict[StorageKey, _Entry] = field(default_factory=dict)
     _by_where: dict[tuple[int, int, str], int] = field(default_factory=lambda: defaultdict(int))
+    _num_modelled: int = 0
 
     def __post_init__(self) -> None:
         self.is_cuda = self.device.type == "cuda"
@@ -95,6 +98,15 @@ class Ledger:
         self._entries[key] = _Entry(num_bytes, 1, where)
         self.activation_bytes += num_bytes
         self._by_where[where] += num_bytes
+
+    def acquire_modelled(self, num_bytes: int, where: tuple[int, int, str]) -> StorageKey:
+        """Attribute bytes kept where no saved tensor was seen (a stretch autograd saved
+        with no hook: spikeguard/runtime/hookless.py), as the byte model predicts them,
+        under a key of their own that `release` lets go of as one holder."""
+        self._num_modelled += 1
+        key = ("modelled", self._num_modelled)
+        self.acquire(key, num_bytes, where)
+        return key
 
     def release(self, key: StorageKey) -> None:
         entry = self._entries.get(key)

@@ -14,12 +14,13 @@
 
 The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
 counts every live storage. Every forward of the model is one micro-batch. The guard is
-composed of named parts, each in its own file: the ledger (memory/ledger.py), the cost
-model and planner (plan/), the forecast (plan/forecast.py), the layer peaks
-(runtime/layer_room.py), the saved-tensor tracker and offload engine (runtime/hooks.py,
-runtime/offload.py), the executor (runtime/executor.py), the position (runtime/position.py),
-the decision window (runtime/window.py) and the micro-batch safety net (runtime/net.py,
-with the expert-parallel agreement its adapter gives). The guard wires them to the model
+composed of named parts, each in its own file: the wiring it puts on the model
+(runtime/wiring.py), the ledger (memory/ledger.py), the cost model and planner (plan/), the
+forecast (plan/forecast.py), the layer peaks (runtime/layer_room.py), the saved-tensor
+tracker and offload engine (runtime/hooks.py, runtime/offload.py), the executor
+(runtime/executor.py), the hookless layers (runtime/hookless.py), the position
+(runtime/position.py), the decision window (runtime/window.py) and the micro-batch safety
+net (runtime/net.py, with the expert-parallel agreement its adapter gives). The guard wires them to the model
 and owns the step's life cycle; in each MoE layer the window decides and the executor
 runs the expert path under the plan. Static policies share the same executor.
 """
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 from typing import Callable, Optional
 
 import torch
@@ -50,6 +50,7 @@ from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NA
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
+from spikeguard.runtime.hookless import HooklessLayers
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.layers import GuardedLayers
 from spikeguard.plan.layer_room import LayerRoom
@@ -60,6 +61,7 @@ from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.policies import POLICIES
 from spikeguard.runtime.window import DecisionWindow
+from spikeguard.runtime.wiring import ModelWiring
 
 # Under "full" the whole layer is recomputed; recorded as every operator recomputed.
 FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
@@ -131,20 +133,22 @@ class Guard:
             engine=self.engine, forecast=self.forecast, layer_room=self.layer_room,
             num_layers=len(self.moe_blocks), on_cuda=self.device.type == "cuda",
             recorder=lambda: self._recorder)
+        self.hookless = HooklessLayers(self.window, self.tracker, self.ledger, self.shape,
+                                       exact_routing=self.group is None)
         self.net = MicroBatchNet(self, self.adapter.agreement())
-        # new layers start fully recomputed under "full"
         self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
-                                    self.ledger, full_recompute=policy == "full",
+                                    self.ledger, self.hookless, full_recompute=policy == "full",
                                     agreement=self.adapter.agreement()
                                     if self.adapter.layer_fallback_agreed else None)
         self.layers.agree_at_attach(policy)
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`
-        self._handles: list = []
         self.grads = GradsToCome([p for p in model.parameters() if p.requires_grad],
                                  self.adapter, self.moe_blocks)
-        self._install()
+        self.wiring = ModelWiring(self)   # runtime/wiring.py
+        self.model._spikeguard = self
+        self.wiring.install(self._guarded_forward, self._optimizer_step)
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self.recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
         self.ledger.set_static(self._static_bytes())
@@ -169,45 +173,11 @@ class Guard:
         self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
         return static_bytes(self.model, self.optimizer)
 
-    def _install(self) -> None:
-        self.model._spikeguard = self
-        self._orig_forward = self.model.forward
-        self.model.forward = functools.partial(self._guarded_forward, self._orig_forward)
-        self._wrapped_layers = []
-        # Keep the signature visible (transformers' Trainer reads forward's parameters).
-        self.model.forward.__signature__ = inspect.signature(self._orig_forward)
-        position = self.position
-        for block in self.moe_blocks:
-            self.adapter.install(block, self)
-            layer = self.adapter.parent_layer(block)
-            self._wrapped_layers.append(layer)
-            layer.forward = functools.partial(self.layers.forward, layer, layer.forward,
-                                              self.adapter.layer_index(block))
-            self._handles.append(block.register_forward_pre_hook(position.enter_moe))
-            for shared in self.adapter.shared_modules(block):
-                self._handles.append(shared.register_forward_pre_hook(position.enter_shared))
-            self._handles.append(block.register_forward_hook(position.leave_moe))
-        last = self._wrapped_layers[-1]
-        self._handles.append(last.register_forward_hook(position.enter_head))
-        if self.optimizer is not None:
-            # The optimizer step runs on the device too (its state, foreach temporaries).
-            self._orig_opt_step = self.optimizer.step
-            self.optimizer.step = functools.wraps(self._orig_opt_step)(
-                functools.partial(self._optimizer_step, self._orig_opt_step))
-
     def detach(self) -> None:
         """Remove every hook and wrapper: the model computes exactly as before attach."""
         if not self.attached:
             raise UsageError("this guard is not attached (detach() was already called)")
-        for handle in self._handles:
-            handle.remove()
-        for block in self.moe_blocks:
-            self.adapter.uninstall(block)
-        for module in self._wrapped_layers + self.recomputed_modules:
-            del module.forward
-        del self.model.forward
-        if self.optimizer is not None:
-            del self.optimizer.step
+        self.wiring.remove(self.recomputed_modules)
         self.model._spikeguard = None
         self.meter.close()
 
@@ -364,6 +334,7 @@ class Guard:
         """One attempt at micro-batch `mb`'s forward (the net decides what to do with it)."""
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, -1, "embed"
         self.tracker.forget_micro_batch(mb)  # stale holders of the last step's micro-batch
+        self.hookless.forget_micro_batch(mb)  # ... and what it modelled
         self.window.begin_micro_batch(num_tokens(args, kwargs), self.grads.by_layer())
         if self._recorder is not None:
             self._recorder.begin_attempt()
@@ -409,18 +380,17 @@ class Guard:
         """The built-in block's decision window (its `expert_runner` seam): plan from the
         routed counts, then the executor runs the expert path under the plan."""
         counts = dispatched.tokens_per_expert
-        num_routed = dispatched.x_ND.shape[0]
         if not self.position.in_forward:  # evaluation under no_grad: nothing kept, nothing to plan
             return block.experts(dispatched.x_ND, counts)
         if self.layers.in_full_region:
             self.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
             return block.experts(dispatched.x_ND, counts)
-        decision = self.decide(block.layer_idx, num_routed)
+        decision = self.decide(block.layer_idx, dispatched.x_ND.shape[0])
         self.record_plan(block.layer_idx, counts, decision.plan)
         self.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
         self.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
-        y_ND = self.executor.run(block.experts, dispatched.x_ND, counts, decision.plan)
-        self.ctx.op = "combine"
+        y_ND = self.hookless.run(self.executor, block, dispatched, decision)
+        self.ctx.op = "combine"   # runs hooked: it saves down's output and its own
         self.position.mark_backward(y_ND, block.layer_idx, "experts")
         self.position.mark_backward(dispatched.x_ND, block.layer_idx, "dispatch")
         if dispatched.x_ND.requires_grad and block.layer_idx > 0:

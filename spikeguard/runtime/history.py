@@ -26,6 +26,7 @@ class StepRecorder:
         self.received: dict[int, int] = {}   # layer -> most routed copies of a micro-batch
         self.safety_net_reruns = 0
         self.full_layers = 0   # layers the adaptive guard recomputed whole, decided at entry
+        self.hookless_layers = 0   # expert paths run with no saved-tensor hook (hookless.py)
         self.evicted_bytes = 0
         self.plan_us: list[float] = []
         self.offloaded_bytes_before = offloaded_bytes_before
@@ -45,6 +46,7 @@ class StepRecorder:
         self.imbalance = {}
         self.received = {}
         self.full_layers = 0
+        self.hookless_layers = 0
         self.evicted_bytes = 0
         self.peak_bytes, self.peak_where = 0, 0
         self.safety_net_reruns += 1
@@ -84,7 +86,7 @@ class StepRecorder:
             "layer_imbalance": imbalance, "max_imbalance": max(imbalance),
             "received_per_layer": [self.received.get(layer, 0) for layer in layers],
             "micro_batches": self.micro_batches, "safety_net_reruns": self.safety_net_reruns,
-            "full_layers": self.full_layers,
+            "full_layers": self.full_layers, "hookless_layers": self.hookless_layers,
             "evicted_bytes": self.evicted_bytes,
             "offloaded_bytes": offloaded_bytes_now - self.offloaded_bytes_before,
             "plan_us": sum(self.plan_us) / len(self.plan_us) if self.plan_us else 0.0,

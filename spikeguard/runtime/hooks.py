@@ -132,9 +132,43 @@ class SavedTensorTracker:
         # Storages that are weights only while one call runs (an adapter's experts under
         # FSDP2: their all-gathered local tensors), set by `weights_during`.
         self.call_static: frozenset = frozenset()
+        self._open: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self._paused = False
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+    @contextlib.contextmanager
+    def hooks(self):
+        """The pack/unpack pair on autograd's stack while inside (the guarded forward);
+        `pause()` takes it off for a stretch of it, `resume()` puts it back."""
+        self._paused = False
+        self._open = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        self._open.__enter__()
+        try:
+            yield
+        finally:
+            if self._open is not None:
+                self._open.__exit__(None, None, None)
+            self._open, self._paused = None, False
+
+    def pause(self) -> None:
+        """From here autograd saves tensors with no Python hook at all: nothing attributed,
+        nothing offloadable or evictable later (runtime/hookless.py says when that is
+        proven harmless). Only where this tracker's pair is the innermost on autograd's
+        stack (`saved_tensors_hooks.__exit__` pops the top one, torch 2.13): the callers
+        pause and resume where they have no hooks of their own entered."""
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open, self._paused = None, True
+
+    def resume(self) -> None:
+        """The pair back on autograd's stack, if paused (else nothing)."""
+        if self._paused:
+            self._open = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+            self._open.__enter__()
+            self._paused = False
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
 
     def pack(self, t: torch.Tensor):
         t = plain_tensor(t)

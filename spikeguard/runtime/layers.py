@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from spikeguard.errors import UsageError
 from spikeguard.memory.ledger import Ledger
+from spikeguard.runtime.hookless import HooklessLayers
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.window import DecisionWindow
 
@@ -26,7 +27,7 @@ class GuardedLayers:
     """Entry bookkeeping and whole-layer recompute of the layers holding the MoE blocks."""
 
     def __init__(self, adapter, blocks: list, position: Position, window: DecisionWindow,
-                 ledger: Ledger, full_recompute: bool, agreement=None):
+                 ledger: Ledger, hookless: HooklessLayers, full_recompute: bool, agreement=None):
         self.adapter = adapter
         # Set where a layer recomputed whole re-issues a collective: the group agrees on
         # each fallback (BlockAdapter.layer_fallback_agreed).
@@ -36,6 +37,7 @@ class GuardedLayers:
         self.position = position
         self.window = window
         self.ledger = ledger
+        self.hookless = hookless
         self.full_recompute = full_recompute   # every layer recomputed whole
         self.in_full_region = False            # inside a whole-layer checkpoint
 
@@ -50,7 +52,11 @@ class GuardedLayers:
             # through every guarded layer is done (recomputed whole or not).
             args[0].register_hook(functools.partial(self.window.backward_done,
                                                     self.position.ctx.micro_batch))
+        x = args[0] if args else None
+        if not self.full_recompute:
+            self.hookless.enter_layer(layer_idx, x)
         out = self._body(layer, orig_forward, layer_idx, args, kwargs)
+        self.hookless.leave_layer(layer_idx, x)
         self.position.mark_backward(out, layer_idx, "combine")
         self.window.watch_backward(out, layer_idx)
         return out

@@ -1,0 +1,219 @@
+"""Hookless layers: what a layer saves runs with no saved-tensor hook where nothing of the
+step can later want it off the device.
+
+One part of the guard (spikeguard.runtime.guard). The pack/unpack pair of
+runtime/hooks.py runs in Python for every tensor autograd saves (318 on a calm step of
+`small`: 120 in the attention parts and routers, 140 in the expert stages, 16 in combine,
+28 in the shared experts). The hook is there for three things: offloading (the
+executor's tags), evicting what was saved earlier (the tracker's holders), and the
+ledger's attribution. Under an all-save plan the first is moot; this module proves the
+second moot, and models the third.
+
+Who could ever want a layer's saved tensors off the device later: the later decisions of
+the same micro-batch (window.py: a layer's shortfall, the planner's `evict_bytes`, the
+backward fit of a layer found unable to fit at its entry), and a pipeline's residency,
+which may take any layer of an older micro-batch (plan/residency.py). The proof, at the
+decision of layer L:
+  * policy "adaptive", no pipeline residency;
+  * L keeps everything, with no eviction asked;
+  * the later layers of this micro-batch, walked now with the window's own pure
+    functions (plan/room.py: `layer_cannot_fit` at their entry, `decision_inputs` with
+    the layer peaks), each find a plan of the menu that fits with no shortfall, at the
+    most the device can hold there: every layer before keeping everything (no plan keeps
+    more) for the most routed copies, each growing the device by what L grew it since
+    its entry (or by its attention part, the larger: same shapes, same bytes), plus that
+    expert path and the post-expert part.
+The most routed copies: in one process exactly L's (the built-in router is dropless
+top-k: tokens x top-k copies in every layer). Under expert parallelism a rank's count
+moves from layer to layer; there it is the forecast's own bound, (1 + its load margin) x
+the most seen in this micro-batch: the planner's prediction, not a proof.
+Then no decision of the micro-batch asks for eviction (other micro-batches evict only
+their own layers, outside a pipeline): L's expert stages run hookless, and every later
+layer of the micro-batch is covered whole from its entry on (attention, router, experts,
+combine, shared expert), unless its own plan is not all-save: then the hook is back from
+its expert path on (the executor's tags need it). Should the prediction still be wrong,
+the bytes are just not evictable: the later layer picks a smaller plan, or the safety
+net re-runs; gradients and peaks are the same either way (the tensors autograd saves,
+and when it frees them, do not depend on the hook).
+
+Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
+ops are the byte model's bytes (ExpertShape.predict, which tests/runtime/
+test_runtime_attribution.py holds within 5% of the measured), released when backward has
+passed the layer's expert path (the gradient of its dispatched rows is ready); attention,
+router and shared expert are what the hook measured on the last layer of the micro-batch
+that ran hooked (same shapes, same bytes), released when backward has passed the layer
+(the gradient of its input is ready).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+from spikeguard.memory.ledger import Ledger
+from spikeguard.plan.catalogue import ALL_SAVE, ExpertShape
+from spikeguard.plan.room import (EntryState, WindowState, decision_inputs,
+                                  forward_transient_bytes_per_routed, layer_cannot_fit)
+from spikeguard.runtime.executor import release_all
+from spikeguard.runtime.hooks import SavedTensorTracker
+
+# The operators whose saved tensors the executor's stages make; combine's after them.
+STAGE_OPS = ("dispatch", "gate_up", "silu", "act")
+COMBINE_OPS = ("down", "combine")
+# What the hook measures on a hooked layer, for the covered layers after it.
+MEASURED_OPS = ("attn", "router", "shared")
+
+
+class HooklessLayers:
+    """Pauses the tracker's hooks where the proof holds, and models what they would say."""
+
+    def __init__(self, window, tracker: SavedTensorTracker, ledger: Ledger,
+                 shape: ExpertShape, exact_routing: bool):
+        self.window = window
+        self.tracker = tracker
+        self.ledger = ledger
+        self.shape = shape
+        self.enabled = window.policy == "adaptive"
+        # One process, built-in dropless top-k: every layer routes tokens x top-k copies.
+        self.exact_routing = exact_routing
+        self._modelled: dict[int, list] = {}   # micro-batch -> its modelled ledger keys
+        self._per_plan = None   # the menu's bytes per routed copy, computed at first use
+        # Micro-batch -> the first layer proven: every layer after it is covered whole.
+        self._covered_after: dict[int, int] = {}
+        # Micro-batch -> {op: bytes} of MEASURED_OPS on its last layer run hooked.
+        self._measured: dict[int, dict[str, int]] = {}
+        self._whole = False   # the layer running now is covered from its entry
+        self._decided = False   # the layer running now decided (it is not recomputed whole)
+
+    # ---- the layer's entry and end (runtime/layers.py) --------------------------------
+    def enter_layer(self, layer: int, x) -> None:
+        """A guarded layer's forward starts on input `x`: covered, it runs paused."""
+        mb = self.window.ctx.micro_batch
+        self._whole = self._decided = False
+        if not self.enabled or layer <= self._covered_after.get(mb, layer) \
+                or mb not in self._measured or not getattr(x, "requires_grad", False):
+            return
+        self.tracker.pause()
+        self._whole = True
+        measured = self._measured[mb]
+        self._model(mb, layer, {op: measured[op] for op in ("attn", "router")}, x)
+
+    def leave_layer(self, layer: int, x) -> None:
+        """The layer's forward is done: the hook is back. A layer whose attention ran
+        hooked leaves its measurement to the covered layers after it."""
+        mb = self.window.ctx.micro_batch
+        if not self.enabled:
+            return
+        if not self._whole and self._decided:
+            self._measured[mb] = {op: self.ledger.bytes_by(mb, layer, op) for op in MEASURED_OPS}
+        elif self.tracker.is_paused:   # the shared expert ran hookless too
+            self._model(mb, layer, {"shared": self._measured[mb]["shared"]}, x)
+        self.tracker.resume()
+        self._whole = False
+
+    # ---- the expert path (the guard's run_experts) ------------------------------------
+    def run(self, executor, block, dispatched, decision):
+        """The expert path of `block` under `decision`, hookless where proven so."""
+        counts, x_ND = dispatched.tokens_per_expert, dispatched.x_ND
+        layer = block.layer_idx
+        self._decided = True
+        if not self.proven(layer, x_ND.shape[0], decision) or not x_ND.requires_grad:
+            self.tracker.resume()   # a covered layer that does not keep everything
+            return executor.run(block.experts, x_ND, counts, decision.plan)
+        self._covered_after[self.window.ctx.micro_batch] = min(
+            layer, self._covered_after.get(self.window.ctx.micro_batch, layer))
+        self.tracker.pause()
+        y_ND = executor.run(block.experts, x_ND, counts, decision.plan)
+        whole = self._whole and self.tracker.is_paused
+        ops = STAGE_OPS + COMBINE_OPS if whole else STAGE_OPS
+        if not whole:
+            self.tracker.resume()   # combine runs hooked
+        predicted = self.shape.predict(x_ND.shape[0])
+        self._model(self.window.ctx.micro_batch, layer, {op: predicted[op] for op in ops}, x_ND)
+        step = self.window.recorder()
+        if step is not None:
+            step.hookless_layers += 1
+        return y_ND
+
+    def proven(self, layer: int, num_routed: int, decision) -> bool:
+        """Nothing of the step can later want this layer's saved tensors (module doc)."""
+        w = self.window
+        if not self.enabled or decision.plan != ALL_SAVE or decision.evict_bytes \
+                or w.forecast.residency is not None or not w.num_tokens:
+            return False
+        mb = w.ctx.micro_batch
+        in_use = self.ledger.in_use()
+        layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
+        growth = max(layer_part, in_use - w.layer_entry_in_use)
+        routed = max(num_routed, w.seen.max_routed)   # exact in one process (module doc)
+        if not self.exact_routing:
+            routed = int(routed * (1 + w.forecast.load_margin))
+        per_layer = growth + self._keep_all_bytes(routed) + int(
+            (w.forecast.post_bytes_per_token + w.forecast.combine_bytes_per_token) * w.num_tokens)
+        seen = replace(w.seen, max_routed=routed)
+        resident = max((v for m, v in w.pending_backward.items() if m != mb), default=0)
+        for later in range(layer + 1, w.num_layers):
+            at_decision = in_use + (later - layer) * per_layer
+            if not self._needs_no_eviction(later, at_decision, layer_part, routed, seen,
+                                          resident):
+                return False
+        return True
+
+    def _needs_no_eviction(self, layer: int, in_use: int, layer_part: int, routed: int,
+                           seen, resident: int) -> bool:
+        """Would `layer`, at `in_use` after its attention part, decide with no eviction and
+        no whole-layer fallback? The window's own arithmetic (plan/room.py), on a
+        prediction: some plan of the menu fits both its forward headroom and backward room,
+        and the layer's own peaks fit (no shortfall)."""
+        w = self.window
+        entry = EntryState(layer, w.budget_bytes, in_use - layer_part, w.num_tokens,
+                           w.planner.min_bytes_per_token, seen, resident)
+        if layer_cannot_fit(entry, w.forecast):
+            return False
+        forward_peak, backward_peak = w.layer_room.needs(
+            in_use, routed, w.grads_to_come.get(layer, 0), layer_part)
+        room = decision_inputs(WindowState(
+            layer=layer, budget_bytes=w.budget_bytes, in_use_bytes=in_use, num_routed=routed,
+            layer_part_bytes=layer_part, max_routed=routed, num_tokens=w.num_tokens,
+            min_bytes_per_token=w.planner.min_bytes_per_token,
+            transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape, w.on_cuda),
+            prefetch=w.engine.prefetch_enabled, last_layer=layer >= w.num_layers - 1,
+            layer_forward_peak_bytes=forward_peak, layer_backward_peak_bytes=backward_peak,
+            resident_backward_bytes=resident), w.forecast)
+        if room.layer_shortfall_bytes:
+            return False
+        return any(device + fixed <= room.headroom_bytes
+                   and device + fixed + offload + fixed_off <= room.backward_room_bytes
+                   for device, offload, fixed, fixed_off in self._menu_bytes(routed))
+
+    def _menu_bytes(self, num_routed: int):
+        """(device, offloaded, fixed device, fixed offloaded) bytes of every plan of the
+        menu for `num_routed` copies, the keep-all plan first (Planner.decide's tests)."""
+        if self._per_plan is None:
+            planner = self.window.planner
+            plans = sorted(planner.menu, key=lambda p: p != ALL_SAVE)
+            self._per_plan = [(planner.device_bytes_per_token(p),
+                               planner.offload_bytes_per_token(p), *planner.layer_bytes(p))
+                              for p in plans]
+        return ((d * num_routed, o * num_routed, fd, fo) for d, o, fd, fo in self._per_plan)
+
+    def _keep_all_bytes(self, num_routed: int) -> int:
+        planner = self.window.planner
+        return planner.device_bytes_per_token(ALL_SAVE) * num_routed \
+            + planner.layer_bytes(ALL_SAVE)[0]
+
+    def _model(self, mb: int, layer: int, bytes_by_op: dict[str, int], t) -> None:
+        """Attribute what ran hookless (module doc) until the gradient of `t` is ready."""
+        keys = tuple(self.ledger.acquire_modelled(n, (mb, layer, op))
+                     for op, n in bytes_by_op.items() if n)
+        if keys:
+            self._modelled.setdefault(mb, []).extend(keys)
+            t.register_hook(functools.partial(release_all, self.ledger, keys))
+
+    def forget_micro_batch(self, micro_batch: int) -> None:
+        """A new forward of `micro_batch`: what an older one modelled and whose backward
+        never ran (its gradient hook never fired) leaves the ledger."""
+        for key in self._modelled.pop(micro_batch, []):
+            self.ledger.release(key)
+        self._covered_after.pop(micro_batch, None)
+        self._measured.pop(micro_batch, None)
