@@ -12,7 +12,8 @@ moves by more than 5% there from run to run).
 import pytest
 
 from spikeguard.bench.worker import WorkerPool
-from spikeguard.sim.validate import compare_peaks, compare_pp_ep
+from spikeguard.sim.validate import compare_peaks
+from spikeguard.sim.validate_pp import compare_pp_ep
 
 TOLERANCE = 0.05
 
@@ -102,3 +103,17 @@ def test_pp2_ep2_four_processes_peaks_within_5_percent(tmp_path):
     assert all(d["offload"] + d["recompute"] == 0 for d in adaptive["runtime_decisions"][2:])
     assert max(max(step) for step in adaptive["predicted"]) <= 56_000_000
     assert max(max(step) for step in adaptive["measured"]) <= 56_000_000
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--steps", "0"], "--steps must be in [1, 10000]"),
+    (["--reps", "-3"], "--reps must be in [1, 10000]"),
+    (["--step", "3"], "unrecognized arguments"),    # no abbreviation
+    (["--steps", "three"], "invalid int value"),
+])
+def test_validate_script_refuses_bad_input_in_one_line(capsys, argv, fragment):
+    """`python -m spikeguard.sim.validate` with a bad flag: one line, exit 2, before any run."""
+    from one_line import check_one_line
+    from spikeguard.sim.validate import main
+
+    check_one_line(main(argv), capsys.readouterr().err, fragment)
