@@ -68,11 +68,18 @@ def pipeline_summary(prank, guards: list, monitor: "RoutingMonitor", record: dic
 
 class RoutingMonitor:
     """Routed copies each MoE layer of this rank received, per micro-batch of the step,
-    counted in forward only (a recompute in backward re-runs the layer, not the routing)."""
+    counted in forward only (a recompute in backward re-runs the layer, not the routing).
+
+    A safety net's re-run sees the same data, hence the same routing: the micro-batch net
+    re-runs a forward inside its stage's call (its layers report again, and their record
+    is replaced), and the step-level net runs the whole schedule again (the stages'
+    forwards start again from the first micro-batch: they are numbered modulo the step's
+    micro-batches). So each (layer, micro-batch) of the step has one record, its last."""
 
     def __init__(self, prank):
         self._imbalance = expert_imbalance
-        self.routing: list = []
+        self._per_step = prank.micro_batches
+        self._records: dict[tuple[int, int], dict] = {}
         self._forward = {}
         self._handles = []
         for module in prank.modules.stages:
@@ -84,15 +91,20 @@ class RoutingMonitor:
                 self._handles.append(block.register_forward_hook(
                     self._record(state, module.first_layer + local)))
 
+    @property
+    def routing(self) -> list:
+        """This step's records, one per (layer, micro-batch), in the order first seen."""
+        return list(self._records.values())
+
     def begin_step(self) -> None:
-        self.routing = []
+        self._records = {}
         for state in self._forward.values():
             state["mb"] = -1
 
     def _enter(self, state):
         def hook(module, args):
             if torch.is_grad_enabled():
-                state["mb"] += 1
+                state["mb"] = (state["mb"] + 1) % self._per_step
                 state["active"] = True
         return hook
 
@@ -105,9 +117,9 @@ class RoutingMonitor:
         def hook(block, args, output):
             if state["active"]:
                 counts = block.last_tokens_per_expert
-                self.routing.append({"layer": layer, "micro_batch": state["mb"],
-                                     "received": int(sum(counts)),
-                                     "imbalance": self._imbalance(counts)})
+                self._records[layer, state["mb"]] = {
+                    "layer": layer, "micro_batch": state["mb"], "received": int(sum(counts)),
+                    "imbalance": self._imbalance(counts)}
         return hook
 
     def close(self) -> None:

@@ -103,6 +103,11 @@ def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 
                                        "predicted": sim.peak_stage_step.tolist(),
                                        "sim_crashes": sim.crashes,
                                        "runtime_decisions": [r[-1]["guards"][0]["decisions"] for r in ranks],
+                                       # per step, the most safety-net re-runs of a rank:
+                                       # a re-run step's peak is the net's (full recompute)
+                                       "runtime_reruns": [
+                                           max(r[step]["guards"][0].get("safety_net_reruns", 0)
+                                               for r in ranks) for step in range(steps)],
                                        "sim_decisions": dict(sim.decisions)}
     finally:
         if tmp is not None:

@@ -67,7 +67,12 @@ def test_adaptive_decides_as_the_runtime_did(peaks):
 # plans by its own timing-calibrated costs, which the simulator cannot see, and gloo may
 # still hold an all-to-all's rows at a decision (freed when its work object is collected).
 # So adaptive is checked within 5% where its plans are the model's (a stage whose layers
-# all fit saves everything, stage 1 here), and against the budget everywhere.
+# all fit saves everything, stage 1 here), and against the budget everywhere. A step the
+# runtime re-ran through its step-level net is the net's (every rank, full recompute: seen
+# under load, 1 run in 3 with two CPU burners beside it, its step-2 plan 1-3 MB under the
+# budget and gloo's held all-to-all rows on top): the simulator, which does not model what
+# gloo holds, saw no overflow there. Such a step is checked against the budget only, and
+# one of the two steps at most may be one.
 PP_EP_STATIC = ("none", "offload", "experts", "full")
 
 
@@ -89,6 +94,9 @@ def test_pp2_ep2_four_processes_peaks_within_5_percent(tmp_path):
         assert row["sim_crashes"] == 0, policy
         assert len(row["measured"]) == len(row["predicted"]) == 2, policy
         for step, (step_measured, step_predicted) in enumerate(zip(row["measured"], row["predicted"])):
+            if row["runtime_reruns"][step]:
+                assert policy == "adaptive", (policy, row)   # no net under 1 GiB
+                continue
             for stage, (measured, predicted) in enumerate(zip(step_measured, step_predicted)):
                 if policy == "adaptive" and stage == 0:
                     continue
@@ -98,9 +106,12 @@ def test_pp2_ep2_four_processes_peaks_within_5_percent(tmp_path):
                 assert -TOLERANCE * measured - race <= predicted - measured \
                     <= TOLERANCE * measured, (policy, stage, row)
     adaptive = out["policies"]["adaptive"]
+    assert sum(1 for n in adaptive["runtime_reruns"] if n) <= 1, adaptive
     assert any(d["offload"] + d["recompute"] for d in adaptive["runtime_decisions"])
     # the logs' order is the ranks': 2 and 3 are stage 1, where everything fits and is saved
-    assert all(d["offload"] + d["recompute"] == 0 for d in adaptive["runtime_decisions"][2:])
+    # (in the last step, whose decisions these are, unless the net re-ran it)
+    if not adaptive["runtime_reruns"][-1]:
+        assert all(d["offload"] + d["recompute"] == 0 for d in adaptive["runtime_decisions"][2:])
     assert max(max(step) for step in adaptive["predicted"]) <= 56_000_000
     assert max(max(step) for step in adaptive["measured"]) <= 56_000_000
 
