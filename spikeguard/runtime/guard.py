@@ -20,9 +20,10 @@ forecast (plan/forecast.py), the layer peaks (runtime/layer_room.py), the saved-
 tracker and offload engine (runtime/hooks.py, runtime/offload.py), the executor
 (runtime/executor.py), the hookless layers (runtime/hookless.py), the position
 (runtime/position.py), the decision window (runtime/window.py) and the micro-batch safety
-net (runtime/net.py, with the expert-parallel agreement its adapter gives). The guard wires them to the model
-and owns the step's life cycle; in each MoE layer the window decides and the executor
-runs the expert path under the plan. Static policies share the same executor.
+net (runtime/net.py, with the expert-parallel agreement its adapter gives). The guard
+wires them to the model and owns the step's life cycle; in each MoE layer the window
+decides and the executor runs the expert path under the plan. Static policies share the
+same executor.
 """
 
 from __future__ import annotations

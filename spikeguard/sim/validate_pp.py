@@ -1,7 +1,8 @@
 """The simulator against the runtime on 4 processes, PP=2 x EP=2 (CPU, emulated device),
 `small` model: each rank's device peak per step against the simulator replaying the loads
 those ranks logged, every policy. One part of spikeguard.sim.validate (its `--pp-ep`);
-tests/sim/test_sim_validation.py holds it within 5%.
+tests/sim/test_sim_validation.py holds the static policies within 5%, adaptive within 5%
+where its plans are the model's and under its budget everywhere (that test says why).
 """
 
 from __future__ import annotations

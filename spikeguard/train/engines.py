@@ -10,8 +10,9 @@ B = sequences per micro-batch, T = tokens per sequence, M = micro-batches per st
 
 A `family` (spikeguard.train.families) says how a model of its kind is fed and scored
 (the built-in model: `model(idx, targets)`; a Hugging Face one: `model(input_ids=w,
-labels=w)`), so the same engines serve every kind. Every engine draws nothing: the loop draws the step's micro-batches
-before the step (a re-run by the guard's safety net sees the same data).
+labels=w)`), so the same engines serve every kind. Every engine draws nothing: the
+loop draws the step's micro-batches before the step (a re-run by the guard's safety net
+sees the same data).
 """
 
 from __future__ import annotations

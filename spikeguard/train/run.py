@@ -233,7 +233,8 @@ class RankRun:
 
     def _say_model(self) -> None:
         train_cfg = self.cfg.train
-        tokens = train_cfg.micro_batches * train_cfg.batch_size * (self.seq_len + self.family.token_offset)
+        tokens = (train_cfg.micro_batches * train_cfg.batch_size
+                  * (self.seq_len + self.family.token_offset))
         self._say(f"{self.family.describe(self.engine)}, {self.num_params / 1e6:.2f}M params | "
                   f"{train_cfg.steps} steps x {tokens} tokens | CPU threads "
                   f"{torch.get_num_threads()}")
