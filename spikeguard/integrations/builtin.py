@@ -38,7 +38,7 @@ class BuiltinAdapter(BlockAdapter):
                      if getattr(b.dispatcher, "group", None) is not None), None)
 
     def agreement(self):
-        return agreement_for(self.group())
+        return agreement_for(self.group(), self.blocks)
 
     def top_k(self) -> int:
         return self.blocks[0].router.top_k

@@ -12,7 +12,9 @@ rematerialised tensors, reloads, communication buffers, exactly what a CUDA allo
 would hold. Storages made inside `host()` (the offload pool) are host memory and count
 apart. The limit is enforced at the allocation that would pass it, and raises
 `torch.OutOfMemoryError`, the type CUDA raises, wherever it happens: forward, backward, or
-the optimizer step.
+the optimizer step, at once, exactly as CUDA's allocator does: the emulation offers
+what a GPU offers (allocated, peak, reset, refuse) and nothing more, so the recovery that
+the tests prove here is the one a GPU job gets.
 
 Why an allocator and not a `TorchDispatchMode` meter: it sees allocations no op output
 shows (kernel workspaces, autograd's buffers, gloo's), raises at the allocation rather
@@ -88,10 +90,10 @@ def _library() -> ctypes.CDLL:
         if _lib is None:
             lib = ctypes.CDLL(str(_build()))
             i64, i32, u32 = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
-            for name in ("sg_allocated", "sg_peak", "sg_host_allocated", "sg_take_overflow",
+            for name in ("sg_allocated", "sg_peak", "sg_host_allocated",
                          "sg_where_peak", "sg_oom_request", "sg_oom_after"):
                 getattr(lib, name).restype = i64
-            lib.sg_configure.argtypes = [i32, i64, i32, i32]
+            lib.sg_configure.argtypes = [i32, i64, i32]
             lib.sg_where_peak.argtypes = [i32, i32]
             lib.sg_set_current.argtypes = [u32]
             lib.sg_set_current.restype = u32
@@ -136,9 +138,7 @@ class EmulatedDevice:
     """One emulated device of `capacity_bytes` on CPU; see the module docstring.
 
     `active()` makes it the device allocations go to (process-wide: autograd's and
-    gloo's threads allocate for the step too); `enforcing()` makes the limit raise;
-    `deferred()` records an overflow instead of raising (a rank of an expert-parallel
-    group must finish its collectives before the group can decide together)."""
+    gloo's threads allocate for the step too); `enforcing()` makes the limit raise."""
 
     is_cuda = False
 
@@ -148,16 +148,15 @@ class EmulatedDevice:
         self._lib.sg_clear(self.slot)
         self.capacity_bytes = int(capacity_bytes)
         self._enforce = 0
-        self._defer = 0
         self._configure()
 
     def _configure(self) -> None:
-        self._lib.sg_configure(self.slot, self.capacity_bytes, self._enforce > 0, self._defer > 0)
+        self._lib.sg_configure(self.slot, self.capacity_bytes, self._enforce > 0)
 
     def close(self) -> None:
         """Give the slot back (its storages still alive keep counting in it until freed)."""
         if self.slot:
-            self._lib.sg_configure(self.slot, 0, 0, 0)
+            self._lib.sg_configure(self.slot, 0, 0)
             with _lock:
                 _free_slots.append(self.slot)
             self.slot = 0
@@ -173,7 +172,7 @@ class EmulatedDevice:
 
     @contextlib.contextmanager
     def _holding(self, name: str, on: bool):
-        """One more holder of a mode (`_enforce`, `_defer`) while inside; nests."""
+        """One more holder of a mode (`_enforce`) while inside; nests."""
         delta = 1 if on else 0
         setattr(self, name, getattr(self, name) + delta)
         self._configure()
@@ -196,17 +195,6 @@ class EmulatedDevice:
         finally:
             self._enforce = saved
             self._configure()
-
-    def deferred(self, on: bool = True):
-        return self._holding("_defer", on)
-
-    def take_overflow(self) -> int:
-        """The largest figure reached past the capacity while deferred, then 0; 0 if none."""
-        return int(self._lib.sg_take_overflow(self.slot))
-
-    def overflow_where(self) -> int:
-        """The position code (`set_where`) at which that largest figure was reached."""
-        return int(self._lib.sg_overflow_where(self.slot))
 
     # ---- figures ---------------------------------------------------------------------
     def allocated(self) -> int:
@@ -265,16 +253,6 @@ class CudaDevice:
         yield self
 
     unlimited = enforcing
-
-    @contextlib.contextmanager
-    def deferred(self, on: bool = True):
-        yield self   # a real allocator cannot let an allocation through
-
-    def take_overflow(self) -> int:
-        return 0
-
-    def overflow_where(self) -> int:
-        return 0
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)

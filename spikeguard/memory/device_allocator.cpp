@@ -14,9 +14,11 @@
 //
 // A slot with a limit and enforcement on throws c10::OutOfMemoryError from the allocation
 // that would take it past the limit (Python sees torch.OutOfMemoryError, the type a CUDA
-// allocator raises), in forward, backward or the optimizer step alike; in deferred mode it
-// records the overflow and lets the allocation through, so that a rank of an
-// expert-parallel group can finish its collectives before the group decides.
+// allocator raises), in forward, backward or the optimizer step alike, at once, as CUDA's
+// does: nothing is ever let past the limit (an expert-parallel group recovers from a
+// rank's refusal by the protocol in spikeguard/parallel/exchange_journal.py, not by a
+// device that waits). The check and the count are one compare-and-swap, so two threads
+// allocating together can never both pass.
 //
 // Exposed as a C ABI for ctypes (spikeguard/memory/device.py builds and loads it): no
 // pybind11, so it compiles in seconds against c10's headers alone.
@@ -48,9 +50,6 @@ struct Slot {
   std::atomic<int64_t> peak{0};
   std::atomic<int64_t> limit{0};       // 0: none
   std::atomic<int> enforce{0};
-  std::atomic<int> defer{0};
-  std::atomic<int64_t> overflow{0};    // largest figure reached past the limit while deferred
-  std::atomic<int> overflow_where{0};  // the position (set by the guard) where it was reached
   std::atomic<int64_t> oom_request{0};  // the refused allocation and what it would have made
   std::atomic<int64_t> oom_after{0};
   std::atomic<int> peak_where{0};
@@ -71,20 +70,18 @@ void raise_peak(std::atomic<int64_t>& peak, int64_t value) {
 
 void take(uint32_t slot, int64_t n) {
   Slot& s = g_slots[slot];
-  int64_t after = s.allocated.fetch_add(n, std::memory_order_relaxed) + n;
-  int64_t limit = s.limit.load(std::memory_order_relaxed);
-  if (n > 0 && limit > 0 && after > limit && s.enforce.load(std::memory_order_relaxed)) {
-    if (!s.defer.load(std::memory_order_relaxed)) {
-      s.allocated.fetch_sub(n, std::memory_order_relaxed);
+  int64_t before = s.allocated.load(std::memory_order_relaxed);
+  int64_t after = before + n;
+  for (;;) {
+    after = before + n;
+    int64_t limit = s.limit.load(std::memory_order_relaxed);
+    if (n > 0 && limit > 0 && after > limit && s.enforce.load(std::memory_order_relaxed)) {
       s.oom_request.store(n);
       s.oom_after.store(after);
       TORCH_CHECK_WITH(OutOfMemoryError, false, "spikeguard emulated device: allocating ", n,
                        " bytes would put ", after, " bytes on a device of ", limit, " bytes");
     }
-    if (after > s.overflow.load(std::memory_order_relaxed)) {
-      raise_peak(s.overflow, after);
-      s.overflow_where.store(g_where.load(std::memory_order_relaxed), std::memory_order_relaxed);
-    }
+    if (s.allocated.compare_exchange_weak(before, after, std::memory_order_relaxed)) break;
   }
   int64_t seen = s.peak.load(std::memory_order_relaxed);
   if (after > seen) {
@@ -177,15 +174,12 @@ void sg_reset_peak(int slot) {
   for (auto& w : s.where_peak) w.store(0);
 }
 
-void sg_configure(int slot, int64_t limit, int enforce, int defer) {
+void sg_configure(int slot, int64_t limit, int enforce) {
   if (!valid(slot)) return;
   g_slots[slot].limit.store(limit);
   g_slots[slot].enforce.store(enforce);
-  g_slots[slot].defer.store(defer);
 }
 
-int64_t sg_take_overflow(int slot) { return valid(slot) ? g_slots[slot].overflow.exchange(0) : 0; }
-int sg_overflow_where(int slot) { return valid(slot) ? g_slots[slot].overflow_where.load() : 0; }
 int64_t sg_oom_request(int slot) { return valid(slot) ? g_slots[slot].oom_request.load() : 0; }
 int64_t sg_oom_after(int slot) { return valid(slot) ? g_slots[slot].oom_after.load() : 0; }
 
@@ -194,10 +188,8 @@ void sg_clear(int slot) {
   if (!valid(slot)) return;
   Slot& s = g_slots[slot];
   s.peak.store(s.allocated.load());
-  s.overflow.store(0);
   s.limit.store(0);
   s.enforce.store(0);
-  s.defer.store(0);
   for (auto& w : s.where_peak) w.store(0);
 }
 

@@ -26,10 +26,15 @@ decisions in the same step still issue the same collectives. The older
 but it is deprecated in 2.13 and its op (c10d.alltoall_base_) is re-run by a recompute:
 with one rank recomputing a layer and its peers not, gloo aborts on mismatched sizes
 (measured) or, with equal sizes, would hang or exchange the wrong rows.
+
+The counts exchange is also the group's flag point (spikeguard.parallel.exchange_journal):
+each rank sends its peers one note beside its counts, and the journal records what every
+exchange of the step owes, so a rank whose attempt ran out of memory can still make them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,6 +49,8 @@ from spikeguard.errors import UsageError
 from spikeguard.model.dispatch import Dispatched
 from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing
+from spikeguard.parallel.exchange_journal import Exchange, ExchangeJournal
+from spikeguard.runtime.agreement import Note, PeerFailed
 from spikeguard.runtime.guard import attached_guard
 
 
@@ -54,12 +61,14 @@ class ExpertParallelDispatched(Dispatched):
     send_splits: list[int] = field(default_factory=list)  # rows sent to each rank (sum N)
     recv_splits: list[int] = field(default_factory=list)  # rows from each rank (sum M)
     unsort_M: Optional[torch.Tensor] = None  # expert-grouped row -> its received position
+    entry: Optional[Exchange] = None          # the journal's record of these exchanges
 
 
 class ExpertParallelDispatcher:
     """Dispatch/combine over an expert-parallel group; same interface as LocalDispatcher."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts_total: int):
+    def __init__(self, group: dist.ProcessGroup, num_experts_total: int,
+                 journal: Optional[ExchangeJournal] = None):
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
@@ -67,6 +76,8 @@ class ExpertParallelDispatcher:
         self.num_experts_total = num_experts_total
         self.num_local_experts = num_experts_total // self.ep_size
         self.expert_lo = self.ep_rank * self.num_local_experts
+        # One per model and group, shared by its blocks (parallelize_experts).
+        self.journal = journal or ExchangeJournal(group, self.num_local_experts, 1)
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> ExpertParallelDispatched:
         R, L = self.ep_size, self.num_local_experts
@@ -75,14 +86,23 @@ class ExpertParallelDispatcher:
         order_N = torch.argsort(expert_idx_N, stable=True)
         token_idx_N = order_N // top_k
         send_counts_E = torch.bincount(expert_idx_N, minlength=self.num_experts_total)
-        # Row s of recv_counts_RL: copies rank s sends to each of this rank's experts.
-        recv_counts_RL = self._all_to_all(send_counts_E, [L] * R, [L] * R).view(R, L)
+        # Row s of recv_counts_RL: copies rank s sends to each of this rank's experts; the
+        # notes beside them say whether a peer's attempt failed (the flag point).
+        recv_counts_RL, notes = self.journal.flag_point(send_counts_E, Note(), x_TD.device)
+        if notes:
+            raise PeerFailed(notes)
         # One host sync for both directions: the decision window opens here.
         send_RL, recv_RL = torch.stack([send_counts_E.view(R, L), recv_counts_RL]).tolist()
         send_splits = [sum(row) for row in send_RL]
         recv_splits = [sum(row) for row in recv_RL]
+        entry = self.journal.record(send_splits, recv_splits, x_TD.shape[-1], x_TD.dtype,
+                                    x_TD.device) if x_TD.requires_grad else None
         sent_ND = x_TD.index_select(0, token_idx_N)
         recv_MD = self._all_to_all(sent_ND, recv_splits, send_splits)
+        if entry is not None:
+            entry.dispatched = True
+            # The gradient of what was sent arrives once dispatch's reverse exchange is done.
+            sent_ND.register_hook(functools.partial(_mark, entry, "dispatch_reversed"))
         # Received rows come source-major; a stable sort on the local expert id makes each
         # expert's rows contiguous and keeps source order inside an expert, which is the
         # row order a single process holding all experts would use for the same batch.
@@ -98,11 +118,17 @@ class ExpertParallelDispatcher:
             send_splits=send_splits,
             recv_splits=recv_splits,
             unsort_M=torch.argsort(sort_M),
+            entry=entry,
         )
 
     def combine(self, y_MD: torch.Tensor, dispatched: ExpertParallelDispatched) -> torch.Tensor:
         recv_order_MD = y_MD.index_select(0, dispatched.unsort_M)
         y_ND = self._all_to_all(recv_order_MD, dispatched.send_splits, dispatched.recv_splits)
+        entry = dispatched.entry
+        if entry is not None and self.journal.recording():
+            entry.combined = True
+            if recv_order_MD.requires_grad:
+                recv_order_MD.register_hook(functools.partial(_mark, entry, "combine_reversed"))
         weighted_ND = y_ND * dispatched.weight_N.unsqueeze(-1)
         out_TD = y_ND.new_zeros(dispatched.num_tokens, y_ND.shape[-1])
         return out_TD.index_add(0, dispatched.token_idx_N, weighted_ND)
@@ -114,6 +140,10 @@ class ExpertParallelDispatcher:
         out = torch.ops._c10d_functional.all_to_all_single(
             x, out_splits, in_splits, self.group.group_name)
         return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _mark(entry: Exchange, what: str, grad) -> None:
+    setattr(entry, what, True)
 
 
 def check_divisible(num_experts: int, ep_size: int) -> None:
@@ -140,9 +170,10 @@ def parallelize_experts(model: nn.Module, group: dist.ProcessGroup) -> nn.Module
         if isinstance(block.dispatcher, ExpertParallelDispatcher):
             raise UsageError("parallelize_experts() was already applied to this model")
         check_divisible(block.experts.num_experts, ep_size)
+    journal = ExchangeJournal(group, blocks[0].experts.num_experts // ep_size, len(blocks))
     for block in blocks:
         experts = block.experts
-        dispatcher = ExpertParallelDispatcher(group, experts.num_experts)
+        dispatcher = ExpertParallelDispatcher(group, experts.num_experts, journal)
         lo, hi = dispatcher.expert_lo, dispatcher.expert_lo + dispatcher.num_local_experts
         experts.w13_ED2F = nn.Parameter(experts.w13_ED2F.detach()[lo:hi].clone())
         experts.w2_EFD = nn.Parameter(experts.w2_EFD.detach()[lo:hi].clone())

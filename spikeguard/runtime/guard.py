@@ -136,12 +136,19 @@ class Guard:
             recorder=lambda: self._recorder)
         self.hookless = HooklessLayers(self.window, self.tracker, self.ledger, self.shape,
                                        exact_routing=self.group is None)
-        self.net = MicroBatchNet(self, self.adapter.agreement())
+        agreement = self.adapter.agreement()   # None without a group: a rank decides alone
+        if agreement is not None:
+            agreement.device = self.device
+        self.net = MicroBatchNet(self, agreement)
         self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
                                     self.ledger, self.hookless, full_recompute=policy == "full",
-                                    agreement=self.adapter.agreement()
+                                    agreement=agreement
                                     if self.adapter.layer_fallback_agreed else None)
         self.layers.agree_at_attach(policy)
+        # Whether some rank of the group is adaptive (then any rank may have to re-run a
+        # step its peer failed, and keeps the gradients to put back); every rank attaches.
+        self.group_adaptive = (agreement.any_rank(policy == "adaptive")
+                               if agreement is not None else policy == "adaptive")
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`
@@ -229,12 +236,11 @@ class Guard:
         return run_steps([self], fn)
 
     @contextlib.contextmanager
-    def step_scope(self, defer: bool = False, recorder=None):
+    def step_scope(self, recorder=None):
         """The device is active and enforcing; the step's recorder is open."""
         self.ledger.set_static(self._static_bytes())
         self._recorder = recorder or StepRecorder(self.engine.offloaded_bytes_total)
-        self.net.open_step(defer)
-        with self.meter.active(), self.meter.enforcing(), self.meter.deferred(defer):
+        with self.meter.active(), self.meter.enforcing():
             self.meter.reset_peak()
             self.position.set_where(PHASE_FORWARD, -1)
             try:
@@ -242,14 +248,6 @@ class Guard:
             finally:
                 self.position.set_where(PHASE_IDLE, -1)
                 self._recorder.note_peak(self.meter.peak(), self.meter.peak_where())
-
-    def take_step_overflow(self) -> tuple[int, int]:
-        """(bytes, position code) of the furthest this deferred step went past the device,
-        the device's own figure or a micro-batch's held by the net (runtime/net.py); then
-        forgotten. (0, 0) if it stayed under."""
-        over = self.meter.take_overflow()
-        mine = (over, self.meter.overflow_where()) if over else (0, 0)
-        return max(mine, self.net.take_held())
 
     def finish_step(self) -> None:
         """Close the open step: learn the layer peaks from it, append its record."""
@@ -273,6 +271,15 @@ class Guard:
         taken the device), so that the next step does not fail the same way."""
         if self.policy == "adaptive":
             self.layer_room.calibrate(self.meter, failed)
+        self.free_attempt()
+        snapshot.restore()
+        if self._recorder is not None:   # the step's true peak includes this attempt's
+            self._recorder.note_attempt_peak(self.meter.peak(), self.meter.peak_where())
+        self.meter.reset_peak()
+
+    def free_attempt(self) -> None:
+        """Free what a failed attempt at the step holds on the device: its graph, saved
+        tensors and offloaded copies (the gradients are abandon_step's)."""
         self.ctx.tags.clear()
         for block in self.moe_blocks:
             forget_aux_loss(block)
@@ -283,8 +290,6 @@ class Guard:
         self.ledger.clear()
         self.tracker.holders.clear()
         self.engine.end_forward()
-        snapshot.restore()
-        self.meter.reset_peak()
 
     def _optimizer_step(self, orig_step, *args, **kwargs):
         """The optimizer step on the device; an out-of-memory here is not re-runnable (the

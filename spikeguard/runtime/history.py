@@ -32,11 +32,18 @@ class StepRecorder:
         self.offloaded_bytes_before = offloaded_bytes_before
         self.peak_bytes = 0       # the device's true peak over the step's attempts that stood
         self.peak_where = 0
+        self.attempts_peak_bytes = 0   # ... and over every attempt, the abandoned included
         self.reruns: list[dict] = []   # step-level re-runs: scope and reason
 
     def note_peak(self, peak_bytes: int, where: int) -> None:
         if peak_bytes > self.peak_bytes:
             self.peak_bytes, self.peak_where = int(peak_bytes), where
+        self.note_attempt_peak(peak_bytes, where)
+
+    def note_attempt_peak(self, peak_bytes: int, where: int) -> None:
+        """The figure of an attempt about to be abandoned (before the device's peak is
+        reset for its re-run): the step's true peak includes it."""
+        self.attempts_peak_bytes = max(self.attempts_peak_bytes, int(peak_bytes))
 
     def restart(self, scope: str, reason: str) -> None:
         """The step is abandoned and runs again from its start: what it counted goes, except
@@ -78,7 +85,8 @@ class StepRecorder:
         imbalance = [self.imbalance.get(layer, 1.0) for layer in layers]
         return {
             "step": step, "policy": policy,
-            "peak_bytes": int(peak_bytes), "budget_bytes": budget_bytes,
+            "peak_bytes": max(int(peak_bytes), self.attempts_peak_bytes),
+            "rerun_peak_bytes": int(peak_bytes), "budget_bytes": budget_bytes,
             "peak_phase": peak_phase, "peak_layer": peak_layer,
             "reserved_bytes": int(reserved_bytes), "safety_net": list(self.reruns),
             "static_bytes": static_bytes,

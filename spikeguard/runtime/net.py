@@ -3,12 +3,15 @@
 One part of the guard (spikeguard.runtime.guard): every guarded forward of the model runs
 through `MicroBatchNet.forward`. Under "adaptive", a forward that runs out of memory is
 freed and run again with every layer recomputed; if even that does not fit, the error
-says the budget that would (measured with the emulated budget lifted).
+says the budget that would (measured with the emulated budget lifted, on one process).
 
-Under expert parallelism (an `OverflowAgreement` given, spikeguard.runtime.agreement) an
-adaptive rank that overflows finishes its forward anyway (its all-to-alls must match the
-others'), then the group agrees on one flag per micro-batch, so the adaptive ranks take
-the re-run together. The net reaches the guard only through its public surface.
+Under expert parallelism (an `OverflowAgreement` given, spikeguard.runtime.agreement) the
+device refuses as a GPU does, at once, on one rank: that rank frees its attempt, makes
+the exchanges its peers wait for and says so at the next flag point, where they learn it
+(`PeerFailed`); then the whole group holds the same notes and acts on them together: the
+micro-batch again with full recompute, the step again (`GroupFailure` of kind STEP, for
+spikeguard.runtime.step), or the job ends in one agreed line. The net reaches the guard
+only through its public surface.
 """
 
 from __future__ import annotations
@@ -21,28 +24,28 @@ import torch
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory
 from spikeguard.memory.budget import format_bytes
-from spikeguard.runtime.agreement import OverflowAgreement
-from spikeguard.runtime.device_state import GradSnapshot
+from spikeguard.runtime.agreement import (ABORT, MICRO_BATCH, STEP, GroupFailure, Note,
+                                          OverflowAgreement, PeerFailed, agreed_text,
+                                          unrecoverable, worst)
+from spikeguard.runtime.device_state import GradSnapshot, decode_where
 
 log = logging.getLogger("spikeguard")
 
 
+def failure_note(guard, kind: int, err: DeviceOutOfMemory, rank: int) -> Note:
+    """This rank's note of its own failure `err`: where the device stood, how far."""
+    phase, layer = decode_where(guard.meter.where())
+    needed = max(err.needed_bytes or 0, guard.meter.last_refusal()[1])
+    return Note(kind, rank, phase, guard.ctx.micro_batch, layer, int(needed),
+                guard.budget_bytes)
+
+
 class MicroBatchNet:
-    """Runs a guard's micro-batch forwards under the safety net; holds, in a deferred
-    step, the overflow of a micro-batch kept past the device (`take_held`)."""
+    """Runs a guard's micro-batch forwards under the safety net."""
 
     def __init__(self, guard, agreement: Optional[OverflowAgreement]):
         self.guard = guard
         self.agreement = agreement
-        self.step_defers = False              # the open step defers overflow to its end
-        self.held_overflow: tuple[int, int] = (0, 0)   # (bytes, position code)
-
-    def open_step(self, defers: bool) -> None:
-        self.step_defers, self.held_overflow = defers, (0, 0)
-
-    def take_held(self) -> tuple[int, int]:
-        held, self.held_overflow = self.held_overflow, (0, 0)
-        return held
 
     def forward(self, orig_forward, args, kwargs):
         """One micro-batch's forward; re-run whole with full recompute if it runs out."""
@@ -51,19 +54,27 @@ class MicroBatchNet:
         mb = step.micro_batches if step else 0
         try:
             return self.attempt(orig_forward, mb, args, kwargs)
+        except GroupFailure:
+            raise
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             if g.policy != "adaptive" or g.full_recompute:
                 raise g.device_oom(err) from None
             message = str(g.device_oom(err))
+        except _AgreedRerun as rerun:   # the group agreed: this micro-batch again
+            message = rerun.message
         # Safety net: free this micro-batch and run it again with everything recomputed.
         g.abandon_micro_batch(mb)
         if g.recorder:
             g.recorder.safety_net_reruns += 1
         log.warning("micro-batch %d ran out of memory (%s); re-running it with full recompute",
                     mb, message)
-        g.full_recompute = True
+        # Under a group a static rank runs it again as it is (its peers' re-run makes the
+        # same exchanges: the built-in ones are replayed, never re-issued, by a recompute).
+        g.full_recompute = g.policy == "adaptive"
         try:
             return self.attempt(orig_forward, mb, args, kwargs, last_try=True)
+        except GroupFailure:
+            raise
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             failure = str(g.device_oom(err))
         finally:
@@ -76,48 +87,54 @@ class MicroBatchNet:
             budget_bytes=g.budget_bytes)
 
     def attempt(self, orig_forward, mb, args, kwargs, last_try: bool = False):
-        """One forward of a micro-batch. Under expert parallelism every rank's guard takes
-        part in the agreement whatever its policy: if any rank overflowed, every rank
-        raises, so the adaptive ones take the net's re-run together. (A static policy that
-        overflows raises at once: that is the crash a real job would have.)
-
-        `last_try` (the net's full-recompute re-run) in a deferred step: the micro-batch
-        is kept however far it went and its overflow held for the step's end, where every
-        rank of the job agrees (runtime/step.py). Raising here would leave the forward on
-        this expert-parallel group only: a pipeline peer outside it would go on with the
-        step and meet this group's re-run in its sends and receives."""
+        """One forward of a micro-batch. Under expert parallelism every rank ends it at a
+        flag point whatever its policy and whatever happened (spikeguard.runtime.agreement):
+        a failed rank after settling what it owes, a rank that met a peer's note already
+        there, every other rank at the attempt's end. The group then holds the same notes."""
         g = self.guard
         if self.agreement is None:
             return g.forward_micro_batch(orig_forward, mb, args, kwargs)
-        adaptive = g.policy == "adaptive"
         if g.recorder is not None:   # what the step reached before this attempt stands
             g.recorder.note_peak(g.meter.peak(), g.meter.peak_where())
-        with g.window.deferring(adaptive), g.meter.deferred(adaptive):
+        self.agreement.begin_attempt(mb)
+        counted = g.recorder.micro_batches if g.recorder is not None else 0
+        mine: Optional[Note] = None
+        try:
             out = g.forward_micro_batch(orig_forward, mb, args, kwargs)
-        over = g.meter.take_overflow() if adaptive else 0
-        mine = g.window.take_held() or (DeviceOutOfMemory(
-            f"forward of micro-batch {mb} reached {format_bytes(over)} on a device of "
-            f"{format_bytes(g.budget_bytes)}", needed_bytes=over,
-            budget_bytes=g.budget_bytes) if over else None)
-        overflowed = self.agreement.any_overflowed(mine is not None)
-        if overflowed and last_try and self.step_defers:
-            if mine is not None:
-                reached = max(over, mine.needed_bytes or 0, g.budget_bytes + 1)
-                self.held_overflow = max(self.held_overflow,
-                                         (reached, g.meter.overflow_where()))
-            return out
-        if overflowed:
+        except PeerFailed as err:
+            notes = err.notes
+        except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+            err = g.device_oom(err)
+            adaptive = g.policy == "adaptive" and g.group_adaptive
+            kind = MICRO_BATCH if adaptive and not last_try else ABORT
+            mine = failure_note(g, kind, err, self.agreement.rank)
+        else:
+            notes = self.agreement.flag_point(Note())
+            if not notes:
+                return out
             del out
-            if g.recorder is not None:
+        if g.recorder is not None:
+            g.recorder.note_attempt_peak(g.meter.peak(), g.meter.peak_where())
+            if g.recorder.micro_batches > counted:
                 # The attempt finished its forward, so it was counted: un-count it, or the
                 # re-run and every later micro-batch would get the next number (and the
                 # pipeline's residency would read the wrong schedule position).
                 g.recorder.uncount_attempt()
-            gc.collect()
-            g.meter.reset_peak()   # the refused attempt's figure is not a peak survived
-            raise mine or DeviceOutOfMemory(
-                "another rank of the expert-parallel group ran out of memory")
-        return out
+        g.abandon_micro_batch(mb)   # the attempt's graph and saved tensors are freed first
+        if mine is not None:
+            notes = self.agreement.settle_forward(mine)
+        g.meter.reset_peak()   # recorded above: the re-run's figure starts afresh
+        return self.resolve(notes, last_try)
+
+    def resolve(self, notes: list, last_try: bool):
+        """What every rank does with the same notes (raises: the attempt is abandoned)."""
+        note = worst(notes)
+        g = self.guard
+        if note.kind == STEP:
+            raise GroupFailure(notes)
+        if note.kind == ABORT or last_try:
+            raise unrecoverable(notes, g.budget_bytes, tried_full=last_try)
+        raise _AgreedRerun(agreed_text(notes))
 
     def full_recompute_need(self, orig_forward, mb, args, kwargs) -> int:
         """The peak this micro-batch reaches under full recompute, measured with the emulated
@@ -148,6 +165,14 @@ class MicroBatchNet:
             g.full_recompute = False
             g.abandon_micro_batch(mb)
             snapshot.restore()
+
+
+class _AgreedRerun(Exception):
+    """The group agreed to run the micro-batch again (internal to the net)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 def num_tokens(args, kwargs) -> int:

@@ -8,13 +8,13 @@ are put back as they were before the step, and `fn` runs again with every layer
 recomputed: the data is the same, so the gradients are bitwise those of an uninterrupted
 run. `Guard.run_step(fn)` is this with one guard.
 
-Under a process group on the emulated device, an adaptive rank's overflow is deferred to
-the end of the step (the device counts past its capacity instead of refusing), and every
-rank's guards agree in one all-reduce whatever their policy (collectives must match): all
-re-run together, or all fail together, and no rank is left waiting in a collective. On
-CUDA an allocation past the device cannot be deferred: the step's net there reaches a
-rank's own OOM; a peer still inside a collective of that step is not released (written,
-not run here: no GPU).
+Under expert parallelism the device refuses as a GPU does, at once, on one rank
+(spikeguard.runtime.agreement): a rank that fails after a forward (in backward, or in a
+loss computed outside the model) frees the step, makes the reverse exchanges its peers
+wait for, and says so at one flag point; every other rank ends the step at a flag point
+of the same shape (or met the note already, in a later forward). The group then holds the
+same notes: every rank re-runs the step together, or every rank ends the job with the
+same line. One code path on CPU and CUDA.
 
 The optimizer step is not re-runnable (an update may be half applied): an out-of-memory
 there is reported, never retried.
@@ -27,48 +27,20 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
-from spikeguard.memory.budget import format_bytes
-from spikeguard.runtime.device_state import GradSnapshot, decode_where, place_text
+from spikeguard.runtime.agreement import (ABORT, STEP, GroupFailure, JobEnds, Note,
+                                          agreed_text, unrecoverable, worst)
+from spikeguard.runtime.device_state import GradSnapshot, where_code
 from spikeguard.runtime.interrupts import interrupts_not_swallowed
+from spikeguard.runtime.net import failure_note
 
 log = logging.getLogger("spikeguard")
 
 
-def agrees_per_step(guard) -> bool:
-    """Every guard of every rank agrees at the end of each step on the emulated device."""
-    return (not guard.meter.is_cuda and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1)
-
-
-def defers(guard) -> bool:
-    """An adaptive rank finishes its step before it fails, so no peer is left waiting."""
-    return guard.policy == "adaptive" and agrees_per_step(guard)
-
-
-def group_overflow(guards: Sequence, failed: Optional[dict] = None) -> Optional[str]:
-    """After a (deferred) step: did a guard of this rank, or of any rank, pass its device?
-    `failed`, if given, gets each overflowing guard's (position code, bytes), by id."""
-    if not guards or not agrees_per_step(guards[0]):
-        return None
-    mine = [(g, *g.take_step_overflow()) for g in guards]
-    if failed is not None:
-        failed.update({id(g): (where, over) for g, over, where in mine if over})
-    over = max((o for _, o, _ in mine), default=0)
-    flag = torch.tensor([1 if over else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
-        return None
-    if over:
-        guard, _, where = next(m for m in mine if m[1] == over)
-        phase, layer = decode_where(where)
-        place = place_text(phase, guard.ctx.micro_batch, layer, "")
-        place = place.split(", op")[0].replace("of micro-batch", "of a micro-batch")
-        return (f"the step reached {format_bytes(over)} on a device of "
-                f"{format_bytes(guard.budget_bytes)} ({place})")
-    return "another rank of the job ran out of memory in this step"
+def group_agreement(guards: Sequence):
+    """The agreement of the guards' expert-parallel group (None on one process)."""
+    return next((g.net.agreement for g in guards if g.net.agreement is not None), None)
 
 
 def _check_can_open(guards: Sequence) -> None:
@@ -85,9 +57,64 @@ def opened(guards: Sequence, recorders=None):
     with contextlib.ExitStack() as stack:
         stack.enter_context(interrupts_not_swallowed())
         for i, guard in enumerate(guards):
-            stack.enter_context(guard.step_scope(
-                defer=defers(guard), recorder=recorders[i] if recorders else None))
+            stack.enter_context(guard.step_scope(recorder=recorders[i] if recorders else None))
         yield
+
+
+def _attempt(guards: Sequence, fn, agreement, rerun: bool):
+    """One attempt at the step: (fn's value, None) or (None, the group's notes)."""
+    try:
+        result = fn()
+    except JobEnds:
+        raise
+    except GroupFailure as err:   # a peer's note met in a forward, or the net's verdict
+        return None, err.notes
+    except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+        err = guards[0].device_oom(err)
+        kind = STEP if guards[0].group_adaptive and not rerun else ABORT
+        mine = failure_note(guards[0], kind, err, agreement.rank)
+    else:
+        notes = agreement.flag_point(Note())   # the step's end: every rank makes one
+        return result, notes or None
+    for guard in guards:
+        guard.free_attempt()   # the attempt's graph and saved tensors, before the exchanges
+    return None, agreement.settle_backward(mine)
+
+
+def _run_group(guards: Sequence, fn, agreement):
+    """run_steps under an expert-parallel group; see the module docstring."""
+    snapshots = [GradSnapshot(g.model) for g in guards] if guards[0].group_adaptive else None
+    for rerun in (False, True):
+        with opened(guards, recorders=[g.recorder for g in guards] if rerun else None):
+            agreement.begin_step()
+            if rerun:
+                for guard in guards:
+                    guard.full_recompute = guard.policy == "adaptive"
+            try:
+                result, notes = _attempt(guards, fn, agreement, rerun)
+            finally:
+                for guard in guards:
+                    guard.full_recompute = False
+            if notes is None:
+                return result
+            note = worst(notes)
+            if note.kind == ABORT or rerun or snapshots is None:
+                raise unrecoverable(notes, guards[0].budget_bytes, tried_full=rerun)
+            failure = agreed_text(notes)
+            for guard, snapshot in zip(guards, snapshots):
+                guard.abandon_step(snapshot, _where_failed(guard, note, agreement.rank))
+        log.warning("step %d ran out of memory (%s); re-running it with full recompute",
+                    len(guards[0].history), failure)
+        for guard in guards:
+            guard.recorder.restart("step", failure)
+
+
+def _where_failed(guard, note: Note, rank: int) -> tuple[int, int]:
+    """(position code, bytes) of this rank's own failure, for the layer peaks to learn
+    from; (0, 0) where the failure was a peer's."""
+    if note.rank != rank or not note.needed_bytes:
+        return 0, 0
+    return where_code(note.phase, note.layer, note.micro_batch), note.needed_bytes
 
 
 def run_steps(guards: Sequence, fn: Callable[[], object]):
@@ -96,69 +123,79 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
         raise UsageError(f"run_step() needs a callable, got {type(fn).__name__}")
     guards = list(guards)
     _check_can_open(guards)
-    adaptive = all(g.policy == "adaptive" for g in guards)
-    snapshots = [GradSnapshot(g.model) for g in guards] if adaptive else None
-    failure = None
-    failed: dict[int, tuple[int, int]] = {}   # guard id -> (position code, bytes refused)
+    agreement = group_agreement(guards)
     try:
-        with opened(guards):
-            try:
-                result = fn()
-                failure = group_overflow(guards, failed)
-            except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-                if snapshots is None or any(g.full_recompute for g in guards):
-                    raise guards[0].device_oom(err) from None
-                failure = str(guards[0].device_oom(err))
-                for guard in guards:   # where the refused allocation was, and how far
-                    failed[id(guard)] = (guard.meter.where(), guard.meter.last_refusal()[1])
-            if failure is not None and snapshots is None:
-                raise DeviceOutOfMemory(f"step {len(guards[0].history)}: {failure}",
-                                        budget_bytes=guards[0].budget_bytes)
-            if failure is not None:
-                for guard, snapshot in zip(guards, snapshots):
-                    guard.abandon_step(snapshot, failed.get(id(guard), (0, 0)))
-        if failure is None:
-            return result
-        log.warning("step %d ran out of memory (%s); re-running it with full recompute",
-                    len(guards[0].history), failure)
-        for guard in guards:
-            guard.recorder.restart("step", failure)
-        with opened(guards, recorders=[g.recorder for g in guards]):
-            for guard in guards:
-                guard.full_recompute = True
-            try:
-                result = fn()
-            except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-                raise BudgetInfeasible(
-                    f"even full recompute does not fit: {guards[0].device_oom(err)}",
-                    budget_bytes=guards[0].budget_bytes) from None
-            finally:
-                for guard in guards:
-                    guard.full_recompute = False
-            failure = group_overflow(guards)
-            if failure is not None:
-                raise BudgetInfeasible(f"even full recompute does not fit: {failure}",
-                                       budget_bytes=guards[0].budget_bytes)
-            return result
+        if agreement is not None:
+            return _run_group(guards, fn, agreement)
+        return _run_alone(guards, fn)
     finally:
         for guard in guards:
             if guard.recorder is not None:
                 guard.finish_step()
 
 
+def _run_alone(guards: Sequence, fn):
+    """run_steps on one process: the rank decides alone."""
+    adaptive = all(g.policy == "adaptive" for g in guards)
+    snapshots = [GradSnapshot(g.model) for g in guards] if adaptive else None
+    with opened(guards):
+        try:
+            return fn()
+        except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+            if snapshots is None or any(g.full_recompute for g in guards):
+                raise guards[0].device_oom(err) from None
+            failure = str(guards[0].device_oom(err))
+            failed = [(g.meter.where(), g.meter.last_refusal()[1]) for g in guards]
+        for guard, snapshot, where in zip(guards, snapshots, failed):
+            guard.abandon_step(snapshot, where)
+    log.warning("step %d ran out of memory (%s); re-running it with full recompute",
+                len(guards[0].history), failure)
+    for guard in guards:
+        guard.recorder.restart("step", failure)
+    with opened(guards, recorders=[g.recorder for g in guards]):
+        for guard in guards:
+            guard.full_recompute = True
+        try:
+            return fn()
+        except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+            raise BudgetInfeasible(
+                f"even full recompute does not fit: {guards[0].device_oom(err)}",
+                budget_bytes=guards[0].budget_bytes) from None
+        finally:
+            for guard in guards:
+                guard.full_recompute = False
+
+
 @contextlib.contextmanager
 def step_context(guard):
-    """`with guard.step():` the same scope, whose net reaches forward only."""
+    """`with guard.step():` the same scope, whose net reaches forward only (a context
+    manager cannot re-run its body). Under a group its end is a flag point too: a rank
+    that ran out after a forward settles and every rank raises the same agreed error."""
     _check_can_open([guard])
+    agreement = guard.net.agreement
     try:
         with opened([guard]):
+            if agreement is not None:
+                agreement.begin_step()
+            mine = None
             try:
                 yield guard
-            except torch.OutOfMemoryError as err:
-                raise guard.device_oom(err) from None
-            failure = group_overflow([guard])
-            if failure is not None:   # every rank raises together: none is left waiting
-                raise DeviceOutOfMemory(f"step {len(guard.history)}: {failure}",
-                                        budget_bytes=guard.budget_bytes)
+            except JobEnds:
+                raise
+            except GroupFailure as err:
+                raise unrecoverable(err.notes, guard.budget_bytes, tried_full=False) from None
+            except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
+                err = guard.device_oom(err)
+                if agreement is None:
+                    raise err from None
+                mine = failure_note(guard, ABORT, err, agreement.rank)
+            if agreement is not None:
+                if mine is not None:
+                    guard.free_attempt()
+                    notes = agreement.settle_backward(mine)
+                else:
+                    notes = agreement.flag_point(Note())
+                if notes:
+                    raise unrecoverable(notes, guard.budget_bytes, tried_full=False)
     finally:
         guard.finish_step()

@@ -11,13 +11,12 @@ offload engine's prefetch switch, the open step's recorder); its own state is de
 `__init__`: what it remembers of earlier decisions (`seen`), the micro-batch it is in
 (`num_tokens`, `grads_to_come`, `layer_entry_in_use`), each resident micro-batch's
 predicted backward above the in-use its forward left (`pending_backward`; during its own
-forward, the largest backward peak predicted so far), and, under expert parallelism, the
-infeasible plan it held back instead of raising mid-forward (`deferring`).
+forward, the largest backward peak predicted so far). An infeasible plan raises at once
+(BudgetInfeasible), under expert parallelism too: the net's protocol settles it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from typing import Callable, Optional
@@ -77,8 +76,6 @@ class DecisionWindow:
         self.pending_backward: dict[int, int] = {}
         # mb -> (largest backward peak predicted, largest excess over its decision's in-use)
         self._backward_peak: dict[int, tuple[int, int]] = {}
-        self._defers = False
-        self._held: Optional[BudgetInfeasible] = None
 
     # ---- what the guard tells the window ----------------------------------------------
     def begin_micro_batch(self, num_tokens: int, grads_to_come: dict[int, int]) -> None:
@@ -136,21 +133,6 @@ class DecisionWindow:
     def _head_backward_starts(self, mb: int, num_tokens: int, grad) -> None:
         self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
 
-    @contextlib.contextmanager
-    def deferring(self, on: bool):
-        """Under expert parallelism a rank must not stop mid-forward (the others would wait
-        in the next all-to-all): inside, a plan found infeasible is held (`take_held`) and
-        the least plan runs; the group decides together once the forward is done."""
-        self._defers, self._held = on, None
-        try:
-            yield
-        finally:
-            self._defers = False
-
-    def take_held(self) -> Optional[BudgetInfeasible]:
-        held, self._held = self._held, None
-        return held
-
     # ---- the decision -----------------------------------------------------------------
     def decide(self, layer: int, num_routed: int) -> Decision:
         start = time.perf_counter()
@@ -158,14 +140,12 @@ class DecisionWindow:
             decision = self.planner.fixed(STATIC_PLANS[self.policy], num_routed)
         else:
             decision = self._adaptive(layer, num_routed)
-            if decision is None:   # held back under deferral: no timing recorded
-                return self.planner.least(num_routed)
         step = self.recorder()
         if step is not None:
             step.plan_us.append((time.perf_counter() - start) * 1e6)
         return decision
 
-    def _adaptive(self, layer: int, num_routed: int) -> Optional[Decision]:
+    def _adaptive(self, layer: int, num_routed: int) -> Decision:
         mb = self.ctx.micro_batch
         layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
         # What the layer's entry check will expect of the next layers: the device's growth
@@ -193,9 +173,6 @@ class DecisionWindow:
         try:
             decision = self.planner.decide(*room.planner_args())
         except BudgetInfeasible as err:
-            if self._defers:  # finish the forward; the group decides after
-                self._held = self._held or err
-                return None
             raise BudgetInfeasible(
                 f"micro-batch {mb}, layer {layer}: {err}; a budget of at least "
                 f"{format_bytes(self.budget_bytes + err.needed_bytes)} would let the "

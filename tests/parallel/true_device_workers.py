@@ -10,6 +10,7 @@ gradients (expert slice plus the all-reduced replicated ones) and the step recor
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -74,11 +75,6 @@ def _phase_peaks(model, guard, data, world_size: int) -> dict:
     (gloo's own buffers, allocated on its threads, are not seen: they only add margin).
     The guard's host copy of the gradients before the step is host memory: marked so."""
     meter = LiveMeter(baseline_tensors=model_state_tensors(model))
-    snapshot_init = device_state.GradSnapshot.__init__
-
-    def host_snapshot(self, *args):
-        with meter.host_scope():
-            snapshot_init(self, *args)
     peaks = {"forward": 0, "backward": 0}
     add = meter._add
 
@@ -87,13 +83,25 @@ def _phase_peaks(model, guard, data, world_size: int) -> dict:
         if meter.phase in peaks:
             peaks[meter.phase] = max(peaks[meter.phase], meter.live_bytes)
     meter._add = tracked
+    with meter, snapshots_on_host(meter):
+        guard.run_step(_step_fn(model, data, world_size, meter))
+    return peaks
+
+
+@contextlib.contextmanager
+def snapshots_on_host(meter):
+    """The guard's copy of the gradients before a step is host memory: marked so for the
+    meter (which otherwise counts every storage made inside it)."""
+    snapshot_init = device_state.GradSnapshot.__init__
+
+    def host_snapshot(self, *args):
+        with meter.host_scope():
+            snapshot_init(self, *args)
     device_state.GradSnapshot.__init__ = host_snapshot
     try:
-        with meter:
-            guard.run_step(_step_fn(model, data, world_size, meter))
+        yield
     finally:
         device_state.GradSnapshot.__init__ = snapshot_init
-    return peaks
 
 
 def _save(model, guard, name: str, rank: int, out_dir: str, **extra) -> None:
@@ -126,8 +134,10 @@ def forced_backward_oom_worker(rank: int, world_size: int, store_path: str, out_
         guard = spikeguard.attach(model, budget=budget, policy="adaptive")
         if rank == forced_rank:
             blind_prevention(guard)
-        guard.run_step(_step_fn(model, data, world_size))
-        _save(model, guard, "forced", rank, out_dir, budget=budget)
+        meter = LiveMeter(baseline_tensors=model_state_tensors(model))
+        with meter, snapshots_on_host(meter):
+            guard.run_step(_step_fn(model, data, world_size))
+        _save(model, guard, "forced", rank, out_dir, budget=budget, meter_peak=meter.peak_bytes)
         guard.detach()
         del model, guard
     except BaseException:
