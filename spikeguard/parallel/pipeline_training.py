@@ -140,9 +140,12 @@ class PipelineRank:
                 # micro-batch's log-probabilities (B x T x V each) until the step ends.
                 self.schedule.step(*args, return_outputs=False, **kwargs)
 
-        # One step of every guard of this rank, with the net that reaches backward: every
-        # rank of the job agrees at its end and re-runs it together if any overflowed.
-        run_steps(self.guards, micro_batches)
+        # One step of every guard of this rank. A micro-batch's forward that runs out is
+        # run again inside the stage (its EP group agrees); a failure the step would have
+        # to re-run ends the job, agreed by the stage's EP group: the other stages are in
+        # the schedule's sends and receives, which a re-run here alone would not match
+        # (the launcher ends them: spikeguard.parallel.launch).
+        run_steps(self.guards, micro_batches, rerunnable=False)
         self._reduce_expert_grads()
         return losses
 

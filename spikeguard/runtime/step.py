@@ -81,9 +81,10 @@ def _attempt(guards: Sequence, fn, agreement, rerun: bool):
     return None, agreement.settle_backward(mine)
 
 
-def _run_group(guards: Sequence, fn, agreement):
+def _run_group(guards: Sequence, fn, agreement, rerunnable: bool):
     """run_steps under an expert-parallel group; see the module docstring."""
-    snapshots = [GradSnapshot(g.model) for g in guards] if guards[0].group_adaptive else None
+    snapshots = ([GradSnapshot(g.model) for g in guards]
+                 if guards[0].group_adaptive and rerunnable else None)
     for rerun in (False, True):
         with opened(guards, recorders=[g.recorder for g in guards] if rerun else None):
             agreement.begin_step()
@@ -117,8 +118,12 @@ def _where_failed(guard, note: Note, rank: int) -> tuple[int, int]:
     return where_code(note.phase, note.layer, note.micro_batch), note.needed_bytes
 
 
-def run_steps(guards: Sequence, fn: Callable[[], object]):
-    """Run `fn()` as one step of every guard in `guards`; see the module docstring."""
+def run_steps(guards: Sequence, fn: Callable[[], object], rerunnable: bool = True):
+    """Run `fn()` as one step of every guard in `guards`; see the module docstring.
+
+    `rerunnable=False` (a pipeline stage: its peers outside the EP group are inside the
+    schedule's sends and receives, which a re-run on this stage alone would not match):
+    a failure that would re-run the step ends the job instead, agreed by the group."""
     if not callable(fn):
         raise UsageError(f"run_step() needs a callable, got {type(fn).__name__}")
     guards = list(guards)
@@ -126,17 +131,17 @@ def run_steps(guards: Sequence, fn: Callable[[], object]):
     agreement = group_agreement(guards)
     try:
         if agreement is not None:
-            return _run_group(guards, fn, agreement)
-        return _run_alone(guards, fn)
+            return _run_group(guards, fn, agreement, rerunnable)
+        return _run_alone(guards, fn, rerunnable)
     finally:
         for guard in guards:
             if guard.recorder is not None:
                 guard.finish_step()
 
 
-def _run_alone(guards: Sequence, fn):
+def _run_alone(guards: Sequence, fn, rerunnable: bool):
     """run_steps on one process: the rank decides alone."""
-    adaptive = all(g.policy == "adaptive" for g in guards)
+    adaptive = all(g.policy == "adaptive" for g in guards) and rerunnable
     snapshots = [GradSnapshot(g.model) for g in guards] if adaptive else None
     with opened(guards):
         try:

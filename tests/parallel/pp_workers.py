@@ -149,8 +149,8 @@ def _metered_step(prank: PipelineRank, tokens) -> tuple[list, int]:
 def _squeeze(guard, module, micro_batch: int, times: int) -> None:
     """The first MoE layer of `micro_batch` holds, for its forward, a temporary that takes
     the device 1 KiB past its budget, in the first `times` forwards of that micro-batch.
-    Deferred (adaptive under a process group), the device counts it and the guard's net
-    sees the overflow; nothing in the planner knew of it."""
+    The device refuses the allocation after it (as a GPU would) and the guard's net
+    catches it; nothing in the planner knew of it."""
     block, left, held = module.moe_blocks()[0], [times], []
 
     def pre(mod, args):

@@ -93,3 +93,26 @@ def test_run_step_under_any_mix_of_policies_keeps_the_group_in_step(tmp_path, po
                 store_path=tmp_path / "store", timeout_s=MIXED_TIMEOUT_S)
     for rank in range(WORLD):
         assert _load(tmp_path, "mixed", rank)["steps"] == 3
+
+
+def test_forward_oom_on_one_rank_reruns_the_micro_batch_on_both(tmp_path):
+    """Rank 1 alone runs out in a forward (prevention blinded, a budget between full
+    recompute's step peak and the all-saved forward peak): it frees the attempt, makes the
+    exchanges its peer waits for and flags the next flag point; both ranks run that
+    micro-batch again with full recompute, the step needs no step-level re-run, and the
+    gradients are bitwise the uninterrupted job's. No rank's meter passes its budget."""
+    run_spawned(workers.forced_forward_oom_worker, WORLD, (str(tmp_path), 1),
+                store_path=tmp_path / "store", timeout_s=SPAWN_TIMEOUT_S)
+    forced1 = _load(tmp_path, "fwd_forced", 1)
+    assert forced1["full_peak"] < forced1["budget"] < forced1["forward_peak"], forced1
+    for rank in range(WORLD):
+        ceiling, forced = _load(tmp_path, "fwd_ceiling", rank), _load(tmp_path, "fwd_forced", rank)
+        record = forced["record"]
+        assert record["safety_net_reruns"] >= 1 and record["safety_net"] == [], (rank, record)
+        assert record["micro_batches"] == len(workers.MICRO_BATCH_SIZES), record
+        expected, actual = ceiling["grads"], forced["grads"]
+        differ = [n for n in expected
+                  if actual[n] is None or not torch.equal(expected[n], actual[n])]
+        assert not differ, f"rank {rank}: gradients differ from the uninterrupted job: {differ}"
+        assert forced["meter_peak"] <= forced["budget"], (rank, forced["meter_peak"])
+        assert record["peak_bytes"] <= forced["budget"], (rank, record)

@@ -164,3 +164,53 @@ def mixed_policy_run_step_worker(rank: int, world_size: int, store_path: str, ou
         torch.distributed.destroy_process_group()
         raise
     close_gloo()
+
+
+def _metered_peak(model, guard, data, world_size: int) -> tuple[int, int]:
+    """(whole step's peak, forward's peak) of one run_step, from the independent meter."""
+    peaks = _phase_peaks(model, guard, data, world_size)
+    return max(peaks.values()), peaks["forward"]
+
+
+def forced_forward_oom_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                              forced_rank: int) -> None:
+    """'fwd_ceiling': adaptive, huge budget. Then the budget of `forced_rank` halfway
+    between full recompute's whole-step peak and the ceiling's forward peak, its
+    prevention blinded: its forward runs out (everything saved), the micro-batch's re-run
+    with full recompute fits, forward and backward. Skipped (saved as such) if this model
+    has no such budget."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        data = _data(rank)
+        model = _warm_model(rank, world_size)
+        guard = spikeguard.attach(model, budget=HUGE, policy="adaptive")
+        _, forward_peak = _metered_peak(model, guard, data, world_size)
+        _save(model, guard, "fwd_ceiling", rank, out_dir)
+        guard.detach()
+        model = _warm_model(rank, world_size)
+        guard = spikeguard.attach(model, budget=HUGE, policy="full")
+        full_peak, _ = _metered_peak(model, guard, data, world_size)
+        guard.detach()
+        del model, guard
+
+        window = torch.tensor([full_peak, forward_peak])
+        torch.distributed.broadcast(window, src=forced_rank)
+        full_peak, forward_peak = window.tolist()
+        budget = HUGE
+        if rank == forced_rank:
+            budget = (full_peak + forward_peak) // 2
+        model = _warm_model(rank, world_size)
+        guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+        if rank == forced_rank:
+            blind_prevention(guard)
+        meter = LiveMeter(baseline_tensors=model_state_tensors(model))
+        with meter, snapshots_on_host(meter):
+            guard.run_step(_step_fn(model, data, world_size))
+        _save(model, guard, "fwd_forced", rank, out_dir, budget=budget,
+              meter_peak=meter.peak_bytes, full_peak=full_peak, forward_peak=forward_peak)
+        guard.detach()
+        del model, guard
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
