@@ -54,6 +54,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _agreed_elsewhere(exc: DeviceOutOfMemory) -> bool:
+    """The job ends on an agreed failure (every rank holds the same line): only the rank
+    that ran out prints it. The others exit 3 a moment later, so that a launcher sees that
+    rank first and names it (its own SIGTERM then ends the rest)."""
+    from spikeguard.runtime.agreement import JobEnds, worst
+
+    if not isinstance(exc, JobEnds) or "RANK" not in os.environ:
+        return False
+    if int(os.environ["RANK"]) == worst(exc.notes).rank:
+        return False
+    import time
+    time.sleep(2.0)
+    return True
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -145,6 +160,8 @@ def _run(argv: Optional[Sequence[str]]) -> int:
         print(f"spikeguard: error: {_one_line(exc)}", file=sys.stderr)
         return 3
     except DeviceOutOfMemory as exc:
+        if _agreed_elsewhere(exc):
+            return 3
         rank = f" on rank {os.environ['RANK']}" if "RANK" in os.environ else ""
         _stderr_line(f"spikeguard: out of memory{rank}: {_one_line(exc)}")
         return 3

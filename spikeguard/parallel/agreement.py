@@ -47,10 +47,11 @@ class GroupAgreement:
         if self.journal is not None:
             return self.journal.flag_point(None, note, self.device)[1]
         mine = torch.tensor(note.as_list(), dtype=torch.int64, device=self.device)
-        out = torch.empty(dist.get_world_size(self.group), NOTE_FIELDS, dtype=torch.int64,
+        out = torch.empty(dist.get_world_size(self.group) * NOTE_FIELDS, dtype=torch.int64,
                           device=self.device)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
-        return [n for n in (Note(*row) for row in out.tolist()) if n.kind != NONE]
+        dist.all_gather_into_tensor(out, mine, group=self.group)   # gloo: a flat output
+        return [n for n in (Note(*row) for row in out.view(-1, NOTE_FIELDS).tolist())
+                if n.kind != NONE]
 
     def settle_forward(self, note: Note) -> list[Note]:
         if self.journal is not None:

@@ -132,6 +132,13 @@ class ExchangeJournal:
         if micro_batch is None:
             owed = self.backward_owed()
             micro_batch = owed[-1] if owed else None
+        if micro_batch is not None:
+            self.settle_reverse(micro_batch)
+        return self.flag_point(None, note, device)[1]
+
+    def settle_reverse(self, micro_batch: int) -> None:
+        """The reverse exchanges of `micro_batch` that its backward has not made yet, in
+        the order its peers' backward makes them (last layer first), with zeros."""
         for entry in reversed([e for e in self.exchanges if e.micro_batch == micro_batch]):
             if not entry.combine_reversed:   # the gradient of N rows out, of M rows in
                 self._exchange(entry, entry.send_splits, entry.recv_splits)
@@ -139,7 +146,6 @@ class ExchangeJournal:
             if not entry.dispatch_reversed:  # the gradient of M rows out, of N rows in
                 self._exchange(entry, entry.recv_splits, entry.send_splits)
                 entry.dispatch_reversed = True
-        return self.flag_point(None, note, device)[1]
 
     def backward_owed(self) -> list[int]:
         """Micro-batches, in forward order, with a reverse exchange still to make."""

@@ -22,7 +22,8 @@ to float rounding (tests/parallel/test_parallel_pp.py states the tolerance).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.parallel.expert_parallel import expert_parameters, parallelize_experts
 from spikeguard.parallel.mesh import SCHEDULES, MeshGroups
 from spikeguard.plan.residency import Residency, attach_residency
+from spikeguard.parallel.pipeline_recovery import PipelineRecovery
 from spikeguard.parallel.pipeline_stages import pipeline_stage, stage_loss, stage_module
 from spikeguard.runtime.step import run_steps
 
@@ -70,6 +72,8 @@ class PipelineRank:
         self.residencies: list[Residency] = []
         self.use_residency = residency
         self.schedule = None
+        self.recovery: Optional[PipelineRecovery] = None
+        self.keep_grads = False
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
 
@@ -113,11 +117,20 @@ class PipelineRank:
             self.wrapped = [self._wrap(m) for m in self.modules.stages]
             stages = [pipeline_stage(w, s, self.num_stages, shape, group=self.groups.pp_group)
                       for w, s in zip(self.wrapped, self.stage_ids)]
+            loss_fn = stage_loss
+            if self.guards:   # a rank that runs out plays the rest of the step as a ghost
+                self.recovery = PipelineRecovery(
+                    self.guards, stages, self.guards[0].net.agreement)
+                loss_fn = functools.partial(self.recovery.loss, stage_loss)
+                # Whether some rank of the job may re-run a step (every rank builds).
+                adaptive = torch.tensor([int(any(g.policy == "adaptive" for g in self.guards))])
+                dist.all_reduce(adaptive, op=dist.ReduceOp.MAX)
+                self.keep_grads = bool(adaptive.item())
             if self.schedule_name == "interleaved":
                 self.schedule = ScheduleInterleaved1F1B(stages, self.micro_batches,
-                                                        loss_fn=stage_loss)
+                                                        loss_fn=loss_fn)
             else:
-                self.schedule = Schedule1F1B(stages[0], self.micro_batches, loss_fn=stage_loss)
+                self.schedule = Schedule1F1B(stages[0], self.micro_batches, loss_fn=loss_fn)
         self.residencies = [attach_residency(g, self.schedule, s, self.groups.pp_rank,
                                              enabled=self.use_residency)
                             for g, s in zip(self.guards, self.stage_ids)]
@@ -129,8 +142,13 @@ class PipelineRank:
             self._build()
         losses: list = []
 
+        attempts = [0]
+
         def micro_batches() -> None:
             losses.clear()   # a re-run of the step by the guards' safety net starts afresh
+            if self.recovery is not None:
+                self.recovery.begin_step(rerun=attempts[0] > 0)
+            attempts[0] += 1
             for residency in self.residencies:
                 residency.begin_step()
             args = (idx_BT,) if self.has_first else ()
@@ -141,11 +159,15 @@ class PipelineRank:
                 self.schedule.step(*args, return_outputs=False, **kwargs)
 
         # One step of every guard of this rank. A micro-batch's forward that runs out is
-        # run again inside the stage (its EP group agrees); a failure the step would have
-        # to re-run ends the job, agreed by the stage's EP group: the other stages are in
-        # the schedule's sends and receives, which a re-run here alone would not match
-        # (the launcher ends them: spikeguard.parallel.launch).
-        run_steps(self.guards, micro_batches, rerunnable=False)
+        # run again inside the stage (its EP group agrees); any other failure makes this
+        # rank a ghost for the rest of the schedule, and at its end every rank of the job
+        # holds the same notes: all re-run the step together, or all end the job
+        # (spikeguard.parallel.pipeline_recovery).
+        if self.guards:
+            run_steps(self.guards, micro_batches, step_end=self.recovery.step_end,
+                      keep_grads=self.keep_grads)
+        else:
+            micro_batches()
         self._reduce_expert_grads()
         return losses
 

@@ -27,6 +27,7 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
 from spikeguard.runtime.agreement import (ABORT, STEP, GroupFailure, JobEnds, Note,
@@ -81,10 +82,9 @@ def _attempt(guards: Sequence, fn, agreement, rerun: bool):
     return None, agreement.settle_backward(mine)
 
 
-def _run_group(guards: Sequence, fn, agreement, rerunnable: bool):
+def _run_group(guards: Sequence, fn, agreement):
     """run_steps under an expert-parallel group; see the module docstring."""
-    snapshots = ([GradSnapshot(g.model) for g in guards]
-                 if guards[0].group_adaptive and rerunnable else None)
+    snapshots = [GradSnapshot(g.model) for g in guards] if guards[0].group_adaptive else None
     for rerun in (False, True):
         with opened(guards, recorders=[g.recorder for g in guards] if rerun else None):
             agreement.begin_step()
@@ -110,6 +110,36 @@ def _run_group(guards: Sequence, fn, agreement, rerunnable: bool):
             guard.recorder.restart("step", failure)
 
 
+def _run_pipeline(guards: Sequence, fn, step_end, keep_grads: bool):
+    """run_steps on a pipeline rank: the step's notes come from `step_end`."""
+    snapshots = [GradSnapshot(g.model) for g in guards] if keep_grads else None
+    for rerun in (False, True):
+        with opened(guards, recorders=[g.recorder for g in guards] if rerun else None):
+            for guard in guards:
+                if guard.net.agreement is not None:
+                    guard.net.agreement.begin_step()
+                guard.full_recompute = rerun and guard.policy == "adaptive"
+            try:
+                result = fn()
+            finally:
+                for guard in guards:
+                    guard.full_recompute = False
+            notes = step_end()
+            if not notes:
+                return result
+            note = worst(notes)
+            if note.kind == ABORT or rerun or snapshots is None:
+                raise unrecoverable(notes, guards[0].budget_bytes, tried_full=rerun)
+            failure = agreed_text(notes)
+            rank = dist.get_rank() if dist.is_initialized() else -1
+            for guard, snapshot in zip(guards, snapshots):
+                guard.abandon_step(snapshot, _where_failed(guard, note, rank))
+        log.warning("step %d ran out of memory (%s); re-running it with full recompute",
+                    len(guards[0].history), failure)
+        for guard in guards:
+            guard.recorder.restart("step", failure)
+
+
 def _where_failed(guard, note: Note, rank: int) -> tuple[int, int]:
     """(position code, bytes) of this rank's own failure, for the layer peaks to learn
     from; (0, 0) where the failure was a peer's."""
@@ -118,30 +148,35 @@ def _where_failed(guard, note: Note, rank: int) -> tuple[int, int]:
     return where_code(note.phase, note.layer, note.micro_batch), note.needed_bytes
 
 
-def run_steps(guards: Sequence, fn: Callable[[], object], rerunnable: bool = True):
+def run_steps(guards: Sequence, fn: Callable[[], object],
+              step_end: Optional[Callable[[], list]] = None, keep_grads: bool = True):
     """Run `fn()` as one step of every guard in `guards`; see the module docstring.
 
-    `rerunnable=False` (a pipeline stage: its peers outside the EP group are inside the
-    schedule's sends and receives, which a re-run on this stage alone would not match):
-    a failure that would re-run the step ends the job instead, agreed by the group."""
+    `step_end` (a pipeline rank: spikeguard.parallel.pipeline_recovery): `fn` never
+    raises a device failure, its stages play the schedule to its end as ghosts, and
+    `step_end()` returns every rank's notes of the step, the same on every rank of the
+    job. `keep_grads`: whether some rank of the job may re-run (it then keeps the
+    gradients to put back)."""
     if not callable(fn):
         raise UsageError(f"run_step() needs a callable, got {type(fn).__name__}")
     guards = list(guards)
     _check_can_open(guards)
     agreement = group_agreement(guards)
     try:
+        if step_end is not None:
+            return _run_pipeline(guards, fn, step_end, keep_grads)
         if agreement is not None:
-            return _run_group(guards, fn, agreement, rerunnable)
-        return _run_alone(guards, fn, rerunnable)
+            return _run_group(guards, fn, agreement)
+        return _run_alone(guards, fn)
     finally:
         for guard in guards:
             if guard.recorder is not None:
                 guard.finish_step()
 
 
-def _run_alone(guards: Sequence, fn, rerunnable: bool):
+def _run_alone(guards: Sequence, fn):
     """run_steps on one process: the rank decides alone."""
-    adaptive = all(g.policy == "adaptive" for g in guards) and rerunnable
+    adaptive = all(g.policy == "adaptive" for g in guards)
     snapshots = [GradSnapshot(g.model) for g in guards] if adaptive else None
     with opened(guards):
         try:
