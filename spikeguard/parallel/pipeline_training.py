@@ -188,16 +188,10 @@ class PipelineRank:
             return
         grads = [p.grad for m in self.modules.stages for p in expert_parameters(m)
                  if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.groups.dp_group is not None:
-            dist.all_reduce(flat, group=self.groups.dp_group)
-        flat /= self.groups.num_shards
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g in grads:   # in place, one at a time: no flat copy on the device
+            if self.groups.dp_group is not None:
+                dist.all_reduce(g, group=self.groups.dp_group)
+            g /= self.groups.num_shards
 
     # ---- gradient norm over the whole mesh -------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -187,6 +187,10 @@ class Guard:
             raise UsageError("this guard is not attached (detach() was already called)")
         self.wiring.remove(self.recomputed_modules)
         self.model._spikeguard = None
+        # Nothing of the guard outlives it: a block's aux loss holds a graph whose tensor
+        # hooks are the guard's; the host pool is pinned memory on CUDA.
+        self.free_attempt()
+        self.engine.pool.clear()
         self.meter.close()
 
     @property
@@ -286,7 +290,8 @@ class Guard:
         gc.collect()   # the failed step's graph (and its saved tensors) go with it
         # torch 2.13 keeps the nodes still queued when a backward raised, and what they
         # saved, until the next backward runs on this thread: one empty backward frees them.
-        (torch.ones((), requires_grad=True) * 1).backward()
+        with self.meter.unlimited():   # 4 bytes of bookkeeping, below any budget's notice
+            (torch.ones((), requires_grad=True) * 1).backward()
         self.ledger.clear()
         self.tracker.holders.clear()
         self.engine.end_forward()
@@ -298,6 +303,19 @@ class Guard:
             previous = self.position.set_where(PHASE_OPTIMIZER, -1)
             try:
                 return orig_step(*args, **kwargs)
+            except torch.OutOfMemoryError as err:
+                raise self.device_oom(err) from None
+            finally:
+                self.meter.set_where(previous)
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """Work outside a step that the device holds too (the gradients' reduction and
+        clipping after `run_step`): active and enforcing; an out-of-memory is one line."""
+        with self.meter.active(), self.meter.enforcing():
+            previous = self.position.set_where(PHASE_OPTIMIZER, -1)
+            try:
+                yield self
             except torch.OutOfMemoryError as err:
                 raise self.device_oom(err) from None
             finally:

@@ -61,13 +61,14 @@ class MicroBatchNet:
                 raise g.device_oom(err) from None
             message = str(g.device_oom(err))
         except _AgreedRerun as rerun:   # the group agreed: this micro-batch again
-            message = rerun.message
+            message = rerun.message if rerun.mine else ""
         # Safety net: free this micro-batch and run it again with everything recomputed.
         g.abandon_micro_batch(mb)
         if g.recorder:
             g.recorder.safety_net_reruns += 1
-        log.warning("micro-batch %d ran out of memory (%s); re-running it with full recompute",
-                    mb, message)
+        if message:   # agreed under a group: said once, by the rank that ran out
+            log.warning("micro-batch %d ran out of memory (%s); re-running it with full "
+                        "recompute", mb, message)
         # Under a group a static rank runs it again as it is (its peers' re-run makes the
         # same exchanges: the built-in ones are replayed, never re-issued, by a recompute).
         g.full_recompute = g.policy == "adaptive"
@@ -134,7 +135,7 @@ class MicroBatchNet:
             raise GroupFailure(notes)
         if note.kind == ABORT or last_try:
             raise unrecoverable(notes, g.budget_bytes, tried_full=last_try)
-        raise _AgreedRerun(agreed_text(notes))
+        raise _AgreedRerun(agreed_text(notes), note.rank == self.agreement.rank)
 
     def full_recompute_need(self, orig_forward, mb, args, kwargs) -> int:
         """The peak this micro-batch reaches under full recompute, measured with the emulated
@@ -170,9 +171,9 @@ class MicroBatchNet:
 class _AgreedRerun(Exception):
     """The group agreed to run the micro-batch again (internal to the net)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, mine: bool):
         super().__init__(message)
-        self.message = message
+        self.message, self.mine = message, mine
 
 
 def num_tokens(args, kwargs) -> int:

@@ -46,6 +46,11 @@ class HostPool:
         with device_memory.host():
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
+    def clear(self) -> None:
+        """Drop every free buffer (detach: pinned host memory is given back on CUDA)."""
+        self._free.clear()
+        self.allocated_bytes = 0
+
     def give_back(self, buf: torch.Tensor) -> None:
         self._free[buf.numel()].append(buf)
 

@@ -104,8 +104,9 @@ def _run_group(guards: Sequence, fn, agreement):
             failure = agreed_text(notes)
             for guard, snapshot in zip(guards, snapshots):
                 guard.abandon_step(snapshot, _where_failed(guard, note, agreement.rank))
-        log.warning("step %d ran out of memory (%s); re-running it with full recompute",
-                    len(guards[0].history), failure)
+        if note.rank == agreement.rank:   # agreed: said once, by the rank that ran out
+            log.warning("step %d ran out of memory (%s); re-running it with full recompute",
+                        len(guards[0].history), failure)
         for guard in guards:
             guard.recorder.restart("step", failure)
 
@@ -134,8 +135,9 @@ def _run_pipeline(guards: Sequence, fn, step_end, keep_grads: bool):
             rank = dist.get_rank() if dist.is_initialized() else -1
             for guard, snapshot in zip(guards, snapshots):
                 guard.abandon_step(snapshot, _where_failed(guard, note, rank))
-        log.warning("step %d ran out of memory (%s); re-running it with full recompute",
-                    len(guards[0].history), failure)
+        if note.rank == rank:   # agreed: said once, by the rank that ran out
+            log.warning("step %d ran out of memory (%s); re-running it with full recompute",
+                        len(guards[0].history), failure)
         for guard in guards:
             guard.recorder.restart("step", failure)
 
@@ -168,10 +170,19 @@ def run_steps(guards: Sequence, fn: Callable[[], object],
         if agreement is not None:
             return _run_group(guards, fn, agreement)
         return _run_alone(guards, fn)
+    except DeviceOutOfMemory as err:
+        fatal = err
+        # Nothing of the failed step may outlive it: the frames of the error's traceback
+        # and of the errors it was raised from hold its graph (and torch keeps a failed
+        # backward's queued nodes), so they go, and the step is freed, before it leaves.
+        fatal.__traceback__ = fatal.__context__ = fatal.__cause__ = None
     finally:
         for guard in guards:
             if guard.recorder is not None:
                 guard.finish_step()
+    for guard in guards:
+        guard.free_attempt()
+    raise fatal
 
 
 def _run_alone(guards: Sequence, fn):
@@ -213,6 +224,7 @@ def step_context(guard):
     that ran out after a forward settles and every rank raises the same agreed error."""
     _check_can_open([guard])
     agreement = guard.net.agreement
+    fatal = None
     try:
         with opened([guard]):
             if agreement is not None:
@@ -237,5 +249,11 @@ def step_context(guard):
                     notes = agreement.flag_point(Note())
                 if notes:
                     raise unrecoverable(notes, guard.budget_bytes, tried_full=False)
+    except DeviceOutOfMemory as err:   # as run_steps: nothing of the step outlives it
+        fatal = err
+        fatal.__traceback__ = fatal.__context__ = fatal.__cause__ = None
     finally:
         guard.finish_step()
+    if fatal is not None:
+        guard.free_attempt()
+        raise fatal

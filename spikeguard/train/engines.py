@@ -17,6 +17,8 @@ sees the same data).
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -103,9 +105,12 @@ class LocalEngine:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         sums = _guarded(self.guards[0], micro_batches) if self.guards else micro_batches()
-        if self.groups is not None and not self.sharded:
-            self._reduce_grads()
-        grad_norm = self._clip_sharded() if self.sharded else self._clip()
+        # The reduction and the clipping on the device too (their temporaries count).
+        on_device = getattr(self.guards[0], "on_device", None) if self.guards else None
+        with on_device() if on_device is not None else contextlib.nullcontext():
+            if self.groups is not None and not self.sharded:
+                self._reduce_grads()
+            grad_norm = self._clip_sharded() if self.sharded else self._clip()
         for opt in self.optimizers:
             opt.step()
         loss, ce, aux = (sums / M).tolist()
@@ -124,11 +129,9 @@ class LocalEngine:
     def _reduce_grads(self) -> None:
         allreduce_replicated_grads(self.model, dist.group.WORLD)
         if self.groups.dp_group is not None:
-            grads = [p.grad for p in expert_parameters(self.model) if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.groups.dp_group)
-                _unflatten(flat, grads)
+            for p in expert_parameters(self.model):   # in place: no flat copy
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.groups.dp_group)
 
     def _clip(self) -> float:
         """The norm of the whole model's gradient, the same on every rank: replicated
@@ -257,13 +260,6 @@ class PipelineEngine:
         self.monitor.close()
         self.prank.close()
         self.guards = []
-
-
-def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _guarded(guard, micro_batches):

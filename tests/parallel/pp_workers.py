@@ -95,6 +95,10 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
                 _forced_routing(module, groups, scenario.get("spike"), forwards))
     if scenario.get("squeeze") is not None and rank == 0:
         _squeeze(prank.guards[0], prank.modules.stages[0], *scenario["squeeze"])
+    if scenario.get("squeeze_backward") is not None:
+        squeezed_rank, micro_batch = scenario["squeeze_backward"]
+        if rank == squeezed_rank:
+            _squeeze_backward(prank.guards[0], prank.modules.stages[0], micro_batch)
     result = {"rank": rank, "stage_ids": prank.stage_ids, "oom": None}
     try:
         if scenario.get("meter"):
@@ -164,6 +168,28 @@ def _squeeze(guard, module, micro_batch: int, times: int) -> None:
 
     block.register_forward_pre_hook(pre)
     block.register_forward_hook(post)
+
+
+def _squeeze_backward(guard, module, micro_batch: int) -> None:
+    """Once, in the backward of `micro_batch` through the stage's first MoE layer, a
+    temporary that the device refuses (the room left plus 1 KiB): an allocation no plan
+    foresees, in backward, where only the step can be re-run."""
+    block, left = module.moe_blocks()[0], [1]
+
+    def refuse(grad):
+        if left[0] > 0:
+            left[0] -= 1
+            room = guard.budget_bytes - guard.meter.allocated()
+            torch.empty(max(room, 0) + 1024, dtype=torch.uint8)
+        return grad
+
+    def pre(mod, args):
+        x = args[0]
+        if (guard.in_forward and guard.ctx.micro_batch == micro_batch and left[0] > 0
+                and torch.is_tensor(x) and x.requires_grad):
+            x.register_hook(refuse)
+
+    block.register_forward_pre_hook(pre)
 
 
 def _count(forwards):

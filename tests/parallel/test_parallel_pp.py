@@ -59,6 +59,8 @@ PP_EP_SCENARIOS = [
     # the net's own re-run fails too: under a pipeline that ends the job, agreed by the
     # stage's EP group; the launcher ends the other stages: test_parallel_pp_cli.py.)
     _s("squeeze1", "adaptive", "range*0.5", squeeze=(1, 1)),
+    # Once, in backward on rank 2 (stage 1, the last): the step, on every rank of the job.
+    _s("squeeze_bwd", "adaptive", "range*0.5", squeeze_backward=(2, 1)),
     # Calm, under a budget keeping everything fits in (1.1x `calm`'s true peak), three
     # steps: the layer peaks are calibrated after each, from a pipeline's device.
     _s("calm_adaptive", "adaptive", "calm*1.25", calm=True, steps=3),
@@ -301,3 +303,22 @@ def test_pp_ep_safety_net_inside_a_stage_keeps_counts_and_gradients(pp2ep2):
         assert sorted({e["micro_batch"] for e in r["residency"][0]}) == list(range(MICRO_BATCHES))
     _assert_bitwise(world, load, "plain", "squeeze1")
 
+
+
+def test_pp_ep_backward_oom_on_a_stage1_rank_reruns_the_step_on_every_rank(pp2ep2):
+    """Rank 2 (stage 1) alone is refused in the backward of micro-batch 1: it plays the
+    rest of the schedule as a ghost, its EP peer learns at its next flag point, the other
+    stage runs on; at the step's end every rank of the job holds the same notes and
+    re-runs the step with full recompute, within the budget, bitwise the plain run's."""
+    world, load = pp2ep2
+    reasons = set()
+    for rank in range(world):
+        record = load("squeeze_bwd", rank)["records"][0]
+        assert [r["scope"] for r in record["safety_net"]] == ["step"], (rank, record)
+        reasons.add(record["safety_net"][0]["reason"])
+        assert record["micro_batches"] == MICRO_BATCHES
+        assert record["peak_bytes"] <= record["budget_bytes"], (rank, record)
+        assert record["decisions"]["save"] == 0, record["decisions"]   # every layer whole
+    assert len(reasons) == 1, reasons          # one agreed line on every rank
+    assert next(iter(reasons)).startswith("rank 2 ran out of memory in backward of micro-batch 1")
+    _assert_bitwise(world, load, "plain", "squeeze_bwd")

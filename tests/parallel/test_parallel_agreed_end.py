@@ -1,0 +1,92 @@
+"""What the device's refusals do to a whole job, under torchrun (gloo, real processes).
+
+The device refuses at the limit as a GPU does. Where nothing fits (even full recompute),
+every rank of the job holds the same notes and the job ends with one agreed line, printed
+by the rank that ran out, and the launcher's line naming it: exit 3, no traceback, no
+process of the job left. Where full recompute or adaptive's plans fit, the README's own
+pipeline example runs as printed with no re-run.
+
+    .venv/bin/python -m pytest tests/parallel/test_parallel_agreed_end.py -q
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(400)
+
+EP2 = ["train", "--preset", "tiny", "--num-experts", "8", "--nproc", "2", "--steps", "3",
+       "--batch-size", "8", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",
+       "--threads", "1", "--policy", "adaptive"]
+# The README's pipeline example (README.md, "Pipeline and data parallelism"), but its budget.
+PP2EP2 = ["train", "--preset", "tiny", "--num-layers", "4", "--num-experts", "8", "--nproc", "4",
+          "--pp", "2", "--ep", "2", "--micro-batches", "4", "--batch-size", "2", "--steps", "3",
+          "--threads", "1", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",
+          "--policy", "adaptive"]
+
+
+def _job_pids(launcher_pid: int) -> list[int]:
+    out = subprocess.run(["ps", "e", "-eww", "-o", "pid=,args="], capture_output=True,
+                         text=True, timeout=30).stdout
+    marker = f"SPIKEGUARD_LAUNCHER_PID={launcher_pid}"
+    return [int(line.split()[0]) for line in out.splitlines()
+            if marker in line.split() and int(line.split()[0]) != launcher_pid]
+
+
+def _run(argv, timeout_s=300):
+    proc = subprocess.Popen([sys.executable, "-m", "spikeguard", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    return proc, out, err
+
+
+def _errors(err: str) -> list[str]:
+    """stderr less the re-run warnings (one per re-run, by the rank that ran out) and
+    torch's own deprecation notices."""
+    return [line for line in err.splitlines() if "re-running it with full recompute" not in line
+            and "Warning" not in line and "return func(" not in line]
+
+
+@pytest.mark.parametrize("argv,world", [(EP2 + ["--budget", "1.5MiB"], 2),
+                                        (PP2EP2 + ["--budget", "1.3MiB"], 4)], ids=["ep2", "pp2ep2"])
+def test_where_nothing_fits_every_rank_ends_with_one_agreed_line(argv, world):
+    proc, out, err = _run(argv)
+    assert proc.returncode == 3, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = _errors(err)
+    assert len(lines) == 2, lines      # the agreed line (once) and the launcher's
+    assert lines[0].startswith("spikeguard: out of memory on rank "), lines
+    assert "even full recompute does not fit: rank " in lines[0], lines
+    assert "try a budget of at least" in lines[0], lines
+    named = lines[0].split("does not fit: rank ")[1].split()[0]
+    assert lines[0].startswith(f"spikeguard: out of memory on rank {named}:"), lines
+    assert lines[1].startswith(f"spikeguard: rank {named} ran out of memory (exit 3"), lines
+    reruns = [line for line in err.splitlines() if "re-running it with full recompute" in line]
+    assert len(reruns) == len(set(reruns)), reruns   # agreed: said by one rank, not by every rank
+    time.sleep(1)
+    assert _job_pids(proc.pid) == []
+
+
+def test_the_readme_pipeline_example_runs_as_printed(tmp_path):
+    """At the README's budget (1.4 MiB: full recompute itself does not fit there, adaptive's
+    offloads do) every step finishes under the budget with no safety-net re-run, so it is
+    prevention, not the net, that held."""
+    log = tmp_path / "run.jsonl"
+    proc, out, err = _run(PP2EP2 + ["--budget", "1.4MiB", "--log", str(log)])
+    assert proc.returncode == 0, err[-3000:]
+    steps = [line for line in out.splitlines() if line.startswith("step")]
+    assert len(steps) == 3, out
+    assert "0 steps over | 0 safety-net re-runs" in out, out
+    for path in [log] + [tmp_path / f"run.rank{r}.jsonl" for r in (1, 2, 3)]:
+        for record in map(json.loads, path.read_text().splitlines()):
+            assert record["peak_bytes"] <= record["budget_bytes"], record
+            assert record["safety_net_reruns"] == 0, record
