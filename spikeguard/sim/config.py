@@ -229,6 +229,10 @@ class Run:
         if bad or not self.policies:
             raise UsageError(f"unknown run.policies {bad or '(empty)'}; choose among "
                              f"{', '.join(SIM_POLICIES)}")
+        twice = sorted({p for p in self.policies if self.policies.count(p) > 1})
+        if twice:
+            raise UsageError(f"run.policies lists {', '.join(twice)} more than once; give "
+                             f"each policy once")
 
 
 SECTIONS = {"model": SimModel, "layout": Layout, "device": Device, "training": Training,
