@@ -74,6 +74,8 @@ CASES = {
     "simulate 10**12 steps": (["simulate", "--steps", "1000000000000"], "steps fit"),
     "simulate policies twice": (["simulate", "--policies", "none,adaptive,none"],
                                 "lists none more than once"),
+    "simulate model name a number": (["simulate", "--config", "{tmp}/sim_name.toml"],
+                                     "model.name must be a string"),
 }
 
 # Wrongly typed or shaped TOML (issue 22): each was a traceback or silently accepted.
@@ -116,6 +118,7 @@ def _inputs(tmp: Path) -> list[Path]:
     (tmp / "corpus").mkdir(exist_ok=True)
     (tmp / "corpus" / "text.txt").write_text("the quick brown fox jumps. " * 40)
     (tmp / "shapes").mkdir(exist_ok=True)
+    (tmp / "sim_name.toml").write_text("[model]\nname = 3\n")
     for text, _, name in TOML_SHAPES.values():
         (tmp / "shapes" / name).write_text(text)
     return [tmp / n for n in ("binary.dat", "run.toml", "nan.toml", "corpus/text.txt")]
