@@ -79,7 +79,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if argv is None:
         from spikeguard.parallel.launch import worker_argv
-        argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
+        try:
+            argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
+        except UsageError as exc:
+            _usage_line(f"spikeguard: error: {_one_line(exc)}")
+            return 2
     rank_started()  # under torchrun: die with it (a no-op elsewhere)
     from spikeguard.bench.worker import WORKER_COMMAND
     if argv is not None and list(argv[:1]) == [WORKER_COMMAND] and "RANK" in os.environ:

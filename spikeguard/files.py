@@ -19,8 +19,20 @@ The rules, for every command that writes (train, simulate, and the library under
   run goes and after it dies, so it lives at its own name: a new file is created
   exclusively (O_EXCL: a file that appeared since the check is not clobbered), `append`
   adds complete lines to the end of an existing one (never truncated), and `overwrite`
-  writes the new file under the temporary name and renames it over the old one when it is
-  closed, so a run killed before then leaves the old file whole.
+  writes the new file under the temporary name, created with its first line, and renames
+  it over the old one only when the run closes it at a normal end, having written
+  something. A run that fails, is interrupted or killed, at any point, leaves the old file
+  whole: one that dies before its first line (a start-up error, an out-of-memory in the
+  first step, Ctrl-C during the model build) leaves no temporary file either; one that
+  fails later has its temporary file removed (SIGKILL leaves it: `.NAME.tmp-PID`). That is
+  the choice between the two promises: the old file whole, or the new run's lines kept;
+  the cost is that a run that failed under `--overwrite` leaves no log of its own steps
+  (give it a new `--log` to keep one, or `--resume` to append).
+- An existing output that `--overwrite` will replace is checked to be replaceable before
+  the run (its folder writable, the file not immutable or append-only, not someone
+  else's in a sticky folder): a run must not train for an hour and then fail to land.
+- An output path that ends in `/` names a folder, even one that does not exist yet: it
+  is refused, not written as a file named like the folder.
 - A write that fails once work began (ENOSPC, EIO) is an OutputError (exit 3): the
   partial line is cut off, a temporary file is removed, and the previous file is intact.
 
@@ -33,6 +45,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Union
 
@@ -61,9 +74,16 @@ def _is_special(path: Path) -> bool:
         return False
 
 
+def _check_not_a_folder_name(what: str, path: PathLike) -> None:
+    """pathlib drops a trailing '/': `newdir/` would be written as a file `newdir`."""
+    if str(path).endswith(("/", os.sep)):
+        raise UsageError(f"{what} {path} names a folder (it ends in '/'); give a file name")
+
+
 def check_output(what: str, path: PathLike, *, overwrite: bool = False,
                  append: bool = False) -> Path:
     """UsageError unless `path` can be written by this run (see the module docstring)."""
+    _check_not_a_folder_name(what, path)
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{what} {p} is a folder; give a file name")
@@ -84,12 +104,59 @@ def check_output(what: str, path: PathLike, *, overwrite: bool = False,
         raise UsageError(f"{what} {p} exists; pass --overwrite to replace it")
     if not os.access(folder, os.W_OK):
         raise UsageError(f"cannot write {what} {p}: folder {folder} is not writable")
+    if overwrite and not append and p.exists():
+        check_replaceable(what, p)
     try:
         if os.statvfs(folder).f_bavail == 0:
             raise UsageError(f"cannot write {what} {p}: no space left on its device")
     except OSError:
         pass
     return p
+
+
+# Linux inode flags (linux/fs.h): FS_IOC_GETFLAGS = _IOR('f', 1, long); the kernel reads
+# and writes an int. A rename over an immutable or append-only file fails with EPERM.
+_FS_IOC_GETFLAGS, _FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x80086601, 0x10, 0x20
+
+
+def _inode_flags(path: Path) -> int:
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (ImportError, OSError):
+        return 0
+    try:
+        buf = bytearray(8)
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf, True)
+        return int.from_bytes(buf[:4], sys.byteorder)
+    except OSError:   # a file system without inode flags
+        return 0
+    finally:
+        os.close(fd)
+
+
+def check_replaceable(what: str, path: PathLike) -> None:
+    """UsageError unless the existing regular file `path` can be renamed over (what
+    --overwrite does when the new file lands): checked before the run, not after it."""
+    p = Path(path)
+    if _is_special(p):
+        return
+    folder = p.parent
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"cannot replace {what} {p}: folder {folder} is not writable")
+    flags = _inode_flags(p)
+    if flags & (_FS_IMMUTABLE_FL | _FS_APPEND_FL):
+        kind = "immutable" if flags & _FS_IMMUTABLE_FL else "append-only"
+        raise UsageError(f"cannot replace {what} {p}: the file is {kind} (chattr -i/-a "
+                         f"to allow it)")
+    try:
+        st, folder_st = p.stat(), folder.stat()
+    except OSError:
+        return
+    me = os.geteuid()
+    if folder_st.st_mode & stat.S_ISVTX and me not in (0, st.st_uid, folder_st.st_uid):
+        raise UsageError(f"cannot replace {what} {p}: it is another user's, in a folder "
+                         f"where only the owner may replace a file (sticky bit)")
 
 
 def check_outputs(outputs: Mapping[str, Iterable[PathLike] | PathLike | None], *,
@@ -103,6 +170,8 @@ def check_outputs(outputs: Mapping[str, Iterable[PathLike] | PathLike | None], *
                 continue
             values = [value] if isinstance(value, (str, os.PathLike)) else list(value)
             for v in values:
+                if table is outputs:
+                    _check_not_a_folder_name(name, v)
                 yield name, Path(v)
 
     outs, ins = list(pairs(outputs)), list(pairs(inputs))
@@ -173,29 +242,31 @@ def atomic_write(path: PathLike, data: Union[bytes, str, None] = None, *, overwr
 
 class LineFile:
     """A text file written line by line, each line flushed (see the module docstring for
-    `mode`: new, append, overwrite)."""
+    `mode`: new, append, overwrite). `close()` (or a `with` block left normally) ends it;
+    `abort()` (a `with` block left by an exception) ends it without replacing anything."""
 
     def __init__(self, path: PathLike, mode: str = "new", what: str = "output"):
         assert mode in MODES, mode
         self.path, self.what = Path(path), what
         self._tmp: Optional[Path] = None
+        self._fd: Optional[int] = None
+        self._closed = self._replacing = False
         special = _is_special(self.path)
         try:
             if special:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             elif mode == "append":
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             elif mode == "overwrite" and self.path.exists():
-                self._tmp = _temp_name(self.path)
-                fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                check_replaceable(what, self.path)
+                self._tmp = _temp_name(self.path)   # created with the first line
             else:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             raise UsageError(f"{what} {self.path} exists; pass --overwrite to replace "
                              f"it") from None
         except OSError as exc:
             raise UsageError(f"cannot open {what} {self.path}: {_why(exc)}") from None
-        self._fd = fd
         self._seekable = not special
         if self._seekable and mode == "append":
             self._cut_partial_line()
@@ -211,46 +282,65 @@ class LineFile:
         if keep != size:
             os.ftruncate(self._fd, keep)
 
+    def _failed(self, exc: OSError) -> OutputError:
+        self.abort()
+        what = "disk full" if exc.errno == errno.ENOSPC else _why(exc)
+        kept = "; the previous file is unchanged" if self._replacing else ""
+        return OutputError(f"cannot write {self.what} {self.path}: {what}{kept}")
+
     def write_line(self, text: str) -> None:
+        assert not self._closed, "write_line after close"
         data = (text.rstrip("\n") + "\n").encode("utf-8")
-        start = os.lseek(self._fd, 0, os.SEEK_END) if self._seekable else None
+        self._replacing = self._tmp is not None
+        start = None
         try:
+            if self._fd is None:   # an overwrite's first line: the temporary file begins
+                self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            start = os.lseek(self._fd, 0, os.SEEK_END) if self._seekable else None
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
         except OSError as exc:
-            if start is not None:
+            if start is not None and self._tmp is None:
                 try:
                     os.ftruncate(self._fd, start)   # no half line left behind
                 except OSError:
                     pass
-            self.abort()
-            what = "disk full" if exc.errno == errno.ENOSPC else _why(exc)
-            raise OutputError(f"cannot write {self.what} {self.path}: {what}"
-                              + ("; the previous file is unchanged" if self._tmp else "")) from None
+            raise self._failed(exc) from None
 
     def abort(self) -> None:
-        """Close without replacing anything: a temporary file is removed."""
-        if self._fd is None:
-            return
-        os.close(self._fd)
-        self._fd = None
+        """End without replacing anything: a temporary file is removed, an old file
+        that an overwrite would have replaced stays whole."""
+        self._closed = True
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         if self._tmp is not None:
             self._tmp.unlink(missing_ok=True)
             self._tmp = None
 
     def close(self) -> None:
-        if self._fd is None:
+        """The normal end: an overwrite that wrote something lands over the old file."""
+        if self._closed:
             return
-        fd, self._fd = self._fd, None
-        try:
-            if self._seekable:
-                os.fsync(fd)
-        except OSError:
-            pass
-        os.close(fd)
+        if self._fd is None:   # an overwrite that wrote nothing: the old file stands
+            self._closed, self._tmp = True, None
+            return
+        if self._seekable:
+            try:
+                os.fsync(self._fd)
+            except OSError:
+                pass
         if self._tmp is not None:
-            os.replace(self._tmp, self.path)
+            try:
+                os.replace(self._tmp, self.path)
+            except OSError as exc:
+                self._replacing = True
+                raise self._failed(exc) from None
+        self._closed = True
+        os.close(self._fd)
+        self._fd = None
+        if self._tmp is not None:
             self._tmp = None
             _fsync_folder(self.path.parent)
 
@@ -258,4 +348,7 @@ class LineFile:
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
-        self.close()
+        if kind is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,5 +1,7 @@
 """Bad input, as a new user types it: one line `spikeguard: error: ...`, exit 2, no
-traceback, input files untouched; under torchrun printed once. Issue 15, parts 4 and 5.
+traceback, input files untouched; under torchrun printed once. Issue 15, parts 4 and 5;
+issue 22's bad inputs (wrongly typed TOML, unwritable checkpoints and outputs, a
+malformed SPIKEGUARD_ARGV, simulate's sizes, non-regular --data).
 
     .venv/bin/python -m pytest tests/test_cli_input.py -q
 
@@ -18,7 +20,7 @@ import pytest
 
 from spikeguard import cli
 
-from one_line import check_one_line, digests
+from one_line import check_exit_3_line, check_one_line, digests, immutable, unwritable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,10 +62,52 @@ CASES = {
                                 "is not a trace file"),
     "simulate efficiency nan": (["simulate", "--efficiency", "nan"], "device.efficiency"),
     "simulate restart-s inf": (["simulate", "--restart-s", "inf"], "run.restart_s"),
+    # issue 22
+    "checkpoint-dir under a file": (TINY + ["--checkpoint-dir", "{tmp}/run.toml/ck"],
+                                    "cannot be created: "),
+    "checkpoint-dir inside --data": (TINY + ["--data", "{tmp}/corpus", "--checkpoint-dir",
+                                             "{tmp}/corpus/ck"], "inside the --data folder"),
+    "checkpoint-dir is --data": (TINY + ["--data", "{tmp}/corpus", "--checkpoint-dir",
+                                         "{tmp}/corpus"], "inside the --data folder"),
+    "log ending in /": (TINY + ["--log", "{tmp}/newdir/"], "ends in '/'"),
+    "data /dev/zero": (TINY + ["--data", "/dev/zero"], "is not a regular file"),
+    "simulate 10**12 steps": (["simulate", "--steps", "1000000000000"], "steps fit"),
+    "simulate policies twice": (["simulate", "--policies", "none,adaptive,none"],
+                                "lists none more than once"),
+    "simulate model name a number": (["simulate", "--config", "{tmp}/sim_name.toml"],
+                                     "model.name must be a string"),
 }
 
+# Wrongly typed or shaped TOML (issue 22): each was a traceback or silently accepted.
+TOML_SHAPES = {
+    "section not a table": ("parallel = 3\n", "[parallel] must be a table"),
+    "model section a string": ("model = 'tiny'\n", "[model] must be a table"),
+    "pp a string": ("[parallel]\npp = '2'\n", "parallel.pp must be an integer, got str"),
+    "router_bias a string": ("[model]\nrouter_bias = 'yes'\n",
+                             "model.router_bias must be true or false"),
+    "num_shared_experts a string": ("[model]\nnum_shared_experts = '1'\n",
+                                    "model.num_shared_experts must be an integer"),
+    "aux_loss_coef a string": ("[model]\naux_loss_coef = '1'\n",
+                               "model.aux_loss_coef must be a number"),
+    "data path a number": ("[files]\ndata = 3\n", "files.data must be a path"),
+    "log path a number": ("[files]\nlog = 3\n", "files.log must be a path"),
+    "checkpoint_dir a list": ("[files]\ncheckpoint_dir = [1]\n",
+                              "files.checkpoint_dir must be a path"),
+    "trace a number": ("[files]\ntrace = 3\n", "files.trace must be a path"),
+    "checkpoint_every a bool": ("[files]\ncheckpoint_every = true\n",
+                                "files.checkpoint_every must be an integer"),
+    "threads a string": ("[files]\nthreads = '2'\n", "files.threads must be an integer, got str"),
+    "skip_steps a number": ("[files]\nskip_steps = 5\n", "files.skip_steps must be a list"),
+    "spike_prob a string": ("[skew]\nspike_prob = '0.5'\n", "skew.spike_prob must be a number"),
+}
+for _name, (_text, _says) in TOML_SHAPES.items():
+    CASES[f"toml: {_name}"] = (["train", "--config", f"{{tmp}}/shapes/{len(CASES)}.toml",
+                                "--preset", "tiny", "--steps", "1"], _says)
+    TOML_SHAPES[_name] = (_text, _says, Path(CASES[f"toml: {_name}"][0][2]).name)
+
 # Run through the real interpreter: the contract is about what a terminal shows.
-SUBPROCESS_CASES = ("budget of 400 nines", "binary --trace", "simulate capacity of 400 nines")
+SUBPROCESS_CASES = ("budget of 400 nines", "binary --trace", "simulate capacity of 400 nines",
+                    "toml: pp a string", "checkpoint-dir under a file")
 
 
 def _inputs(tmp: Path) -> list[Path]:
@@ -71,7 +115,13 @@ def _inputs(tmp: Path) -> list[Path]:
     (tmp / "binary.dat").write_bytes(bytes(range(256)) * 16)   # 0x80.. are not UTF-8
     (tmp / "run.toml").write_text("[train]\nsteps = 2\n")
     (tmp / "nan.toml").write_text("[model]\npreset = 'tiny'\n[guard]\nbudget = nan\n")
-    return [tmp / n for n in ("binary.dat", "run.toml", "nan.toml")]
+    (tmp / "corpus").mkdir(exist_ok=True)
+    (tmp / "corpus" / "text.txt").write_text("the quick brown fox jumps. " * 40)
+    (tmp / "shapes").mkdir(exist_ok=True)
+    (tmp / "sim_name.toml").write_text("[model]\nname = 3\n")
+    for text, _, name in TOML_SHAPES.values():
+        (tmp / "shapes" / name).write_text(text)
+    return [tmp / n for n in ("binary.dat", "run.toml", "nan.toml", "corpus/text.txt")]
 
 
 def _argv(case: str, tmp: Path) -> list[str]:
@@ -157,3 +207,108 @@ def test_an_error_line_is_one_write(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Stream())
     cli._stderr_line("spikeguard: out of memory on rank 1: ...")
     assert writes == ["spikeguard: out of memory on rank 1: ...\n"]
+
+
+# ---- issue 22: bad input that once got past the checks ----------------------------------
+SAVE_FAILS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+def test_a_checkpoint_save_that_fails_mid_file_is_one_line_exit_3(tmp_path, capsys,
+                                                                  monkeypatch):
+    """A full disk in the middle of torch.save is torch's RuntimeError (torch 2.13, seen
+    with /dev/full), not an OSError: it was a traceback, exit 1. The checkpoint of the step
+    before stays whole and resumable, and no temporary file is left."""
+    import torch
+
+    real, calls = torch.save, [0]
+
+    def save(obj, path, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            with open(path, "wb") as f:
+                f.write(b"half a checkpoint")
+            raise RuntimeError(SAVE_FAILS)
+        return real(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    ck = tmp_path / "ck"
+    code = cli.main(TINY + ["--checkpoint-dir", str(ck), "--checkpoint-every", "1"])
+    check_exit_3_line(code, capsys.readouterr().err, "cannot write checkpoint")
+    assert json.loads((ck / "manifest.json").read_text())["step"] == 1
+    assert sorted(p.name for p in ck.iterdir()) == ["manifest.json", "rank0.pt"]
+    monkeypatch.undo()
+    assert cli.main(TINY + ["--checkpoint-dir", str(ck), "--resume"]) == 0
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    (tmp_path / "ro").mkdir()
+    with unwritable(tmp_path / "ro"):
+        for folder, says in ((tmp_path / "ro", "is not writable"),
+                             (tmp_path / "ro" / "ck", "cannot be created")):
+            code = cli.main(TINY + ["--checkpoint-dir", str(folder)])
+            err = capsys.readouterr()
+            check_one_line(code, err.err, says)
+            assert "step" not in err.out   # refused before the run
+
+
+@pytest.mark.parametrize("entry", ["a string", 3, None, [1], {"bytes": "12", "sha256": "x"},
+                                   {"bytes": 12}])
+def test_a_manifest_file_entry_that_is_not_an_object_is_one_line(tmp_path, capsys, entry):
+    ck = tmp_path / "ck"
+    assert cli.main(TINY + ["--checkpoint-dir", str(ck)]) == 0
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["rank0.pt"] = entry
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    code = cli.main(TINY + ["--steps", "3", "--checkpoint-dir", str(ck), "--resume"])
+    check_one_line(code, capsys.readouterr().err, "no valid entry for 'rank0.pt'")
+
+
+def test_overwrite_of_a_log_that_cannot_be_replaced_is_refused_before_the_run(tmp_path,
+                                                                              capsys):
+    """It trained the whole run, then died on the rename, leaving a temporary file."""
+    log = tmp_path / "old.jsonl"
+    log.write_text('{"step": 1}\n')
+    with immutable(log):
+        code = cli.main(TINY + ["--log", str(log), "--overwrite"])
+        err = capsys.readouterr()
+        check_one_line(code, err.err, "the file is immutable")
+        assert "step" not in err.out
+    assert log.read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl"]
+    with unwritable(tmp_path):
+        code = cli.main(TINY + ["--log", str(log), "--overwrite"])
+        check_one_line(code, capsys.readouterr().err, "is not writable")
+
+
+@pytest.mark.parametrize("value", ['["train", "--preset"', '{"train": 1}', '"train"',
+                                   '["train", 3]', ""])
+def test_a_malformed_spikeguard_argv_under_torchrun_is_one_line(value):
+    """torchrun by hand on several machines: SPIKEGUARD_ARGV is typed by the user."""
+    import os
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", SPIKEGUARD_ARGV=value)
+    proc = subprocess.run([sys.executable, "-m", "spikeguard"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    check_one_line(proc.returncode, proc.stderr, "SPIKEGUARD_ARGV")
+
+
+def test_report_plots_into_an_unwritable_folder_is_exit_2(tmp_path, capsys):
+    log = tmp_path / "a.jsonl"
+    assert cli.main(TINY + ["--log", str(log)]) == 0
+    (tmp_path / "plots").mkdir()
+    capsys.readouterr()
+    with unwritable(tmp_path / "plots"):
+        for folder in ("plots", "plots/sub"):
+            code = cli.main(["report", str(log), "--plots", str(tmp_path / folder)])
+            check_one_line(code, capsys.readouterr().err, "cannot write plots to")
+    assert list((tmp_path / "plots").iterdir()) == []
+
+
+def test_data_that_is_not_a_regular_file_is_refused(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)   # reading it would block for ever
+    code = cli.main(TINY + ["--data", str(fifo)])
+    check_one_line(code, capsys.readouterr().err, "is not a regular file")

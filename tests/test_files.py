@@ -160,3 +160,74 @@ def test_atomic_write_failure_keeps_the_previous_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sim.json"]
     atomic_write(target, "new", overwrite=True)
     assert target.read_text() == "new"
+
+
+# ---- issue 22: --overwrite keeps the old file whole until the run ends normally --------
+OLD_LOG = '{"step": 1, "an": "earlier run"}\n{"step": 2}\n'
+
+
+@pytest.mark.parametrize("lines", [0, 1])
+def test_an_overwrite_that_fails_or_is_interrupted_leaves_the_old_file_whole(tmp_path, lines):
+    from spikeguard.errors import Interrupted
+
+    old = tmp_path / "log.jsonl"
+    for stop in (Interrupted(2), RuntimeError("out of memory")):
+        old.write_text(OLD_LOG)
+        with pytest.raises(type(stop)):
+            with LineFile(old, mode="overwrite") as log:
+                for i in range(lines):
+                    log.write_line(f'{{"step": {i + 1}}}')
+                raise stop
+        assert old.read_text() == OLD_LOG
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
+def test_an_overwrite_lands_at_a_normal_end_having_written(tmp_path):
+    old = tmp_path / "log.jsonl"
+    old.write_text(OLD_LOG)
+    with LineFile(old, mode="overwrite"):
+        pass   # nothing to write: nothing replaced
+    assert old.read_text() == OLD_LOG
+    with LineFile(old, mode="overwrite") as log:
+        assert not list(tmp_path.glob(".*tmp-*"))   # created with the first line
+        log.write_line('{"step": 1}')
+        assert old.read_text() == OLD_LOG
+    assert old.read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
+@pytest.mark.parametrize("where", ["before the first step", "after the first step"])
+def test_a_train_overwrite_that_dies_keeps_the_old_log(tmp_path, capsys, monkeypatch, where):
+    """The run stops (Ctrl-C) before its first step (while its optimizer is built) or
+    after its first line was logged: the old log and the old trace stay whole (they
+    were replaced by an empty or a partial one)."""
+    from spikeguard import cli
+    from spikeguard.errors import Interrupted
+    from spikeguard.train import loop
+
+    old, trace = tmp_path / "old.jsonl", tmp_path / "t.jsonl"
+    old.write_text(OLD_LOG)
+    trace.write_text('{"an": "old trace"}\n')
+    if where == "before the first step":
+        def stop(*args, **kwargs):
+            raise Interrupted(2)
+        monkeypatch.setattr(loop, "make_optimizer", stop)
+    else:
+        real = loop.step_line
+
+        def stop(record, num_steps):
+            if record["step"] == 2:
+                raise Interrupted(2)
+            return real(record, num_steps)
+        monkeypatch.setattr(loop, "step_line", stop)
+    code = cli.main(TINY + ["--steps", "3", "--log", str(old), "--record-trace", str(trace),
+                            "--overwrite"])
+    assert code == 130, capsys.readouterr().err
+    assert old.read_text() == OLD_LOG and trace.read_text() == '{"an": "old trace"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl", "t.jsonl"]
+
+
+def test_a_path_ending_in_a_slash_names_a_folder(tmp_path):
+    with pytest.raises(UsageError, match="ends in '/'"):
+        check_outputs({"--log": f"{tmp_path}/newdir/"})
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,13 @@ def _check_out_dir(out_dir: Path, logs: list[Path], file_names, overwrite: bool)
     parent = next((p for p in out_dir.absolute().parents if p.exists()), None)
     if not out_dir.exists() and parent is not None and not parent.is_dir():
         raise UsageError(f"--plots cannot be created under a file: {parent}")
+    folder = out_dir if out_dir.exists() else parent
+    if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+        # A folder that cannot be written is the user's input, found before drawing
+        # (it was exit 3, a write that failed once work began).
+        raise UsageError(f"cannot write plots to {out_dir}: " + (
+            "the folder is not writable" if folder == out_dir
+            else f"{folder} is not writable, so it cannot be created"))
     inputs = {p.resolve() for p in logs}
     for name in file_names:
         target = out_dir / name

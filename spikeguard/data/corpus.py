@@ -120,6 +120,25 @@ def _read_capped(files: list[Path], max_bytes: Optional[int]) -> bytearray:
     return buf
 
 
+def _check_fits(files: list[Path], max_bytes: Optional[int], root: Path) -> None:
+    """The bytes are read whole, then copied into a tensor: twice their size in memory."""
+    from spikeguard.model.config import host_memory_bytes
+
+    total = 0
+    for path in files:
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
+    if max_bytes is not None:
+        total = min(total, max_bytes)
+    have = host_memory_bytes()
+    if have and 2 * total > have:
+        raise UsageError(f"data path {root} holds {total / 2**30:.3g} GiB: reading it needs "
+                         f"twice that, more than this machine's {have / 2**30:.3g} GiB of "
+                         f"memory")
+
+
 def split_bytes(buf: bytearray, source: str, val_fraction: float = VAL_FRACTION) -> Corpus:
     """The first (1 - val_fraction) of `buf` for training, the rest for validation."""
     if not 0.0 < val_fraction < 1.0:
@@ -159,11 +178,16 @@ def load_corpus(path: Optional[str | os.PathLike] = None, *,
         files = _tree_files(p)
         if not files:
             raise UsageError(f"data folder has no files: {p}")
-        buf = _read_capped(files, max_bytes)
-        source = f"{p} ({len(files)} files, {len(buf)} bytes)"
+    elif not p.is_file():
+        # /dev/zero or a pipe would be read until memory runs out, or forever.
+        raise UsageError(f"data path {p} is not a regular file or a folder (a device, "
+                         f"pipe or socket); give a file or a folder of files")
     else:
-        buf = _read_capped([p], max_bytes)
-        source = f"{p} ({len(buf)} bytes)"
+        files = [p]
+    _check_fits([f for f in files], max_bytes, p)
+    buf = _read_capped(files, max_bytes)
+    source = f"{p} ({len(files)} files, {len(buf)} bytes)" if p.is_dir() else \
+        f"{p} ({len(buf)} bytes)"
     if not buf:
         raise UsageError(f"data path is empty (no bytes): {p}")
     return split_bytes(buf, source)

@@ -277,10 +277,21 @@ def watch_parent(expected_ppid: Optional[int], sig: int = signal.SIGTERM) -> Non
 
 
 def worker_argv() -> Optional[list[str]]:
-    """The arguments a relaunched worker was given (None outside such a worker)."""
-    if under_torchrun() and ARGV_ENV in os.environ:
-        return json.loads(os.environ[ARGV_ENV])
-    return None
+    """The arguments a relaunched worker was given (None outside such a worker); a
+    UsageError unless SPIKEGUARD_ARGV is a JSON list of strings (set by hand on several
+    machines, it may be anything)."""
+    if not (under_torchrun() and ARGV_ENV in os.environ):
+        return None
+    text = os.environ[ARGV_ENV]
+    try:
+        argv = json.loads(text)
+    except ValueError as err:   # JSONDecodeError, and what a lone surrogate gives
+        raise UsageError(f"{ARGV_ENV} is not JSON ({err}); write the arguments as a JSON "
+                         f"list, e.g. {ARGV_ENV}='[\"train\", \"--ep\", \"8\"]'") from None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise UsageError(f"{ARGV_ENV} must be a JSON list of strings (the spikeguard "
+                         f"arguments), got {text[:60]!r}")
+    return argv
 
 
 @dataclass

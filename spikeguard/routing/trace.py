@@ -163,7 +163,8 @@ def _parse(line: str, path: Path, number: int) -> dict:
 class TraceWriter:
     """Appends one line per step; the header goes first. Each line is flushed, so a run
     that dies keeps every step it finished. `overwrite`: an existing file is replaced when
-    the writer closes (spikeguard.files.LineFile); without it, it is refused."""
+    the writer closes (spikeguard.files.LineFile), and kept whole when it is aborted (the
+    run failed); without it, it is refused."""
 
     def __init__(self, path: str | Path, header: dict, overwrite: bool = False):
         from spikeguard.files import LineFile
@@ -180,6 +181,9 @@ class TraceWriter:
 
     def close(self) -> None:
         self._file.close()
+
+    def abort(self) -> None:
+        self._file.abort()
 
 
 class MicroBatchCounter:

@@ -58,6 +58,8 @@ class SimModel:
     grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise UsageError(f"model.name must be a string, got {self.name!r}")
         _check_positive("model", self, ("num_layers", "d_model", "num_heads", "num_experts",
                                          "top_k", "d_expert", "vocab_size", "seq_len",
                                          "dtype_bytes"))
@@ -137,6 +139,8 @@ class Device:
     def __post_init__(self) -> None:
         if isinstance(self.capacity_bytes, float) and self.capacity_bytes.is_integer():
             self.capacity_bytes = int(self.capacity_bytes)   # 80e9 in a TOML file is a float
+        if not isinstance(self.name, str):
+            raise UsageError(f"device.name must be a string, got {self.name!r}")
         if self.kind not in DEVICE_KINDS:
             raise UsageError(f"device.kind must be one of {', '.join(DEVICE_KINDS)}, got {self.kind!r}")
         _check_positive("device", self, ("capacity_bytes",))
@@ -229,6 +233,10 @@ class Run:
         if bad or not self.policies:
             raise UsageError(f"unknown run.policies {bad or '(empty)'}; choose among "
                              f"{', '.join(SIM_POLICIES)}")
+        twice = sorted({p for p in self.policies if self.policies.count(p) > 1})
+        if twice:
+            raise UsageError(f"run.policies lists {', '.join(twice)} more than once; give "
+                             f"each policy once")
 
 
 SECTIONS = {"model": SimModel, "layout": Layout, "device": Device, "training": Training,

@@ -92,13 +92,14 @@ def device_cost(cfg: SimConfig, dm: DeviceModel) -> CostModel:
 def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
              progress: Optional[Callable[[int], None]] = None) -> SimResult:
     """Run every policy of `cfg.run.policies` over `cfg.workload.steps` steps."""
-    dm = build(cfg)
-    cost = cost or device_cost(cfg, dm)
-    check_fits(cfg, dm, cost)
     wanted = list(cfg.run.policies)
     needed = [p for p in wanted if p != "safe-static"]
     if "safe-static" in wanted:
         needed += [p for p in STATIC_CANDIDATES if p not in needed]
+    check_steps_fit(cfg, len(needed))
+    dm = build(cfg)
+    cost = cost or device_cost(cfg, dm)
+    check_fits(cfg, dm, cost)
     loads = Loads(cfg, dm.tokens)
     steps = cfg.workload.steps
     walkers = {p: [StageWalker(cfg, dm, st, p, cost) for st in dm.stages] for p in needed}
@@ -151,6 +152,31 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     for p in wanted:
         out[p] = _safe_static(policies) if p == "safe-static" else policies[p]
     return SimResult(cfg, dm, out, spikes)
+
+
+def step_bytes(cfg: SimConfig, num_policies: int) -> int:
+    """What the simulator keeps per simulated step, at the least: per policy its time,
+    crash flag, peak, per-stage peaks (numpy) and a Counter of decisions (CPython 3.11:
+    208 bytes with the three actions, plus its list slot); the spike flag."""
+    import sys
+
+    counter = sys.getsizeof(Counter(save=1, recompute=1, offload=1)) + 8
+    return 1 + num_policies * (8 + 1 + 8 + 8 * cfg.layout.pp + counter)
+
+
+def check_steps_fit(cfg: SimConfig, num_policies: int) -> None:
+    """UsageError when `workload.steps` cannot fit this machine's memory (a typo of a few
+    zeros was numpy's MemoryError traceback, or hours of swapping), before any work."""
+    from spikeguard.model.config import host_memory_bytes
+
+    steps, have = cfg.workload.steps, host_memory_bytes()
+    need = steps * step_bytes(cfg, num_policies)
+    if have and need > have:
+        raise UsageError(f"--steps (workload.steps) {steps}: simulating {num_policies} policies over "
+                         f"{steps:.3g} steps keeps at least {format_bytes(need)} of "
+                         f"per-step results, more than this machine's "
+                         f"{format_bytes(have)} of memory; at most "
+                         f"{have // step_bytes(cfg, num_policies):,} steps fit")
 
 
 def _key(load, stage) -> object:

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from spikeguard.errors import UsageError
+from spikeguard.errors import OutputError, UsageError
 from spikeguard.files import atomic_write
 
 MANIFEST = "manifest.json"
@@ -76,6 +76,12 @@ def read_manifest(folder: str | Path) -> dict:
     for key, kind in (("step", int), ("layout", dict), ("model", dict), ("files", dict)):
         if not isinstance(manifest.get(key), kind):
             raise UsageError(f"cannot resume: {path} has no valid {key!r}")
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and not isinstance(entry.get("bytes"), bool)
+                and isinstance(entry.get("sha256"), str)):
+            raise UsageError(f"cannot resume: {path} has no valid entry for {name!r} (an "
+                             f"object with 'bytes' and 'sha256'), got {entry!r:.60}")
     return manifest
 
 
@@ -132,7 +138,11 @@ class Checkpointer:
             raise UsageError(f"checkpoint folder {folder} is a file")
         if resume is True and not folder.is_dir():
             raise UsageError(f"cannot resume: checkpoint folder {folder} does not exist")
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create checkpoint folder {folder}: "
+                             f"{exc.strerror or exc}") from None
         self.folder, self.rank, self.nproc = folder, rank, nproc
         self.path = folder / f"rank{rank}.pt"
         self.every = every
@@ -184,12 +194,16 @@ class Checkpointer:
                  "torch_rng": torch.get_rng_state()}
         staged = _staged(self.path)
         atomic_write(staged, overwrite=True, what="checkpoint",
-                     writer=lambda tmp: torch.save(state, tmp))
+                     writer=lambda tmp: _save(state, tmp))
         self._barrier()              # every rank's new file is written
         if self.rank == 0:
             self._write_manifest(step)
         self._barrier()              # the manifest vouches for them: the commit point
-        os.replace(staged, self.path)
+        try:
+            os.replace(staged, self.path)
+        except OSError as exc:       # the manifest's roll-forward finishes it on resume
+            raise OutputError(f"cannot write checkpoint {self.path}: "
+                              f"{exc.strerror or exc}") from None
         return True
 
     def _barrier(self) -> None:
@@ -206,6 +220,30 @@ class Checkpointer:
                     "layout": self.layout, "model": self.model, "files": files}
         atomic_write(self.folder / MANIFEST, json.dumps(manifest, indent=1) + "\n",
                      overwrite=True, what="checkpoint manifest")
+
+
+def _save(state: dict, path: Path) -> None:
+    """torch.save, whose failed writes are OSErrors: a full disk mid-file is torch's
+    RuntimeError "[enforce fail at inline_container.cc:672] . unexpected pos N vs M", a
+    folder it may not write "... open file failed with strerror: ..." (torch 2.13), which
+    files.atomic_write would not see as a write that failed."""
+    import errno
+    import shutil
+
+    try:
+        torch.save(state, path)
+    except RuntimeError as err:
+        text = " ".join(str(err).split())
+        if not any(mark in text for mark in ("inline_container", "PytorchStreamWriter",
+                                               "file write failed")):
+            raise   # not its file I/O layer: a bug, with its traceback
+        try:
+            full = shutil.disk_usage(path.parent).free == 0
+        except OSError:
+            full = False
+        raise OSError(errno.ENOSPC if full else errno.EIO,
+                      "no space left on device" if full else
+                      f"torch.save failed ({text[:120]})") from None
 
 
 def _staged(path: Path) -> Path:

@@ -5,6 +5,7 @@ spikeguard.train.run calls `check_files` first; every mistake is one UsageError.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -27,8 +28,8 @@ def check_files(cfg: RunConfig) -> None:
     from spikeguard.parallel.launch import under_torchrun
 
     files = cfg.files
-    if files.checkpoint_dir is not None and Path(files.checkpoint_dir).is_file():
-        raise UsageError(f"--checkpoint-dir {files.checkpoint_dir} is a file")
+    if files.checkpoint_dir is not None:
+        check_checkpoint_dir(files.checkpoint_dir)
     if files.resume is True and not Path(files.checkpoint_dir).is_dir():
         raise UsageError(f"cannot resume: --checkpoint-dir {files.checkpoint_dir} does not exist")
     if files.record_trace is not None:
@@ -41,6 +42,23 @@ def check_files(cfg: RunConfig) -> None:
     if files.trace is not None:
         load_trace(cfg)
     check_resume(cfg)
+
+
+def check_checkpoint_dir(path: str) -> None:
+    """The folder exists and can be written, or can be created (its nearest existing
+    ancestor is a writable folder): a save that fails after the first step is found now."""
+    folder = Path(path)
+    if folder.is_file():
+        raise UsageError(f"--checkpoint-dir {path} is a file")
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--checkpoint-dir {path} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == folder.absolute() else \
+            f"cannot be created: {existing} is not writable"
+        raise UsageError(f"--checkpoint-dir {path} {what}")
 
 
 def check_outputs_of(cfg: RunConfig, exist: bool = True) -> None:
@@ -56,6 +74,17 @@ def check_outputs_of(cfg: RunConfig, exist: bool = True) -> None:
     ck_files = [ck / f"rank{r}.pt" for r in range(nproc)] + [ck / MANIFEST] if ck else None
     inputs = {"--trace": files.trace, "--data": files.data,
               "--config": _config_path(cfg.argv)}
+    if ck is not None and files.data is not None and Path(files.data).is_dir() and \
+            Path(os.path.realpath(ck)).is_relative_to(os.path.realpath(files.data)):
+        # The corpus is every file under --data: the next run would train on checkpoints.
+        raise UsageError(f"--checkpoint-dir {ck} is inside the --data folder {files.data} "
+                         f"(the next run would read the checkpoints as training data); "
+                         f"save it elsewhere")
+    if ck is not None and files.overwrite and not files.resume:
+        from spikeguard.files import check_replaceable
+        for path in ck_files:
+            if path.exists():
+                check_replaceable("--checkpoint-dir file", path)
     outputs = {"--log": logs, "--record-trace": files.record_trace}
     if exist:
         check_outputs(outputs, inputs=inputs, overwrite=files.overwrite,

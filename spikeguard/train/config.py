@@ -123,7 +123,7 @@ class GuardConfig:
     everything saved, plus 10% of its activations) and a policy. No budget and no policy:
     no guard (plain training)."""
 
-    budget: Union[int, str, None] = None
+    budget: Union[int, float, str, None] = None   # 80e9 in a TOML file is a float
     policy: Optional[str] = None
     shared_policy: str = "keep"
 
@@ -316,16 +316,18 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict, argv: tuple = ()) -> "RunConfig":
         """From {section: {key: value}}; unknown sections or keys are refused by name."""
-        if not isinstance(data, dict):
-            raise UsageError("a run configuration is a table of sections")
-        unknown = set(data) - set(SECTIONS)
-        if unknown:
-            raise UsageError(f"unknown section(s) {', '.join(sorted(unknown))}; the sections "
-                             f"are {', '.join(SECTIONS)}")
+        _check_sections(data)
         model = dict(data.get("model", {}))
         choice = {k: model.pop(k) for k in ("preset", "hf", "titan") if k in model}
         parallel = dict(data.get("parallel", {}))
         train = dict(data.get("train", {}))
+        _check_types(ModelChoice, choice, "model")
+        _check_types(ModelConfig, model, "model")
+        _check_types(ParallelConfig, parallel, "parallel")
+        _check_types(TrainConfig, train, "train")
+        for section, kind in (("guard", GuardConfig), ("skew", SkewChoice),
+                              ("files", FilesConfig)):
+            _check_types(kind, data.get(section, {}), section)
         if "micro_batches" not in train and parallel.get("pp", 1) > 1:
             # The 1F1B schedules fill every stage: one micro-batch per stage at least.
             train["micro_batches"] = parallel["pp"]
@@ -342,6 +344,7 @@ class RunConfig:
                   argv: tuple = ()) -> "RunConfig":
         """A TOML file's sections, then `overrides` ({section: {key: value}}) on top."""
         data = read_toml(path)
+        _check_sections(data)
         for section, values in (overrides or {}).items():
             data.setdefault(section, {}).update(values)
         return cls.from_dict(data, argv=argv)
@@ -374,6 +377,77 @@ def _check_resume(files: "FilesConfig") -> None:
         raise UsageError(f"--resume takes nothing or 'auto', got {files.resume!r}")
     if not isinstance(files.overwrite, bool):
         raise UsageError(f"files.overwrite must be true or false, got {files.overwrite!r}")
+
+
+def _check_sections(data: Any) -> None:
+    if not isinstance(data, dict):
+        raise UsageError("a run configuration is a table of sections")
+    unknown = set(data) - set(SECTIONS)
+    if unknown:
+        raise UsageError(f"unknown section(s) {', '.join(sorted(map(str, unknown)))}; the "
+                         f"sections are {', '.join(SECTIONS)}")
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise UsageError(f"[{section}] must be a table of settings, got "
+                             f"{type(values).__name__} {values!r:.40}")
+
+
+# The one place a setting's type is checked, from the dataclasses' annotations: every
+# section's __post_init__ may then compare and do arithmetic on what it gets. A TOML file
+# can hold any type anywhere; the command line gives argparse's (int, float, str, True).
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+          dict: "a table", frozenset: "a list of step numbers or a string like '3,7'"}
+_PATHS = ("data", "log", "record_trace", "trace", "checkpoint_dir")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    import typing
+
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) is Union:
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return _is_real(value)
+    if hint is frozenset:
+        return isinstance(value, str) or (
+            isinstance(value, (list, tuple, set, frozenset))
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+    return isinstance(value, typing.get_origin(hint) or hint)
+
+
+def _describe(hint: Any) -> str:
+    import typing
+
+    if typing.get_origin(hint) is Union:
+        parts = [_describe(h) for h in typing.get_args(hint) if h is not type(None)]
+        return " or ".join(parts)
+    return _KINDS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _check_types(kind: type, values: dict, section: str) -> None:
+    """UsageError naming the first setting of `values` whose type is not its field's."""
+    import typing
+
+    hints = typing.get_type_hints(kind)
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is None or name == "overrides":
+            continue
+        if not _fits(value, hint):
+            what = "a path (a string)" if name in _PATHS else _describe(hint)
+            if kind is GuardConfig and name == "budget":
+                what = "a byte count or a string like '24GiB' or 'auto'"
+            if kind is FilesConfig and name == "resume":
+                what = "true, false or 'auto'"
+            raise UsageError(f"{section}.{name} must be {what}, got "
+                             f"{type(value).__name__} {value!r:.40}")
 
 
 def _build(kind: type, values: Any, section: str):

@@ -263,6 +263,9 @@ class RankRun:
 
     def close(self, clean: bool) -> None:
         for observer in self.observers:
+            writer = getattr(observer, "writer", None)
+            if not clean and writer is not None:
+                writer.abort()   # a failed run replaces no --record-trace (files.py)
             observer.detach()
         if self.injector is not None:
             self.injector.detach()
