@@ -198,3 +198,76 @@ def test_torch_keeps_a_failed_backwards_pending_nodes_until_the_next_backward():
 def test_attach_puts_the_model_buffers_on_the_device():
     model, opt, guard = guarded(TINY, "none", HUGE)
     assert guard.meter.allocated() == storage_bytes([*model.parameters(), *model.buffers()])
+
+
+# ---- no failure leaves anything behind; detach leaves nothing alive ----------------------
+def _failed_step(policy: str, budget: int, sizes, blind: bool = False) -> tuple:
+    """A guarded step that ends the run (`policy` out of memory, or even full recompute
+    not fitting), every reference dropped: weak references to the model, the guard and
+    its optimizer, the device's slot, and the error's text."""
+    import weakref
+
+    from spikeguard.memory import device as device_memory
+
+    model, opt, guard = guarded(TINY, policy, budget)
+    if blind:
+        blind_prevention(guard)
+    slot = guard.meter.slot
+    data = step_data(TINY, sizes, 0)
+    text = ""
+    try:
+        guard.run_step(lambda: [model(x, y).loss.backward() for x, y in data])
+    except Exception as err:   # DeviceOutOfMemory / BudgetInfeasible: what a user catches
+        text = str(err)
+    refs = [weakref.ref(o) for o in (model, opt, guard)]
+    del model, opt, guard
+    gc.collect()
+    return refs, device_memory._library().sg_allocated(slot), text
+
+
+def _ceiling_peak(sizes, policy: str = "none") -> int:
+    model, opt, guard = guarded(TINY, policy, HUGE)
+    data = step_data(TINY, sizes, 0)
+    guard.run_step(lambda: [model(x, y).loss.backward() for x, y in data])
+    return guard.history[-1]["peak_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["none", "adaptive"])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_failure_that_ends_the_run_leaves_nothing_on_the_device(policy, phase):
+    """After the step that ends a run and the user's references dropped, the model, its
+    optimizer, the guard and every byte of the failed step are gone (the device's slot
+    back at 0): the error carries no frame of the step, the step is freed before it
+    leaves. "none": 0.97x its all-saved peak (in backward) or a quarter of it (forward).
+    "adaptive", prevention blinded: 0.97x full recompute's peak, so that the step's
+    full-recompute re-run fails too (in backward), or a quarter (even its forward)."""
+    peak = _ceiling_peak([16], "none" if policy == "none" else "full")
+    budget = int(peak * (0.97 if phase == "backward" else 0.25))
+    refs, left, text = _failed_step(policy, budget, [16], blind=policy == "adaptive")
+    assert text, "the step did not fail"
+    if policy == "none" or phase == "backward":
+        assert f"{phase} of micro-batch" in text, text
+    if policy == "adaptive":
+        assert "even full recompute does not fit" in text, text
+    assert [r() is None for r in refs] == [True] * 3, text
+    assert left == 0, (left, text)
+
+
+def test_detach_leaves_no_hook_closure_or_pool_alive():
+    """After detach() and the guard dropped, nothing holds it: not a block's aux loss
+    graph (whose tensor hooks were the guard's), not the optimizer's step hooks, not the
+    model's forward; its host pool is empty."""
+    import weakref
+
+    model, opt, guard = guarded(TINY, "adaptive", HUGE)
+    data = step_data(TINY, [4], 0)
+    guard.run_step(lambda: [model(x, y).loss.backward() for x, y in data])
+    opt.step()
+    pool, ref = guard.engine.pool, weakref.ref(guard)
+    guard.detach()
+    del guard
+    gc.collect()
+    assert ref() is None
+    assert pool.allocated_bytes == 0
+    assert "forward" not in vars(model)
+    assert all(getattr(b, "last_aux_loss", None) is None for b in model.modules())
