@@ -11,11 +11,21 @@ Checks, one model on the device at a time (built, measured, deleted, the cache e
   2. none: under a cap between the calm and the spike step's true peaks, "none" fits
      calm and dies of a real `torch.OutOfMemoryError` on the spike (a micro-batch of
      twice the tokens), the guard given a budget it never reaches;
-  3. adaptive: calm and spike steps finish with the true peak under the cap; says whether
-     they also stayed under the guard's budget, cap - max(5%, 256 MiB) on CUDA;
+  3. adaptive: calm and spike steps finish with the true peak under the cap, calm steps
+     with no safety-net re-run (prevention, not the net); says whether they also stayed
+     under the guard's budget, cap - max(5%, 256 MiB) on CUDA (the cap limits what the
+     caching allocator reserves, the guard plans on what is allocated: the margin);
   4. throughput ratios adaptive/ceiling and full/ceiling, interleaved, medians and
      min-max over rounds: reported, never PASS/FAIL.
-Per step: `reset_peak_memory_stats` before, `max_memory_allocated` after (the true peak),
+  5. ep (two ranks: NCCL on two GPUs, gloo on the CPU dry run; skipped with one GPU):
+     one rank's prevention blinded under a budget between its forward and backward
+     peaks, so its device refuses in backward; the group must re-run the step together
+     (the exchange journal's settlement, spikeguard.parallel.exchange_journal) with
+     gradients bitwise those of the uninterrupted job.
+Every step runs AdamW's step on the device too (the optimizer's state and temporaries are
+in the peak). The true peak on CUDA is independent of the guard: the allocator's own event
+history (`torch.cuda.memory._record_memory_history`) replayed from the step's start, so
+the guard's `reset_peak_memory_stats` inside a step cannot hide anything; it is printed
 next to the guard's own `history[-1]['peak_bytes']`. Every check runs in try/except; the
 last line is `gpu_check: PASS` or `gpu_check: FAIL (<reasons>)`, exit code 0 or 1. After
 --time-limit the remaining checks are skipped (a FAIL); a watchdog ends a hung run 60 s
@@ -152,8 +162,42 @@ def run_guarded(guard, fn) -> None:
             fn()
 
 
-def measured_step(run: Run, model, data, guard=None, where=None) -> dict:
-    """One step of all micro-batches' forward+backward, with its true peak."""
+class TruePeak:
+    """The device's peak over a span, from the CUDA allocator's own event history (every
+    alloc and free, replayed from the bytes allocated at the start): nothing the guard
+    resets inside the span can hide a byte. None on CPU (no allocator to read)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def __enter__(self):
+        if self.run.cuda:
+            self.start = torch.cuda.memory_allocated(self.run.device)
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        return self
+
+    def __exit__(self, *exc):
+        self.bytes = None
+        if not self.run.cuda:
+            return False
+        self.run.sync()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        index = self.run.device.index or 0
+        live = peak = self.start
+        for event in snapshot["device_traces"][index]:
+            if event["action"] == "alloc":
+                live += event["size"]
+                peak = max(peak, live)
+            elif event["action"] == "free_completed":
+                live -= event["size"]
+        self.bytes = peak
+        return False
+
+
+def measured_step(run: Run, model, data, guard=None, where=None, opt=None) -> dict:
+    """One step of all micro-batches' forward+backward (and `opt`'s step), with its true
+    peak."""
     where = where if where is not None else {}
 
     def fn():
@@ -171,14 +215,18 @@ def measured_step(run: Run, model, data, guard=None, where=None) -> dict:
         start_bytes = torch.cuda.memory_allocated(run.device)
         torch.cuda.reset_peak_memory_stats(run.device)
     start = time.perf_counter()
-    run_guarded(guard, fn)
+    with TruePeak(run) as true_peak:
+        run_guarded(guard, fn)
+        if opt is not None:
+            where.update(phase="optimizer step")
+            opt.step()
     run.sync()
     out = {"seconds": time.perf_counter() - start, "start": start_bytes, "true": None,
            "reserved": None, "frag": None,
            "record": guard.history[-1] if guard is not None else None}
     out["guard"] = out["record"]["peak_bytes"] if guard is not None else None
     if run.cuda:
-        out["true"] = torch.cuda.max_memory_allocated(run.device)
+        out["true"] = true_peak.bytes
         out["reserved"] = torch.cuda.memory_reserved(run.device)
         # Fragmentation at the peak: what the allocator held beyond what was in use.
         out["frag"] = torch.cuda.max_memory_reserved(run.device) - out["true"]
@@ -284,10 +332,12 @@ def check_sizes(run: Run) -> str:
     for policy, name, data in (("none", "calm", calm), ("none", "spike", spike),
                                ("full", "spike", spike)):
         model = build_model(cfg, seed=1).to(run.device)
-        guard = spikeguard.attach(model, budget=HUGE, policy=policy)
-        m = measured_step(run, model, data, guard)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        guard = spikeguard.attach(model, budget=HUGE, policy=policy, optimizer=opt)
+        m = measured_step(run, model, data, guard, opt=opt)
+        m = measured_step(run, model, data, guard, opt=opt)   # the optimizer's state exists
         guard.detach()
-        del model, guard
+        del model, guard, opt
         run.release(f"{policy} model")
         peaks[policy, name] = m["peak"]
         say(f"  {policy:4s} {name:5s} (no limit): {peaks_line(m)}")
@@ -326,18 +376,21 @@ def check_none(run: Run) -> str:
     s = run.sizes
     run.set_cap(s["cap"])
     model = build_model(s["cfg"], seed=1).to(run.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # On CUDA the allocator under the cap is the device: a budget the guard never reaches,
     # so whatever kills "none" is the real limit. On CPU the budget is the emulated device.
-    guard = spikeguard.attach(model, budget=HUGE if run.cuda else s["cap"], policy="none")
+    guard = spikeguard.attach(model, budget=HUGE if run.cuda else s["cap"], policy="none",
+                              optimizer=opt)
     where, died = {}, None
     try:
-        m = measured_step(run, model, s["calm"], guard, where)
+        measured_step(run, model, s["calm"], guard, where, opt=opt)
+        m = measured_step(run, model, s["calm"], guard, where, opt=opt)
     except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
         raise CheckFailed(f"calm did not fit under the cap {mib(s['cap'])}: out of memory "
                           f"in {where.get('phase')}: {first_line(err)}") from None
     say(f"  none calm : fits | {peaks_line(m)}")
     try:
-        m = measured_step(run, model, s["spike"], guard, where)
+        m = measured_step(run, model, s["spike"], guard, where, opt=opt)
         say(f"  none spike: finished | {peaks_line(m)}")
     except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
         real = is_real_oom(err)
@@ -346,8 +399,8 @@ def check_none(run: Run) -> str:
                 f"micro-batch {where.get('micro_batch')}", real)
         say(f"  none spike: out of memory: {died[0]}: {first_line(err)}")
     guard.detach()
-    del model, guard
-    run.release("none model")
+    del model, guard, opt
+    run.release("none model")   # the failed step must have left nothing behind
     if died is None:
         raise CheckFailed(f"none finished the spike under the cap {mib(s['cap'])}: no OOM seen")
     if run.cuda and not died[1]:
@@ -359,12 +412,13 @@ def check_adaptive(run: Run) -> str:
     s = run.sizes
     run.set_cap(s["cap"])
     model = build_model(s["cfg"], seed=1).to(run.device)
-    guard = spikeguard.attach(model, budget=s["budget"], policy="adaptive")
-    over_cap, over_budget, where = [], [], {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    guard = spikeguard.attach(model, budget=s["budget"], policy="adaptive", optimizer=opt)
+    over_cap, over_budget, calm_reruns, where = [], [], [], {}
     try:
         for name in ("calm", "spike", "calm", "spike"):
             try:
-                m = measured_step(run, model, s[name], guard, where)
+                m = measured_step(run, model, s[name], guard, where, opt=opt)
             except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
                 raise CheckFailed(f"adaptive died on a {name} step, in {where.get('phase')} "
                                   f"of micro-batch {where.get('micro_batch')}: "
@@ -377,12 +431,17 @@ def check_adaptive(run: Run) -> str:
                 over_cap.append(f"{name} {mib(m['peak'])}")
             if not under:
                 over_budget.append(name)
+            if name == "calm" and rec["safety_net_reruns"]:
+                calm_reruns.append(rec["safety_net_reruns"])
     finally:
         guard.detach()
-        del model, guard
+        del model, guard, opt
     run.release("adaptive model")
     if over_cap:
         raise CheckFailed(f"adaptive over the cap {mib(s['cap'])}: {', '.join(over_cap)}")
+    if calm_reruns:
+        raise CheckFailed(f"adaptive needed the safety net on calm steps ({calm_reruns}): "
+                          "the plan did not fit, the net caught it")
     budget_note = ("under the budget too" if not over_budget else
                    f"over the budget {mib(s['budget'])} (not the cap) in {', '.join(over_budget)}")
     return f"adaptive finished calm and spike under the cap, {budget_note}"
@@ -426,15 +485,107 @@ def check_throughput(run: Run) -> str:
             f"(calm + spike step, ceiling {ms:.0f} ms, no limit)")
 
 
+def ep_worker(rank: int, world_size: int, store_path: str, out_dir: str, cuda: bool) -> None:
+    """One rank of the EP check: the ceiling, then the same step with rank 0's
+    prevention blinded under a budget between its forward and backward peaks."""
+    import torch.distributed as dist
+
+    from spikeguard.parallel import allreduce_replicated_grads, parallelize_experts
+    from spikeguard.plan.catalogue import ALL_SAVE
+
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store_path}",
+                            rank=rank, world_size=world_size)
+    try:
+        cfg = model_config("tiny" if not cuda else "small", num_experts=4)
+        data = batches(cfg, device, [4, 8], seed=100 + rank)
+
+        def model_and_guard(budget):
+            model = parallelize_experts(build_model(cfg, seed=0).to(device), dist.group.WORLD)
+            return model, spikeguard.attach(model, budget=budget, policy="adaptive")
+
+        peaks = {"forward": 0, "backward": 0}
+
+        def step(model, guard, measure=False):
+            def fn():
+                for x, y in data:
+                    if measure:   # the ceiling's own device: each phase's peak apart
+                        guard.meter.reset_peak()
+                    loss = model(x, y).loss / world_size
+                    if measure:
+                        peaks["forward"] = max(peaks["forward"], guard.meter.peak())
+                        guard.meter.reset_peak()
+                    loss.backward()
+                    del loss
+                    if measure:
+                        peaks["backward"] = max(peaks["backward"], guard.meter.peak())
+            guard.run_step(fn)
+            allreduce_replicated_grads(model, dist.group.WORLD)
+            return {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+
+        model, guard = model_and_guard(HUGE)
+        ceiling = step(model, guard, measure=True)
+        forward, whole = peaks["forward"], peaks["backward"]
+        guard.detach()
+        del model, guard
+        budget = (forward + whole) // 2 if rank == 0 else HUGE
+        model, guard = model_and_guard(budget)
+        if rank == 0:
+            guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
+            guard.window.layer_cannot_fit = lambda layer: False
+        forced = step(model, guard)
+        record = guard.history[-1]
+        torch.save({"equal": all(torch.equal(ceiling[n], forced[n]) for n in ceiling),
+                    "record": record, "budget": budget, "forward": forward, "whole": whole},
+                   os.path.join(out_dir, f"ep{rank}.pt"))
+        guard.detach()
+    finally:
+        dist.destroy_process_group()
+
+
+def check_ep(run: Run) -> str:
+    import tempfile
+
+    from spikeguard.parallel.launch_utils import run_spawned
+
+    if run.cuda and torch.cuda.device_count() < 2:
+        return "skipped: one GPU (the EP check needs two)"
+    with tempfile.TemporaryDirectory() as tmp:
+        run_spawned(ep_worker, 2, (tmp, run.cuda), store_path=os.path.join(tmp, "store"),
+                    timeout_s=max(30.0, min(120.0, run.time_left_s())))
+        results = [torch.load(os.path.join(tmp, f"ep{r}.pt"), weights_only=False)
+                   for r in range(2)]
+    failures = []
+    for rank, res in enumerate(results):
+        rec = res["record"]
+        say(f"  rank {rank}: budget {mib(res['budget'])} (forward {mib(res['forward'])}, "
+            f"step {mib(res['whole'])}) | peak {mib(rec['peak_bytes'])} | reruns "
+            f"{rec['safety_net_reruns']} {[r['scope'] for r in rec['safety_net']]} | "
+            f"gradients {'equal' if res['equal'] else 'DIFFERENT'}")
+        if not res["equal"]:
+            failures.append(f"rank {rank}: gradients differ from the uninterrupted job")
+        if [r["scope"] for r in rec["safety_net"]] != ["step"]:
+            failures.append(f"rank {rank}: no step-level re-run ({rec['safety_net']})")
+    if not results[0]["forward"] < results[0]["budget"] < results[0]["whole"]:
+        failures.append("rank 0's budget is not between its forward and step peaks")
+    if failures:
+        raise CheckFailed("; ".join(failures))
+    return ("one rank refused in backward: both re-ran the step together, gradients "
+            f"bitwise equal ({'NCCL' if run.cuda else 'gloo, cpu dry run'})")
+
+
 CHECKS = (("bitwise", check_bitwise, True), ("sizes", check_sizes, True),
           ("none", check_none, True), ("adaptive", check_adaptive, True),
+          ("ep", check_ep, True),
           ("throughput", check_throughput, False))   # the last is reported, never asserted
 
 
 def run_checks(run: Run) -> None:
     for name, fn, asserted in CHECKS:
         run.current = name
-        if name != "bitwise" and name != "sizes" and run.sizes is None:
+        if name not in ("bitwise", "sizes", "ep") and run.sizes is None:
             run.results.append((name, "FAIL", f"{name}: not run, it needs the sizes check"))
             say(f"[{name}] NOT RUN (the sizes check did not pass)")
             continue

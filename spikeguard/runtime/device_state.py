@@ -165,19 +165,27 @@ def _reset_fsdp_shards(model: nn.Module) -> None:
 
 
 class GradSnapshot:
-    """The gradients before a step: None where there were none, else a host copy."""
+    """The gradients before a step: None where there were none, else a host copy (on
+    CUDA in CPU memory: a copy kept on the GPU would take the very room a re-run needs;
+    on the emulated device, storages made inside `host()`)."""
 
     def __init__(self, model: nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
         with device_memory.host():
-            self.grads = [None if p.grad is None else p.grad.detach().clone()
-                          for p in self.params]
+            self.grads = [None if p.grad is None else _host_copy(p.grad) for p in self.params]
 
     def restore(self) -> None:
         for p, g in zip(self.params, self.grads):
             if g is None:
                 p.grad = None
             elif p.grad is None:
-                p.grad = g.clone()
+                p.grad = g.to(p.device, copy=True)
             else:
                 p.grad.copy_(g)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone()
+    return t.to("cpu", copy=True)

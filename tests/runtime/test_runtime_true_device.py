@@ -209,5 +209,11 @@ def test_backward_oom_reruns_the_step_with_the_plain_gradients(host_marks):
     assert record["micro_batches"] == 2
     # The refused attempt included: one process raises at the allocation.
     assert meter.peak_bytes <= budget, (meter.peak_bytes, budget)
+    # The history's peak is the step's true peak, the failed attempt's included (it went
+    # to the edge of the budget; the full-recompute re-run peaks lower): within 2% of the
+    # independent meter, the re-run's own figure beside it.
+    assert record["rerun_peak_bytes"] < record["peak_bytes"] <= budget, record
+    assert 0.98 * meter.peak_bytes <= record["peak_bytes"] <= 1.02 * meter.peak_bytes, \
+        (record["peak_bytes"], meter.peak_bytes)
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.equal(a, g) for a, g in zip(expected, grads))
