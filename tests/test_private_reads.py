@@ -46,6 +46,8 @@ ALLOWED = {
     ("runtime/device_state.py", "_local_tensor"),
     ("runtime/device_state.py", "_get_fsdp_state"),
     ("runtime/device_state.py", "_fsdp_param_group"),
+    # ... and its per-mesh groups (torch 2.13: the singular one raises when there are several)
+    ("runtime/device_state.py", "_fsdp_param_groups"),
     # a view's base: whether a saved tensor is a view of a parameter (no public accessor)
     ("runtime/hooks.py", "_base"),
     # nn.Module's parameter dict: the local weights put back for a recompute under

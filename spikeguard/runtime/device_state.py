@@ -160,9 +160,21 @@ def _reset_fsdp_shards(model: nn.Module) -> None:
     (`FSDPParam._sharded_param_data`): after the local shards moved to the device, make it
     read the moved ones (its `reset_sharded_param`, which lazy initialisation also runs)."""
     for module in _fsdp_modules(model):
-        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", None) or ():
-            fsdp_param.reset_sharded_param()
+        for group in _fsdp_param_groups(module._get_fsdp_state()):
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
+
+
+def _fsdp_param_groups(state) -> list:
+    """A module's FSDP2 parameter groups. torch 2.13 gives a module one per mesh when its
+    parameters are sharded over several (torchtitan's EP: the experts over its `efsdp`
+    mesh, the rest over `fsdp`); its singular `_fsdp_param_group` then raises
+    "Expected at most 1 param group"."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)   # torch before per-mesh groups
+    return [group] if group is not None else []
 
 
 class GradSnapshot:
