@@ -49,10 +49,26 @@ def test_converter_then_attach_is_the_guard_bitwise():
     guards = attach_titan(_Container([optimizer]), [model], None,
                           chain=lambda *a: hooked.append(len(a)))
     assert hooked == [3] and guards == [model.spikeguard]
-    assert model.spikeguard.policy == "offload" and model.spikeguard.optimizer is optimizer
+    assert model.spikeguard.policy == "offload" and model.spikeguard.optimizers == (optimizer,)
     assert bitwise(reference, step(model, data, model.spikeguard))
     assert model.spikeguard.history[-1]["decisions"]["offload"] == 4
     model.spikeguard.detach()
+
+
+def test_each_part_gets_the_optimizers_of_its_own_parameters():
+    # torchtitan's container makes one optimizer per part and optimizer name: here part 0
+    # has two (its param groups name AdamW and SGD), part 1 one. By index, part 1 got
+    # part 0's second optimizer.
+    converter = SpikeGuardConverter.Config(budget="1GiB", policy="none").build()
+    parts = [_built(converter.convert(titan_config("deepseek_v3", SIZES))) for _ in range(2)]
+    first = list(parts[0].parameters())
+    optimizers = [torch.optim.AdamW(first[::2]), torch.optim.SGD(first[1::2]),
+                  torch.optim.AdamW(parts[1].parameters())]
+    guards = attach_titan(_Container(optimizers), parts, None)
+    assert guards[0].optimizers == tuple(optimizers[:2])
+    assert guards[1].optimizers == (optimizers[2],)
+    for guard in guards:
+        guard.detach()
 
 
 def test_bad_settings_fail_at_convert():
