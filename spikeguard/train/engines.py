@@ -87,6 +87,7 @@ class LocalEngine:
             sums = torch.zeros(3)
             imbalance[:], received[:] = [1.0] * n, [0] * n
             for batch in batches:
+                self._before_micro_batch()
                 loss, ce, aux = family.losses(model, batch)
                 # Divided before backward: the accumulated gradients are the mean over
                 # micro-batches (and, scaled by 1/world, over the ranks' shards).
@@ -94,8 +95,7 @@ class LocalEngine:
                 sums += torch.stack([loss.detach(), ce.detach(), aux.detach()])
                 # A spike is a property of one micro-batch (that is what memory sees): a
                 # layer's imbalance for the step is its worst micro-batch.
-                for i, block in enumerate(self._blocks):
-                    counts = block.last_tokens_per_expert
+                for i, counts in enumerate(self._micro_batch_counts()):
                     imbalance[i] = max(imbalance[i], expert_imbalance(counts))
                     received[i] = max(received[i], int(sum(counts)))
             return sums
@@ -120,6 +120,14 @@ class LocalEngine:
             # window's counts are the received rows).
             out["_received_per_layer"] = last.get("received_per_layer", [])
         return out
+
+    def _before_micro_batch(self) -> None:
+        """Before each micro-batch's forward (a family that counts by difference)."""
+
+    def _micro_batch_counts(self) -> list:
+        """Per MoE layer (`self._blocks`), the tokens routed to each expert by the
+        micro-batch that just ran its forward."""
+        return [block.last_tokens_per_expert for block in self._blocks]
 
     def _reduce_grads(self) -> None:
         allreduce_replicated_grads(self.model, dist.group.WORLD)
