@@ -71,6 +71,34 @@ def test_each_part_gets_the_optimizers_of_its_own_parameters():
         guard.detach()
 
 
+def test_torchtitans_own_optimizers_and_lr_schedulers_built_after_attach():
+    # torchtitan's Trainer builds its LR schedulers after post_optimizer_build_fn; a
+    # replaced optimizer.step broke them ('functools.partial' has no attribute '__func__').
+    from torchtitan.components.optimizer import (LRSchedulersContainer, OptimizersContainer,
+                                                 ParamGroupConfig)
+
+    converter = SpikeGuardConverter.Config(budget="1GiB", policy="adaptive").build()
+    model = _built(converter.convert(titan_config("deepseek_v3", SIZES)))
+    optimizers = OptimizersContainer(OptimizersContainer.Config(implementation="for-loop",
+        param_groups=[ParamGroupConfig(pattern=r"experts", optimizer_name="Adam",
+                                       optimizer_kwargs={"lr": 1e-2}),
+                      ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                                       optimizer_kwargs={"lr": 1e-3})]), model_parts=[model])
+    (guard,) = attach_titan(optimizers, [model], None)
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
+                                                                    training_steps=4)
+    assert len(guard.optimizers) == 2 == len(optimizers.optimizers)   # both steps guarded
+    lrs = [[g["lr"] for o in optimizers for g in o.param_groups]]
+    for i in range(3):
+        step(model, batches(i), guard)
+        optimizers.step()
+        schedulers.step()
+        lrs.append([g["lr"] for o in optimizers for g in o.param_groups])
+    assert lrs == [[5e-3, 5e-4], [1e-2, 1e-3], [1e-2, 1e-3], [5e-3, 5e-4]], lrs   # warm-up, decay
+    assert len(guard.history) == 3
+    guard.detach()
+
+
 def test_bad_settings_fail_at_convert():
     with pytest.raises(spikeguard.UsageError, match="unknown policy"):
         SpikeGuardConverter.Config(policy="sometimes").build()
