@@ -55,7 +55,8 @@ class OptimizerScope:
         self.step_open = step_open
         self.handles: list = []
         self.optimizers: list = []
-        self.open: list[tuple[int, contextlib.ExitStack]] = []   # (id(optimizer), scope)
+        # (id(optimizer), its scope, whether the scope holds the device's modes)
+        self.open: list[tuple[int, contextlib.ExitStack, bool]] = []
 
     @staticmethod
     def check_free(optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -84,17 +85,18 @@ class OptimizerScope:
     def close_down_to(self, key=None) -> None:
         """Close the open scopes from the innermost down to and with `key`'s (None: all)."""
         while self.open:
-            k, scope = self.open.pop()
+            k, scope, _ = self.open.pop()
             scope.close()
             if key is not None and k == key:
                 return
 
     def pre(self, optimizer, args, kwargs) -> None:
         key = id(optimizer)
-        if any(k == key for k, _ in self.open):   # its last step raised, so its post
-            self.close_down_to(key)               # hook never ran
+        if any(k == key for k, _, _ in self.open):   # its last step raised, so its post
+            self.close_down_to(key)                  # hook never ran
         scope = contextlib.ExitStack()
-        if not self.step_open():
+        owns = not self.step_open()
+        if owns:
             scope.enter_context(self.meter.active())
             scope.enter_context(self.meter.enforcing())
             scope.enter_context(self.meter.deferred())
@@ -106,13 +108,15 @@ class OptimizerScope:
             self.position.phase = phase
             self.meter.set_where(previous)
         scope.callback(restore)
-        self.open.append((key, scope))
+        self.open.append((key, scope, owns))
 
     def post(self, optimizer, args, kwargs) -> None:
         key = id(optimizer)
-        if not any(k == key for k, _ in self.open):
+        mine = [owns for k, _, owns in self.open if k == key]
+        if not mine:
             return
-        over = self.meter.take_overflow()
+        # Only a scope of its own deferred: an open step's overflow is the step's to take.
+        over = self.meter.take_overflow() if mine[-1] else 0
         self.close_down_to(key)
         if over:
             raise DeviceOutOfMemory(

@@ -160,3 +160,55 @@ def test_an_out_of_memory_in_the_optimizer_step_is_one_line_and_closes_the_scope
     assert guard.meter.allocated() == on_device
     del big
     guard.detach()
+
+
+def test_an_optimizer_step_inside_the_guarded_step_runs_in_the_steps_scope():
+    model = build_model(CFG, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = spikeguard.attach(model, budget="1GiB", policy="adaptive", optimizer=opt)
+    tokens = _tokens(2, seed=0)
+
+    def step():
+        model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+        opt.step()
+
+    guard.run_step(step)
+    assert len(guard.history) == 1 and opt.state   # the moments exist, made in the step
+    # The step's peak covers the optimizer's: the moments were made on its device.
+    assert guard.history[-1]["peak_bytes"] >= 4 * _param_bytes(model.parameters())
+    guard.detach()
+
+
+def _counted_on_device(guard) -> bool:
+    """Whether a host allocation now lands on the guard's device (its scope is open)."""
+    before = guard.meter.allocated()
+    t = torch.ones(1 << 16)
+    counted = guard.meter.allocated() >= before + t.nbytes
+    del t
+    return counted
+
+
+@pytest.mark.parametrize("then", ["next step", "detach"])
+def test_a_step_that_raised_otherwise_has_its_scope_closed_by_the_next_step_or_detach(then):
+    model = build_model(CFG, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = spikeguard.attach(model, budget="1GiB", policy="none", optimizer=opt)
+    _train(model, guard, [], steps=1)
+
+    def fail(o, a, k):
+        raise KeyError("a user's hook")
+    handle = opt.register_step_pre_hook(fail)   # after the guard's: inside its scope
+    with pytest.raises(KeyError):
+        opt.step()
+    handle.remove()
+    # No public hook sees that exception (the post hooks do not run): the scope it left
+    # open is closed by the next step of this optimizer, or by detach.
+    if then == "next step":
+        opt.step()
+        assert not _counted_on_device(guard)
+        guard.detach()
+    else:
+        scope = guard.wiring.optimizer_scope
+        assert scope.open   # the scope the raised step left
+        guard.detach()
+        assert not scope.open
