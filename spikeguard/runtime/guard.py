@@ -1,6 +1,8 @@
 """The guard: the public API that attaches spikeguard to a model.
 
     guard = spikeguard.attach(model, budget="2GiB", policy="adaptive", optimizer=opt)
+    # optimizer: one, a list (several share the model's parameters out), or None; each
+    # one's step runs on the device through its own step hooks (runtime/wiring.py)
     def step():
         for micro_batch in batches:
             model(micro_batch.x, micro_batch.y).loss.backward()
