@@ -100,10 +100,9 @@ def _check_arguments(model, optimizer, policy: str, shared_policy: str) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
     bad = [o for o in as_optimizers(optimizer) if not isinstance(o, torch.optim.Optimizer)]
-    if bad or isinstance(optimizer, (str, bytes)):
-        what = type(bad[0] if bad else optimizer).__name__
+    if bad:
         raise UsageError(f"optimizer must be a torch.optim.Optimizer, a list of them, or "
-                         f"None, got {what}")
+                         f"None, got {type(bad[0]).__name__}")
     OptimizerScope.check_free(as_optimizers(optimizer))
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
