@@ -46,6 +46,8 @@ ALLOWED = {
     ("runtime/device_state.py", "_local_tensor"),
     ("runtime/device_state.py", "_get_fsdp_state"),
     ("runtime/device_state.py", "_fsdp_param_group"),
+    # ... and its per-mesh groups (torch 2.13: the singular one raises when there are several)
+    ("runtime/device_state.py", "_fsdp_param_groups"),
     # a view's base: whether a saved tensor is a view of a parameter (no public accessor)
     ("runtime/hooks.py", "_base"),
     # nn.Module's parameter dict: the local weights put back for a recompute under
@@ -62,6 +64,9 @@ ALLOWED = {
     # nn.Module.compile() marks a compiled module only there (torch 2.13, no public flag):
     # torchtitan's compile of its blocks is refused under the guard
     ("integrations/titan_blocks.py", "_compiled_call_impl"),
+    # torch 2.13's activation-checkpoint wrapper lives only in a private module (torchtitan
+    # imports it from there): its AC is refused by type
+    ("integrations/titan_blocks.py", "_checkpoint"),
     # torchtitan 0.3.0 builds its deepseek_v3 layers and inits only through these
     # module-level helpers (its debug model's own recipe; no public builder at other sizes)
     ("integrations/titan_models.py", "_build_dsv3_layers"),

@@ -43,6 +43,7 @@ from torch import nn
 from spikeguard.errors import UsageError
 from spikeguard.integrations.hf_bytes import REGION_MENU, RegionBytes, RegionPlanner
 from spikeguard.integrations.hf_window import region_action, run_region
+from spikeguard.integrations.titan_models import SPMD_BACKEND
 from spikeguard.memory.ledger import local_tensor
 from spikeguard.parallel.agreement import agreement_for
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
@@ -53,14 +54,21 @@ LOOKED_FOR = ("a torchtitan MoE (a `router` with top_k beside `routed_experts` h
 GROUPED_MM_BYTES = 2          # GroupedExperts computes on bf16 copies, whatever the weights
 OFFSET_BYTES = 4              # its int32 offsets, one per local expert
 AC_OFF = ("torchtitan's activation checkpointing wraps the transformer blocks "
-          "(CheckpointWrapper): turn it off (activation_checkpoint: mode none) before "
-          "attaching spikeguard; the guard decides recompute itself, and the two must not "
-          "be stacked")
+          "({name}): set activation_checkpoint = None in the trainer config (command "
+          "line: activation_checkpoint:none) before attaching spikeguard; "
+          "the guard decides recompute itself, and the two must not be stacked")
 COMPILE_OFF = ("torchtitan compiled the transformer blocks holding MoE layers (compile "
                "with fullgraph; its components include 'model'): the decision window is "
                "Python that runs between the router and the experts, which a full graph "
-               "leaves no room for; turn compile off for the model (or leave 'model' out of "
+               "leaves no room for; set compile.enable = false (or leave 'model' out of "
                "compile.components) before attaching spikeguard")
+EP_BACKEND_OFF = ("torchtitan's expert parallelism runs under parallelism.spmd_backend "
+                  "{backend!r}, {why}: set parallelism.spmd_backend = \"partial_dtensor\" "
+                  "before attaching spikeguard")
+EP_BACKEND_WHY = {
+    "spmd_types": "whose token all-to-all (c10d's in-place one, inside an autograd "
+                  "Function) a recompute would re-issue",
+}
 
 
 @dataclass(frozen=True)
@@ -172,10 +180,21 @@ def titan_window(guard, layer: int, orig_forward, x_RD, num_tokens_per_expert_e,
 
 
 def refuse_wrappers(model: nn.Module, blocks: list[TitanBlock]) -> None:
-    """torchtitan's own activation checkpointing and a compiled block are refused."""
+    """torchtitan's own activation checkpointing, a compiled block, and an EP backend
+    other than partial_dtensor are refused."""
+    # torch 2.13 keeps its checkpoint wrapper in a private module (torchtitan imports it
+    # from there too). By type, not name: FSDP2's fully_shard makes the wrapper's class
+    # a subclass named FSDPCheckpointWrapper (and the base covers OffloadWrapper).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
     for module in model.modules():
-        if type(module).__name__ == "CheckpointWrapper":
-            raise UsageError(AC_OFF)
+        if isinstance(module, ActivationWrapper):
+            raise UsageError(AC_OFF.format(name=type(module).__name__))
+    if blocks and getattr(blocks[0].dispatcher, "ep_mesh", None) is not None:
+        from torchtitan.distributed.utils import get_spmd_backend
+        backend = get_spmd_backend()
+        if backend != SPMD_BACKEND:
+            raise UsageError(EP_BACKEND_OFF.format(backend=backend, why=EP_BACKEND_WHY.get(
+                backend, "which spikeguard has not been run under")))
     for part in blocks:
         for module in model.modules():
             if getattr(module, "_compiled_call_impl", None) is not None and \

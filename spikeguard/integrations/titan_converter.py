@@ -104,23 +104,33 @@ def settings_of(model) -> Optional[GuardSettings]:
     return getattr(model, SETTINGS_ATTR, None)
 
 
+def optimizers_of(part, optimizers: list) -> list:
+    """The optimizers holding parameters of `part`, in the container's order."""
+    mine = {id(p) for p in part.parameters()}
+    return [o for o in optimizers
+            if any(id(p) in mine for g in o.param_groups for p in g["params"])]
+
+
 def attach_titan(optimizers, model_parts, parallel_dims=None, *, chain=None):
     """torchtitan's `post_optimizer_build_fn`: attach a guard to each model part that
-    carries the converter's settings (its optimizer from torchtitan's container when it
-    holds one per part). `chain`: a hook to run first (the model spec's own)."""
+    carries the converter's settings, with the optimizers of torchtitan's container that
+    hold that part's parameters (the container makes one per part and optimizer name:
+    several per part when its param groups name several). `chain`: a hook to run first
+    (the model spec's own)."""
     import spikeguard.integrations  # noqa: F401  registers the block adapters (as the facade does)
     from spikeguard.runtime.guard import attach
     if chain is not None:
         chain(optimizers, model_parts, parallel_dims)
-    per_part = list(getattr(optimizers, "optimizers", []) or [])
+    inner = list(getattr(optimizers, "optimizers", None) or
+                 ([optimizers] if optimizers is not None else []))
     guards = []
-    for i, part in enumerate(model_parts):
+    for part in model_parts:
         settings = settings_of(part)
         if settings is None:
             raise UsageError("this model was not built through SpikeGuardConverter: add "
                              "SpikeGuardConverter.Config(...) to model_registry(converters=...)")
-        optimizer = per_part[i] if i < len(per_part) else None
         part.spikeguard = attach(part, budget=settings.budget, policy=settings.policy,
-                                 optimizer=optimizer, shared_policy=settings.shared_policy)
+                                 optimizer=optimizers_of(part, inner),
+                                 shared_policy=settings.shared_policy)
         guards.append(part.spikeguard)
     return guards

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -88,8 +88,9 @@ def resolve_budget(budget, device: torch.device) -> int:
                      "(e.g. budget='512MiB'); the CPU allocator emulates a device of that size")
 
 
-def state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
-    """(owner, key, tensor) of every parameter, gradient, buffer and optimizer-state tensor."""
+def state_tensors(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()):
+    """(owner, key, tensor) of every parameter, gradient, buffer, and state tensor of
+    each of `optimizers`."""
     for p in model.parameters():
         yield p, "data", p.data
         if p.grad is not None:
@@ -98,14 +99,14 @@ def state_tensors(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
         for name, buf in module._buffers.items():
             if buf is not None:
                 yield module._buffers, name, buf
-    if optimizer is not None:
+    for optimizer in optimizers:
         for state in optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value):
                     yield state, key, value
 
 
-def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
+def move_state_to_device(model: nn.Module, optimizers: Sequence, meter) -> None:
     """Re-allocate the model's state while the emulated device is active (CPU only): the
     device then counts it, as it counts what a CUDA device holds after `.to("cuda")`.
     Storages shared by two tensors (tied weights) are moved once and stay shared."""
@@ -114,7 +115,7 @@ def move_state_to_device(model: nn.Module, optimizer, meter) -> None:
     moved: dict[int, torch.Tensor] = {}
     _reshard_fsdp(model)
     with meter.active():
-        for owner, key, t in list(state_tensors(model, optimizer)):
+        for owner, key, t in list(state_tensors(model, optimizers)):
             if hasattr(t, "_local_tensor"):   # a DTensor: this rank holds its local shard
                 # (`p.data` of a DTensor parameter is a new alias: move the parameter's own)
                 holder = owner if key == "data" else t
@@ -159,9 +160,21 @@ def _reset_fsdp_shards(model: nn.Module) -> None:
     (`FSDPParam._sharded_param_data`): after the local shards moved to the device, make it
     read the moved ones (its `reset_sharded_param`, which lazy initialisation also runs)."""
     for module in _fsdp_modules(model):
-        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", None) or ():
-            fsdp_param.reset_sharded_param()
+        for group in _fsdp_param_groups(module._get_fsdp_state()):
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
+
+
+def _fsdp_param_groups(state) -> list:
+    """A module's FSDP2 parameter groups. torch 2.13 gives a module one per mesh when its
+    parameters are sharded over several (torchtitan's EP: the experts over its `efsdp`
+    mesh, the rest over `fsdp`); its singular `_fsdp_param_group` then raises
+    "Expected at most 1 param group"."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)   # torch before per-mesh groups
+    return [group] if group is not None else []
 
 
 class GradSnapshot:

@@ -1,6 +1,8 @@
 """The guard: the public API that attaches spikeguard to a model.
 
     guard = spikeguard.attach(model, budget="2GiB", policy="adaptive", optimizer=opt)
+    # optimizer: one, a list (several share the model's parameters out), or None; each
+    # one's step runs on the device through its own step hooks (runtime/wiring.py)
     def step():
         for micro_batch in batches:
             model(micro_batch.x, micro_batch.y).loss.backward()
@@ -31,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -39,7 +41,7 @@ from torch import nn
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.runtime.adapter import SHARED_POLICIES, find_adapter
 from spikeguard.memory.ledger import Ledger, storage_key
-from spikeguard.memory.static import static_bytes
+from spikeguard.memory.static import optimizer_state_bytes, static_bytes
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
@@ -62,16 +64,20 @@ from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.policies import POLICIES
 from spikeguard.runtime.window import DecisionWindow
-from spikeguard.runtime.wiring import ModelWiring
+from spikeguard.runtime.wiring import ModelWiring, OptimizerScope
+
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 # Under "full" the whole layer is recomputed; recorded as every operator recomputed.
 FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
 
 
 def attach(model: nn.Module, budget=None, policy: str = "adaptive",
-           optimizer: Optional[torch.optim.Optimizer] = None,
+           optimizer: Optimizers = None,
            shared_policy: str = "keep") -> "Guard":
-    """Attach a guard to a model with MoE blocks; see the module docstring."""
+    """Attach a guard to a model with MoE blocks; see the module docstring. `optimizer`:
+    one torch optimizer, a list of them (a model whose parameters several optimizers
+    share out), or None; each one's step then runs on the device."""
     return Guard(model, budget=budget, policy=policy, optimizer=optimizer,
                  shared_policy=shared_policy)
 
@@ -81,12 +87,23 @@ def attached_guard(model: nn.Module) -> Optional["Guard"]:
     return getattr(model, "_spikeguard", None)
 
 
+def as_optimizers(optimizer: Optimizers) -> tuple:
+    """`attach`'s optimizer argument as a tuple: () for None, one for one."""
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, (list, tuple)):
+        return tuple(optimizer)
+    return (optimizer,)
+
+
 def _check_arguments(model, optimizer, policy: str, shared_policy: str) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(f"optimizer must be a torch.optim.Optimizer or None, "
-                         f"got {type(optimizer).__name__}")
+    bad = [o for o in as_optimizers(optimizer) if not isinstance(o, torch.optim.Optimizer)]
+    if bad:
+        raise UsageError(f"optimizer must be a torch.optim.Optimizer, a list of them, or "
+                         f"None, got {type(bad[0]).__name__}")
+    OptimizerScope.check_free(as_optimizers(optimizer))
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if shared_policy not in SHARED_POLICIES:
@@ -96,11 +113,21 @@ def _check_arguments(model, optimizer, policy: str, shared_policy: str) -> None:
         raise UsageError("this model already has a spikeguard attached; detach() it first")
 
 
+class _Parameters:
+    """An optimizer's parameters where `optimizer_state_bytes` reads a model's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def parameters(self):
+        return (p for group in self.optimizer.param_groups for p in group["params"])
+
+
 class Guard:
     """Keeps one model's training under a device memory budget."""
 
     def __init__(self, model: nn.Module, *, budget=None, policy: str = "adaptive",
-                 optimizer: Optional[torch.optim.Optimizer] = None, shared_policy: str = "keep"):
+                 optimizer: Optimizers = None, shared_policy: str = "keep"):
         _check_arguments(model, optimizer, policy, shared_policy)
         # The blocks, found by the adapter of their family (spikeguard.integrations).
         self.adapter = find_adapter(model)
@@ -113,8 +140,9 @@ class Guard:
         self.budget_bytes = resolve_budget(budget, self.device)
         self.ledger = Ledger(self.budget_bytes, self.device)
         self.meter = self.ledger.meter   # the device: its figure is the truth
-        self.optimizer = optimizer
-        move_state_to_device(self.model, self.optimizer, self.meter)
+        self.optimizer = optimizer   # as given to attach
+        self.optimizers = as_optimizers(optimizer)
+        move_state_to_device(self.model, self.optimizers, self.meter)
         self.ctx = Context()
         self.position = Position(self.ctx, self.meter, len(self.moe_blocks), self.budget_bytes)
         self.cost = CostModel()
@@ -156,7 +184,7 @@ class Guard:
                                  self.adapter, self.moe_blocks)
         self.wiring = ModelWiring(self)   # runtime/wiring.py
         self.model._spikeguard = self
-        self.wiring.install(self._guarded_forward, self._optimizer_step)
+        self.wiring.install(self._guarded_forward)
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self.recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
         self.ledger.set_static(self._static_bytes())
@@ -179,7 +207,9 @@ class Guard:
     # ---- life cycle -------------------------------------------------------------------
     def _static_bytes(self) -> int:
         self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
-        return static_bytes(self.model, self.optimizer)
+        # Each optimizer's state from its own parameters (several share the model out).
+        return static_bytes(self.model) + sum(
+            optimizer_state_bytes(_Parameters(o), o)[0] for o in self.optimizers)
 
     def detach(self) -> None:
         """Remove every hook and wrapper: the model computes exactly as before attach."""
@@ -243,6 +273,8 @@ class Guard:
     def step_scope(self, recorder=None):
         """The device is active and enforcing; the step's recorder is open."""
         self.ledger.set_static(self._static_bytes())
+        # An optimizer step that raised left its scope open (no post hook ran): closed.
+        self.wiring.optimizer_scope.close_down_to()
         self._recorder = recorder or StepRecorder(self.engine.offloaded_bytes_total)
         with self.meter.active(), self.meter.enforcing():
             self.meter.reset_peak()
@@ -295,18 +327,6 @@ class Guard:
         self.ledger.clear()
         self.tracker.holders.clear()
         self.engine.end_forward()
-
-    def _optimizer_step(self, orig_step, *args, **kwargs):
-        """The optimizer step on the device; an out-of-memory here is not re-runnable (the
-        update may be half applied), so it is reported, never retried."""
-        with self.meter.active(), self.meter.enforcing():
-            previous = self.position.set_where(PHASE_OPTIMIZER, -1)
-            try:
-                return orig_step(*args, **kwargs)
-            except torch.OutOfMemoryError as err:
-                raise self.device_oom(err) from None
-            finally:
-                self.meter.set_where(previous)
 
     @contextlib.contextmanager
     def on_device(self):

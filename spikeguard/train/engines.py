@@ -89,6 +89,7 @@ class LocalEngine:
             sums = torch.zeros(3)
             imbalance[:], received[:] = [1.0] * n, [0] * n
             for batch in batches:
+                self._before_micro_batch()
                 loss, ce, aux = family.losses(model, batch)
                 # Divided before backward: the accumulated gradients are the mean over
                 # micro-batches (and, scaled by 1/world, over the ranks' shards).
@@ -96,8 +97,7 @@ class LocalEngine:
                 sums += torch.stack([loss.detach(), ce.detach(), aux.detach()])
                 # A spike is a property of one micro-batch (that is what memory sees): a
                 # layer's imbalance for the step is its worst micro-batch.
-                for i, block in enumerate(self._blocks):
-                    counts = block.last_tokens_per_expert
+                for i, counts in enumerate(self._micro_batch_counts()):
                     imbalance[i] = max(imbalance[i], expert_imbalance(counts))
                     received[i] = max(received[i], int(sum(counts)))
             return sums
@@ -111,8 +111,7 @@ class LocalEngine:
             if self.groups is not None and not self.sharded:
                 self._reduce_grads()
             grad_norm = self._clip_sharded() if self.sharded else self._clip()
-        for opt in self.optimizers:
-            opt.step()
+        optimizer_steps(self.optimizers, self.guards)
         loss, ce, aux = (sums / M).tolist()
         out = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "grad_norm": grad_norm}
         if self._blocks:
@@ -125,6 +124,14 @@ class LocalEngine:
             # window's counts are the received rows).
             out["_received_per_layer"] = last.get("received_per_layer", [])
         return out
+
+    def _before_micro_batch(self) -> None:
+        """Before each micro-batch's forward (a family that counts by difference)."""
+
+    def _micro_batch_counts(self) -> list:
+        """Per MoE layer (`self._blocks`), the tokens routed to each expert by the
+        micro-batch that just ran its forward."""
+        return [block.last_tokens_per_expert for block in self._blocks]
 
     def _reduce_grads(self) -> None:
         allreduce_replicated_grads(self.model, dist.group.WORLD)
@@ -237,8 +244,7 @@ class PipelineEngine:
         self.monitor.begin_step()
         losses = self.prank.step(idx_BT, targets_BT)
         grad_norm = self.prank.clip_grad_norm_(self.grad_clip).item()
-        for opt in self.optimizers:
-            opt.step()
+        optimizer_steps(self.optimizers, self.guards)
         return {"loss": (sum(x.item() for x in losses) / len(losses)) if losses else None,
                 "grad_norm": grad_norm}
 
@@ -260,6 +266,23 @@ class PipelineEngine:
         self.monitor.close()
         self.prank.close()
         self.guards = []
+
+
+def optimizer_steps(optimizers, guards) -> None:
+    """Each optimizer's step (on the device through the guard's step hooks). The device
+    refuses inside it as a GPU does, at the allocation: the update is half applied and not
+    re-runnable, so the run ends here, in one line that names it."""
+    for opt in optimizers:
+        try:
+            opt.step()
+        except torch.OutOfMemoryError as err:
+            if not guards or not hasattr(guards[0], "device_oom"):
+                raise
+            oom = guards[0].device_oom(err)
+        else:
+            continue
+        oom.__context__ = None
+        raise oom
 
 
 def _guarded(guard, micro_batches):

@@ -105,6 +105,19 @@ class TitanEngine(LocalEngine):
         super().__init__(model, family, None, grad_clip=grad_clip)
         self.groups = groups
         self.loss_scale = 1.0 / (groups.layout.nproc if groups is not None else 1)
+        # The step line's imbalance, guard or not: torchtitan's MoE counts each training
+        # forward's routing into its `tokens_per_expert_E` (its load-balancing buffer,
+        # never reset here): a micro-batch's counts are the difference over its forward.
+        self._blocks = [m for m in model.modules()
+                        if torch.is_tensor(getattr(m, "tokens_per_expert_E", None))]
+        self._counts_before: list = []
+
+    def _before_micro_batch(self) -> None:
+        self._counts_before = [b.tokens_per_expert_E.clone() for b in self._blocks]
+
+    def _micro_batch_counts(self) -> list:
+        return [(b.tokens_per_expert_E - before).tolist()
+                for b, before in zip(self._blocks, self._counts_before)]
 
     def _reduce_grads(self) -> None:
         grads = [p.grad for p in self.model.parameters()

@@ -41,6 +41,18 @@ def test_trains_under_torchrun_with_torchtitans_ep():
     assert "done: 2 steps" in done.stdout and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("layout", [[], ["--nproc", "2", "--ep", "2"]], ids=["one", "ep2"])
+def test_the_readme_command_with_no_budget_or_policy_trains(layout):
+    # No guard: the step line's imbalance is torchtitan's own routing count (it was read
+    # only from the built-in blocks or a guard's record: KeyError 'imbalance').
+    done = subprocess.run([sys.executable, "-m", "spikeguard", "train", "--titan", "deepseek_v3",
+                           *layout, "--steps", "2"], capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [l for l in done.stdout.splitlines() if l.startswith("step ")]
+    assert len(steps) == 2 and all(" | imb " in l and "peak" not in l for l in steps), done.stdout
+    assert "done: 2 steps" in done.stdout and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("args, says", [
     (["nope"], "unknown torchtitan model 'nope'"),
     (["deepseek_v3", "--hf", "mixtral"], "--titan and --hf"),

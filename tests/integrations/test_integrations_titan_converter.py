@@ -49,10 +49,54 @@ def test_converter_then_attach_is_the_guard_bitwise():
     guards = attach_titan(_Container([optimizer]), [model], None,
                           chain=lambda *a: hooked.append(len(a)))
     assert hooked == [3] and guards == [model.spikeguard]
-    assert model.spikeguard.policy == "offload" and model.spikeguard.optimizer is optimizer
+    assert model.spikeguard.policy == "offload" and model.spikeguard.optimizers == (optimizer,)
     assert bitwise(reference, step(model, data, model.spikeguard))
     assert model.spikeguard.history[-1]["decisions"]["offload"] == 4
     model.spikeguard.detach()
+
+
+def test_each_part_gets_the_optimizers_of_its_own_parameters():
+    # torchtitan's container makes one optimizer per part and optimizer name: here part 0
+    # has two (its param groups name AdamW and SGD), part 1 one. By index, part 1 got
+    # part 0's second optimizer.
+    converter = SpikeGuardConverter.Config(budget="1GiB", policy="none").build()
+    parts = [_built(converter.convert(titan_config("deepseek_v3", SIZES))) for _ in range(2)]
+    first = list(parts[0].parameters())
+    optimizers = [torch.optim.AdamW(first[::2]), torch.optim.SGD(first[1::2]),
+                  torch.optim.AdamW(parts[1].parameters())]
+    guards = attach_titan(_Container(optimizers), parts, None)
+    assert guards[0].optimizers == tuple(optimizers[:2])
+    assert guards[1].optimizers == (optimizers[2],)
+    for guard in guards:
+        guard.detach()
+
+
+def test_torchtitans_own_optimizers_and_lr_schedulers_built_after_attach():
+    # torchtitan's Trainer builds its LR schedulers after post_optimizer_build_fn; a
+    # replaced optimizer.step broke them ('functools.partial' has no attribute '__func__').
+    from torchtitan.components.optimizer import (LRSchedulersContainer, OptimizersContainer,
+                                                 ParamGroupConfig)
+
+    converter = SpikeGuardConverter.Config(budget="1GiB", policy="adaptive").build()
+    model = _built(converter.convert(titan_config("deepseek_v3", SIZES)))
+    optimizers = OptimizersContainer(OptimizersContainer.Config(implementation="for-loop",
+        param_groups=[ParamGroupConfig(pattern=r"experts", optimizer_name="Adam",
+                                       optimizer_kwargs={"lr": 1e-2}),
+                      ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                                       optimizer_kwargs={"lr": 1e-3})]), model_parts=[model])
+    (guard,) = attach_titan(optimizers, [model], None)
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
+                                                                    training_steps=4)
+    assert len(guard.optimizers) == 2 == len(optimizers.optimizers)   # both steps guarded
+    lrs = [[g["lr"] for o in optimizers for g in o.param_groups]]
+    for i in range(3):
+        step(model, batches(i), guard)
+        optimizers.step()
+        schedulers.step()
+        lrs.append([g["lr"] for o in optimizers for g in o.param_groups])
+    assert lrs == [[5e-3, 5e-4], [1e-2, 1e-3], [1e-2, 1e-3], [5e-3, 5e-4]], lrs   # warm-up, decay
+    assert len(guard.history) == 3
+    guard.detach()
 
 
 def test_bad_settings_fail_at_convert():

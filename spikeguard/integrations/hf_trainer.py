@@ -1,0 +1,93 @@
+"""spikeguard in transformers' `Trainer`, as the Trainer is: one line, nothing to subclass.
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    guard_trainer(trainer, budget="12MiB", policy="adaptive")   # the line to add
+    trainer.train()                                              # trainer.spikeguard.history
+
+Two pieces, each through an extension point the Trainer has:
+
+* a `TrainerCallback` (`SpikeGuardCallback`, added with `trainer.add_callback`) attaches
+  the guard at `on_train_begin`, where the model is prepared and the optimizer built (the
+  Trainer builds both inside `train()`), and detaches it at `on_train_end`;
+* the Trainer's `training_step(model, inputs, num_items_in_batch)`, which it calls once
+  per micro-batch (through `self.`, so an instance attribute is its seam, and a user's
+  Trainer subclass keeps its own), runs inside `guard.run_step`: the step-level net covers
+  the micro-batch's forward and its backward. A callback alone cannot give that (no
+  callback event wraps the step, none sees an exception).
+
+One guard step per `training_step`: under gradient accumulation each micro-batch is one
+record of `guard.history`, and a re-run by the net re-runs that micro-batch from the
+gradients accumulated before it. The optimizer step (the Trainer's, after the last
+micro-batch) runs on the device through the optimizer's own step hooks
+(spikeguard.runtime.wiring), so the Trainer's LR scheduler, built before, keeps working.
+Importing this module needs transformers (`pip install 'spikeguard[hf]'`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import TrainerCallback
+
+from spikeguard.errors import UsageError
+
+GUARD_ATTR = "spikeguard"   # on the trainer: the guard while training
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer under accelerate's AcceleratedOptimizer (whose `step` calls
+    it): its step hooks are the ones that run."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class SpikeGuardCallback(TrainerCallback):
+    """Attaches the guard when training begins, detaches it when training ends."""
+
+    def __init__(self, trainer, budget=None, policy: str = "adaptive",
+                 shared_policy: str = "keep"):
+        self.trainer = trainer
+        self.settings = {"budget": budget, "policy": policy, "shared_policy": shared_policy}
+        self.guard = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        import spikeguard.integrations  # noqa: F401  registers the block adapters
+        from spikeguard.runtime.guard import attach
+        if getattr(args, "gradient_checkpointing", False):
+            raise UsageError("TrainingArguments(gradient_checkpointing=True) recomputes "
+                             "under the guard: set gradient_checkpointing=False; the guard "
+                             "decides recompute itself")
+        self.guard = attach(model, optimizer=_torch_optimizer(optimizer), **self.settings)
+        setattr(self.trainer, GUARD_ATTR, self.guard)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.guard is not None and self.guard.attached:
+            self.guard.detach()
+
+
+def _guarded_training_step(callback: SpikeGuardCallback, training_step, *args, **kwargs):
+    guard = callback.guard
+    if guard is None or not guard.attached:
+        return training_step(*args, **kwargs)
+    return guard.run_step(lambda: training_step(*args, **kwargs))
+
+
+def guard_trainer(trainer, budget=None, policy: str = "adaptive",
+                  shared_policy: str = "keep") -> SpikeGuardCallback:
+    """Guard `trainer`'s training: the callback, and its `training_step` run inside the
+    guard's step (see the module docstring). Returns the callback; the guard is
+    `trainer.spikeguard` once `train()` has begun."""
+    if getattr(trainer, "_spikeguard_callback", None) is not None:
+        raise UsageError("this Trainer is already guarded (guard_trainer was called on it)")
+    callback = SpikeGuardCallback(trainer, budget, policy, shared_policy)
+    trainer.add_callback(callback)
+    trainer.training_step = functools.partial(_guarded_training_step, callback,
+                                              trainer.training_step)
+    trainer._spikeguard_callback = callback
+    setattr(trainer, GUARD_ATTR, None)
+    return callback
+
+
+__all__ = ["SpikeGuardCallback", "guard_trainer"]
