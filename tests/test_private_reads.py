@@ -25,6 +25,17 @@ ALLOWED = {
     ("runtime/executor.py", "_c10d_functional"),
     ("parallel/expert_parallel.py", "_c10d_functional"),
     ("parallel/expert_parallel.py", "_functional_collectives"),
+    ("parallel/exchange_journal.py", "_c10d_functional"),
+    # whether code runs inside a backward (a recompute there replays the cached exchanges
+    # and must record nothing): torch 2.13 has no public query
+    ("parallel/exchange_journal.py", "_C"),
+    ("parallel/exchange_journal.py", "_current_graph_task_id"),
+    # PipelineStage's received buffers and static metadata: a ghost action (a rank whose
+    # step failed, playing the schedule to its end) must take and give exactly what the
+    # schedule's sends and receives expect; no public accessor in torch 2.13
+    ("parallel/pipeline_recovery.py", "_retrieve_recv_activations"),
+    ("parallel/pipeline_recovery.py", "_retrieve_recv_grads"),
+    ("parallel/pipeline_recovery.py", "_stage_meta"),
     # the aten op that `.item()` dispatches to: a host sync, kept under recompute
     ("runtime/executor.py", "_local_scalar_dense"),
     # the C++ ABI torch was built with, which the emulated device's allocator must match

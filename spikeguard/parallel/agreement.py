@@ -6,7 +6,7 @@ same collective the counts exchange of every layer is, so a failed rank's one fl
 meets its peers wherever they are. For a family whose exchanges are its own (transformers,
 torchtitan) there is no journal: the flag points are an all-gather of the notes at the end
 of each forward attempt and of each step, and a rank that fails inside the family's own
-all-to-all leaves its peers there (the limit docs/ep.md states).
+all-to-all leaves its peers there (the limit docs/recovery.md states).
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ class GroupAgreement:
         self.rank = dist.get_rank()
         self.device = device or torch.device("cpu")
 
+    @property
+    def settles(self) -> bool:
+        """Whether a failed rank can make the exchanges its peers wait in (the journal of
+        spikeguard's own dispatcher); else a failure inside a forward or backward is not
+        agreed: the rank raises at once and the launcher ends its peers."""
+        return self.journal is not None
+
     def any_rank(self, mine: bool) -> bool:
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
@@ -49,7 +56,7 @@ class GroupAgreement:
         mine = torch.tensor(note.as_list(), dtype=torch.int64, device=self.device)
         out = torch.empty(dist.get_world_size(self.group) * NOTE_FIELDS, dtype=torch.int64,
                           device=self.device)
-        dist.all_gather_into_tensor(out, mine, group=self.group)   # gloo: a flat output
+        dist.all_gather_single(out, mine, group=self.group)   # gloo: a flat output
         return [n for n in (Note(*row) for row in out.view(-1, NOTE_FIELDS).tolist())
                 if n.kind != NONE]
 

@@ -184,7 +184,7 @@ class PipelineRecovery:
                             dtype=torch.int64, device=self.stages[0].device)
         out = torch.empty(dist.get_world_size() * NOTE_FIELDS, dtype=torch.int64,
                           device=mine.device)
-        dist.all_gather_into_tensor(out, mine)   # gloo: a flat output
+        dist.all_gather_single(out, mine)   # gloo: a flat output
         return [n for n in (Note(*row) for row in out.view(-1, NOTE_FIELDS).tolist())
                 if n.kind != NONE]
 

@@ -114,6 +114,9 @@ class OverflowAgreement(Protocol):
     """The group's side of the protocol (spikeguard.parallel.agreement.GroupAgreement)."""
 
     rank: int
+    #: whether a failed rank can make the exchanges its peers wait in (False where the
+    #: family's own all-to-alls run: transformers', torchtitan's)
+    settles: bool
 
     def any_rank(self, mine: bool) -> bool:
         """Whether this rank's flag (`mine`) or any other rank's is set: every rank calls it

@@ -16,6 +16,7 @@ only through its public surface.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from typing import Optional
@@ -30,6 +31,20 @@ from spikeguard.runtime.agreement import (ABORT, MICRO_BATCH, STEP, GroupFailure
 from spikeguard.runtime.device_state import GradSnapshot, decode_where
 
 log = logging.getLogger("spikeguard")
+
+
+@contextlib.contextmanager
+def recomputing(guards, on: bool):
+    """Inside, every adaptive guard recomputes every layer whole (a safety net's re-run);
+    a static guard keeps its own policy ("full" stays full, "none" stays none)."""
+    changed = [g for g in guards if on and g.policy == "adaptive" and not g.full_recompute]
+    for guard in changed:
+        guard.full_recompute = True
+    try:
+        yield
+    finally:
+        for guard in changed:
+            guard.full_recompute = False
 
 
 def failure_note(guard, kind: int, err: DeviceOutOfMemory, rank: int) -> Note:
@@ -71,15 +86,13 @@ class MicroBatchNet:
                         "recompute", mb, message)
         # Under a group a static rank runs it again as it is (its peers' re-run makes the
         # same exchanges: the built-in ones are replayed, never re-issued, by a recompute).
-        g.full_recompute = g.policy == "adaptive"
         try:
-            return self.attempt(orig_forward, mb, args, kwargs, last_try=True)
+            with recomputing([g], True):
+                return self.attempt(orig_forward, mb, args, kwargs, last_try=True)
         except GroupFailure:
             raise
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             failure = str(g.device_oom(err))
-        finally:
-            g.full_recompute = False
         g.abandon_micro_batch(mb)
         needed = self.full_recompute_need(orig_forward, mb, args, kwargs)
         raise BudgetInfeasible(
@@ -105,6 +118,8 @@ class MicroBatchNet:
         except PeerFailed as err:
             notes = err.notes
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+            if not self.agreement.settles:   # its peers wait in the family's own exchange
+                raise g.device_oom(err) from None
             err = g.device_oom(err)
             adaptive = g.policy == "adaptive" and g.group_adaptive
             kind = MICRO_BATCH if adaptive and not last_try else ABORT

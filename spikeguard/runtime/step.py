@@ -34,7 +34,7 @@ from spikeguard.runtime.agreement import (ABORT, STEP, GroupFailure, JobEnds, No
                                           agreed_text, unrecoverable, worst)
 from spikeguard.runtime.device_state import GradSnapshot, where_code
 from spikeguard.runtime.interrupts import interrupts_not_swallowed
-from spikeguard.runtime.net import failure_note
+from spikeguard.runtime.net import failure_note, recomputing
 
 log = logging.getLogger("spikeguard")
 
@@ -71,8 +71,11 @@ def _attempt(guards: Sequence, fn, agreement, rerun: bool):
     except GroupFailure as err:   # a peer's note met in a forward, or the net's verdict
         return None, err.notes
     except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
+        if not agreement.settles:   # its peers wait in the family's own exchange
+            raise guards[0].device_oom(err) from None
         err = guards[0].device_oom(err)
-        kind = STEP if guards[0].group_adaptive and not rerun else ABORT
+        adaptive = all(g.policy == "adaptive" for g in guards)   # a static one dies of it
+        kind = STEP if adaptive and not rerun else ABORT
         mine = failure_note(guards[0], kind, err, agreement.rank)
     else:
         notes = agreement.flag_point(Note())   # the step's end: every rank makes one
@@ -88,14 +91,8 @@ def _run_group(guards: Sequence, fn, agreement):
     for rerun in (False, True):
         with opened(guards, recorders=[g.recorder for g in guards] if rerun else None):
             agreement.begin_step()
-            if rerun:
-                for guard in guards:
-                    guard.full_recompute = guard.policy == "adaptive"
-            try:
+            with recomputing(guards, rerun):
                 result, notes = _attempt(guards, fn, agreement, rerun)
-            finally:
-                for guard in guards:
-                    guard.full_recompute = False
             if notes is None:
                 return result
             note = worst(notes)
@@ -119,12 +116,8 @@ def _run_pipeline(guards: Sequence, fn, step_end, keep_grads: bool):
             for guard in guards:
                 if guard.net.agreement is not None:
                     guard.net.agreement.begin_step()
-                guard.full_recompute = rerun and guard.policy == "adaptive"
-            try:
+            with recomputing(guards, rerun):
                 result = fn()
-            finally:
-                for guard in guards:
-                    guard.full_recompute = False
             notes = step_end()
             if not notes:
                 return result
@@ -238,7 +231,7 @@ def step_context(guard):
                 raise unrecoverable(err.notes, guard.budget_bytes, tried_full=False) from None
             except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
                 err = guard.device_oom(err)
-                if agreement is None:
+                if agreement is None or not agreement.settles:
                     raise err from None
                 mine = failure_note(guard, ABORT, err, agreement.rank)
             if agreement is not None:

@@ -76,7 +76,8 @@ def _budget(spec, peaks: dict, schedule: str = "1f1b"):
 
 def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, batch_size,
                   scenario, peaks) -> None:
-    cfg = model_config("tiny", **cfg_overrides)
+    cfg = model_config(cfg_overrides.get("preset", "tiny"),
+                       **{k: v for k, v in cfg_overrides.items() if k != "preset"})
     num_shards = groups.num_shards
     tokens = global_batch(num_shards * micro_batches * batch_size, cfg.seq_len, cfg.vocab_size)
     tokens = tokens.chunk(num_shards)[groups.data_shard]

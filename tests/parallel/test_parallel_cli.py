@@ -52,6 +52,8 @@ def test_adaptive_finishes_every_step_under_the_same_spikes():
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 3
     assert all("rank-imb" in line and "peak" in line for line in steps)
+    # Prevention, not the net: every spike planned for, no safety-net re-run.
+    assert "0 steps over | 0 safety-net re-runs" in proc.stdout, proc.stdout[-2000:]
 
 
 AUTO = ["--nproc", "2", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",

@@ -11,6 +11,7 @@ gradients (expert slice plus the all-reduced replicated ones) and the step recor
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ from spikeguard.runtime import device_state
 from meter import LiveMeter, model_state_tensors
 
 HUGE = 1 << 40
-CFG = model_config("tiny")
+# The tests run `tiny`; scripts/recovery_table.py sets SPIKEGUARD_TABLE_PRESET for `small`
+# (spawned ranks re-import this module, so the choice travels in the environment).
+CFG = model_config(os.environ.get("SPIKEGUARD_TABLE_PRESET", "tiny"))
 MICRO_BATCH_SIZES = (4, 8)   # sequences per micro-batch on every rank
 
 

@@ -38,6 +38,7 @@ def test_peak_stays_under_the_budget_through_backward(fraction):
         assert record["decisions"]["offload"] + record["decisions"]["recompute"] \
             + record["evicted_bytes"] > 0
         assert record["peak_bytes"] <= record["budget_bytes"]
+        assert record["safety_net_reruns"] == 0, record   # prevention, not the net
 
 
 def test_prefetch_path_keeps_gradients_bitwise_and_the_budget():
