@@ -1,6 +1,11 @@
 """Every command line README.md and docs/*.md show is run, as a real subprocess.
 
-    .venv/bin/python -m pytest tests/test_readme_examples.py -q    # about 6 min here
+    .venv/bin/python -m pytest tests/test_readme_examples.py -q            # 7.5-9 min here
+    .venv/bin/python -m pytest tests/test_readme_examples.py -q -m "not examples_long"  # 3.5-5
+
+(2 cores shared with other engineers' jobs, load average 4-4.5, 2026-12-01: most of each
+run is process start-up, torch's import and torchrun's, which no step cap shortens; the
+examples_long ones, about half the time, are the benches and the 4-process runs.)
 
 `extract` finds the command lines of a page: in indented and fenced code blocks (a line
 ending in `\\` joined with the next, a trailing `# comment` dropped) and in inline
