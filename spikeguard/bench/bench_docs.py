@@ -136,7 +136,11 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         f"measured restart by {w['restart_cost_s']:g} s, the cold-restart cost measured at "
         "scale, so the small machine's result extrapolates honestly. The table, the JSON "
         "and the throughput plot show the same numbers (one report renders all three).",
-        "- `save/rec/off`: per-layer operator decisions summed over ranks and steps.",
+        "- `save/rec/off`: per-layer operator decisions summed over ranks and steps. "
+        "`evicted`: bytes of earlier layers' saved tensors the guard moved to host to make "
+        "room (a decision too: a layer can save everything because an earlier one left), "
+        "summed over the steps, and the steps that evicted; `(r0)`: rank 0's alone, where "
+        "the logs do not give every rank's.",
         *_jobs_text(report),
         "",
     ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 from spikeguard.bench.runner import PolicyRun
+from spikeguard.train.log import evicted_per_rank
 
 STATIC_CANDIDATES = ("none", "offload", "experts", "full")  # what safe-static picks from
 ACTIONS = ("save", "recompute", "offload")
@@ -78,6 +79,7 @@ def policy_figures(run: PolicyRun, budget: int, segments: list[tuple[int, int]],
         for d in r.get("rank_decisions") or ([r["decisions"]] if r.get("decisions") else []):
             for a in ACTIONS:
                 decisions[a] += (d or {}).get(a, 0)
+    evicted = [evicted_per_rank(r) for r in kept]
     return {
         "tokens": tokens,
         "train_seconds": seconds,
@@ -97,6 +99,11 @@ def policy_figures(run: PolicyRun, budget: int, segments: list[tuple[int, int]],
         "restart_cost_s": restart_cost_s,
         "safety_net_reruns": sum(r.get("safety_net_reruns", 0) for r in kept),
         "decisions": decisions,
+        # Earlier layers' saved tensors moved to host, over the kept steps: every rank's
+        # where the log has them per rank, else the log's own rank's (named in "whose").
+        "evicted_bytes": sum(sum(b) for b, _ in evicted),
+        "evicted_steps": sum(1 for b, _ in evicted if sum(b)),
+        "evicted_whose": "".join(sorted({w.strip() for _, w in evicted if w})),
         "jobs": len(run.jobs),
         "job_wall_seconds": sum(j.wall_s for j in run.jobs),
     }

@@ -3,7 +3,8 @@
     .venv/bin/python -m spikeguard.bench.runtime_ratios --preset small --reps 7
 
 One process, the same data for every policy, runs interleaved (ceiling, full, adaptive,
-ceiling, ...) so machine noise hits all alike; medians are quoted. The ceiling is the plain
+ceiling, ...) so machine noise hits all alike; medians are quoted; decisions and `evicted`
+(earlier layers' saved tensors moved to host) are the last step's. The ceiling is the plain
 model with no guard and no limit. On a CPU-only machine the device is emulated by the
 CPU allocator (every live storage): the ratios are CPU figures.
 """
@@ -92,6 +93,9 @@ def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, 
             "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
             "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
             "decisions": hist[-1]["decisions"] if hist else {},
+            # The last step's, as its decisions: what adaptive keeps by moving earlier
+            # layers' saved tensors to host, which the decision counts do not show.
+            "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
         }
     tps = {p: result["policies"][p]["tokens_per_s"] for p in times}
     result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
@@ -109,18 +113,23 @@ def print_table(result: dict) -> None:
                         f"= {result['budget_bytes'] / result['ceiling_peak_bytes']:.2f}x ceiling peak "
                         f"(CPU; emulated device: every live storage)")
     for col in ("policy", "tokens/s", "vs ceiling", "peak", "overruns", "reruns",
-                "save / recompute / offload"):
+                "save / recompute / offload", "evicted"):
         table.add_column(col)
     ceiling = result["policies"]["ceiling"]["tokens_per_s"]
     for name, row in result["policies"].items():
         table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{row['tokens_per_s'] / ceiling:.3f}",
                       format_bytes(row["peak_bytes"]), str(row["overruns"]),
-                      str(row["safety_net_reruns"]), _decisions(row["decisions"]))
-    console = Console(width=110)
+                      str(row["safety_net_reruns"]), _decisions(row["decisions"]),
+                      _evicted(row.get("evicted_bytes")))
+    console = Console(width=124)
     console.print(table)
     console.print(f"adaptive/ceiling {result['adaptive_over_ceiling']:.3f} | "
                   f"full/ceiling {result['full_over_ceiling']:.3f} | "
                   f"gap closed {result['gap_closed']:.0%}")
+
+
+def _evicted(num_bytes) -> str:
+    return "-" if num_bytes is None else format_bytes(num_bytes) if num_bytes else "0"
 
 
 def _decisions(counts: dict) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from spikeguard.memory.budget import format_bytes
 
 TABLE_HEADER = ["policy", "tok/s", "vs ceiling", "peak", "over budget", "OOM + restarts",
-                "lost s", "effective vs ceiling", "at 284 s/restart", "save/rec/off"]
+                "lost s", "effective vs ceiling", "at 284 s/restart", "save/rec/off",
+                "evicted"]
 
 
 def table_header(report: dict) -> list[str]:
@@ -28,6 +29,17 @@ def _relative(f: dict, name: str) -> str:
     return f"{text} ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else text
 
 
+def _evicted(f: dict) -> str:
+    """Bytes evicted to host over the run, on how many steps (and whose, when the log had
+    one rank's only): '183 MiB on 3 steps (r0)', '0', '-' for a report without them."""
+    if "evicted_bytes" not in f:
+        return "-"
+    if not f["evicted_bytes"]:
+        return "0"
+    whose = f" ({f['evicted_whose']})" if f.get("evicted_whose") else ""
+    return f"{format_bytes(f['evicted_bytes'])} on {f.get('evicted_steps', 0)} steps{whose}"
+
+
 def table_rows(report: dict) -> list[list[str]]:
     """The comparison as rows of text (the terminal table and the docs page share them)."""
     rows = []
@@ -41,6 +53,6 @@ def table_rows(report: dict) -> list[list[str]]:
             str(f["overruns"]), str(f["oom_events"]), _fmt(f["lost_seconds"], ".1f"),
             _fmt(f.get("effective_relative_to_ceiling"), ".3f"),
             _fmt(f.get("effective_relative_at_restart_cost"), ".3f"),
-            f"{d['save']}/{d['recompute']}/{d['offload']}",
+            f"{d['save']}/{d['recompute']}/{d['offload']}", _evicted(f),
         ])
     return rows

@@ -3,10 +3,13 @@
 One fixed-width line per step, so columns line up in a terminal and in a log file:
 
     step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | val 2.401
-    step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | peak 1.82 MiB / 2.00 MiB | save 28 rec 3 off 1
+    step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | peak 1.82 MiB / 2.00 MiB | save 28 rec 3 off 1 | evict 61.3 MiB
 
 The memory fields appear only when a memory guard added them to the step record; under
 expert parallelism the decisions are given per rank, joined by '+' (rank 0 first).
+`evict` (only when nonzero) is the guard's `evicted_bytes`: earlier layers' saved tensors
+moved to host to make room, a decision the save/rec/off counts do not show; per rank
+('0+61.30 MiB') where the record has `rank_evicted_bytes`, else one rank's, named ('r0').
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
     elif isinstance(decisions, dict):
         parts.append(f"save {decisions.get('save', 0)} rec {decisions.get('recompute', 0)} "
                      f"off {decisions.get('offload', 0)}")
+    evicted = _evicted_text(record)
+    if evicted:
+        parts.append(f"evict {evicted}")
     if record.get("val_loss") is not None:
         parts.append(f"val {record['val_loss']:.3f}")
     spike = record.get("spike")   # a pipeline's: where the step's spike was
@@ -68,6 +74,32 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
         parts.append(f"spike {spike['ratio']:.2f}x {what} r{spike['rank']} s{spike['stage']} "
                      f"L{spike['layer']} mb{spike['micro_batch']}")
     return " | ".join(parts)
+
+
+def evicted_per_rank(record: dict[str, Any]) -> tuple[list[int], str]:
+    """Bytes the guard evicted in the step (earlier layers' saved tensors moved to host),
+    per rank where the record has them (`rank_evicted_bytes`), else the record's own
+    `evicted_bytes` and, in a cluster record (one with `rank_decisions`), whose they are
+    (' r0'): the cluster summary does not gather evictions, so it is one rank's."""
+    per_rank = record.get("rank_evicted_bytes")
+    if isinstance(per_rank, list):
+        return [int(b or 0) for b in per_rank], ""
+    own = [int(record.get("evicted_bytes") or 0)]
+    if isinstance(record.get("rank_decisions"), list):
+        return own, f" r{record.get('rank', 0)}"
+    return own, ""
+
+
+def _evicted_text(record: dict[str, Any]) -> str:
+    """'61.3 MiB', per rank '0+61.30 MiB' in one unit; '' when nothing was evicted."""
+    per_rank, whose = evicted_per_rank(record)
+    if not any(per_rank):
+        return ""
+    if len(per_rank) == 1:
+        return format_bytes(per_rank[0]) + whose
+    unit = byte_unit(max(per_rank))
+    return "+".join(format_bytes(b, unit=unit).split()[0] if b else "0"
+                    for b in per_rank) + f" {unit}"
 
 
 def _json_safe(value: Any) -> Any:
@@ -123,6 +155,11 @@ def memory_summary(records: list[dict[str, Any]]) -> str:
     text = (f"memory: peak {format_bytes(max(peaks), unit=unit)} / "
             f"{format_bytes(budget, unit=unit) if budget else 'none'} | {over} steps over | "
             f"{sum(r.get('safety_net_reruns', 0) for r in guarded)} safety-net re-runs")
+    evicted = [evicted_per_rank(r) for r in guarded]
+    if any(sum(b) for b, _ in evicted):
+        whose = {w for _, w in evicted if w}
+        text += (f" | evicted {format_bytes(sum(sum(b) for b, _ in evicted))}"
+                 f"{''.join(sorted(whose))} on {sum(1 for b, _ in evicted if sum(b))} steps")
     if any("skew_spike" in r for r in guarded):
         for name, spike in (("spike", True), ("calm", False)):
             chosen = [r for r in guarded if r.get("skew_spike") is spike]
