@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from test_parallel_signals import _job_pids   # processes of a launcher's job
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -27,14 +28,6 @@ PP2EP2 = ["train", "--preset", "tiny", "--num-layers", "4", "--num-experts", "8"
           "--pp", "2", "--ep", "2", "--micro-batches", "4", "--batch-size", "2", "--steps", "3",
           "--threads", "1", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",
           "--policy", "adaptive"]
-
-
-def _job_pids(launcher_pid: int) -> list[int]:
-    out = subprocess.run(["ps", "e", "-eww", "-o", "pid=,args="], capture_output=True,
-                         text=True, timeout=30).stdout
-    marker = f"SPIKEGUARD_LAUNCHER_PID={launcher_pid}"
-    return [int(line.split()[0]) for line in out.splitlines()
-            if marker in line.split() and int(line.split()[0]) != launcher_pid]
 
 
 def _run(argv, timeout_s=300):
