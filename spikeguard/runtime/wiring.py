@@ -53,8 +53,7 @@ class OptimizerScope:
         self.step_open = step_open
         self.handles: list = []
         self.optimizers: list = []
-        # (id(optimizer), its scope, whether the scope holds the device's modes)
-        self.open: list[tuple[int, contextlib.ExitStack, bool]] = []
+        self.open: list[tuple[int, contextlib.ExitStack]] = []   # (id(optimizer), scope)
 
     @staticmethod
     def check_free(optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -83,18 +82,17 @@ class OptimizerScope:
     def close_down_to(self, key=None) -> None:
         """Close the open scopes from the innermost down to and with `key`'s (None: all)."""
         while self.open:
-            k, scope, _ = self.open.pop()
+            k, scope = self.open.pop()
             scope.close()
             if key is not None and k == key:
                 return
 
     def pre(self, optimizer, args, kwargs) -> None:
         key = id(optimizer)
-        if any(k == key for k, _, _ in self.open):   # its last step raised, so its post
+        if any(k == key for k, _ in self.open):   # its last step raised, so its post
             self.close_down_to(key)                  # hook never ran
         scope = contextlib.ExitStack()
-        owns = not self.step_open()
-        if owns:
+        if not self.step_open():   # inside an open guarded step its scope already holds
             scope.enter_context(self.meter.active())
             scope.enter_context(self.meter.enforcing())
         phase = self.position.phase
@@ -104,10 +102,10 @@ class OptimizerScope:
             self.position.phase = phase
             self.meter.set_where(previous)
         scope.callback(restore)
-        self.open.append((key, scope, owns))
+        self.open.append((key, scope))
 
     def post(self, optimizer, args, kwargs) -> None:
-        if any(k == id(optimizer) for k, _, _ in self.open):
+        if any(k == id(optimizer) for k, _ in self.open):
             self.close_down_to(id(optimizer))
 
 

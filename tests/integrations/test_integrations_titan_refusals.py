@@ -11,7 +11,6 @@ One process; FSDP2 over a gloo group of one.
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 pytest.importorskip("torchtitan")
 
@@ -20,16 +19,6 @@ import spikeguard  # noqa: E402
 from titan_helpers import HUGE, build, moe_blocks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:In CPU autocast")]
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _refusal(model) -> str:

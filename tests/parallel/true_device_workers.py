@@ -114,6 +114,20 @@ def _save(model, guard, name: str, rank: int, out_dir: str, **extra) -> None:
                Path(out_dir) / f"{name}_rank{rank}.pt")
 
 
+def _forced_step(rank, world_size, data, out_dir, name, budget, blind, **extra) -> None:
+    """One run_step of the warm model under `budget` (prevention blinded where `blind`),
+    under the independent meter; saved as `name` with the meter's peak and the budget."""
+    model = _warm_model(rank, world_size)
+    guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    if blind:
+        blind_prevention(guard)
+    meter = LiveMeter(baseline_tensors=model_state_tensors(model))
+    with meter, snapshots_on_host(meter):
+        guard.run_step(_step_fn(model, data, world_size))
+    _save(model, guard, name, rank, out_dir, budget=budget, meter_peak=meter.peak_bytes, **extra)
+    guard.detach()
+
+
 def forced_backward_oom_worker(rank: int, world_size: int, store_path: str, out_dir: str,
                                forced_rank: int) -> None:
     """'ceiling': adaptive, huge budget, uninterrupted. 'forced': the same job with the
@@ -133,16 +147,7 @@ def forced_backward_oom_worker(rank: int, world_size: int, store_path: str, out_
         budget = HUGE
         if rank == forced_rank:
             budget = (peaks["forward"] + peaks["backward"]) // 2
-        model = _warm_model(rank, world_size)
-        guard = spikeguard.attach(model, budget=budget, policy="adaptive")
-        if rank == forced_rank:
-            blind_prevention(guard)
-        meter = LiveMeter(baseline_tensors=model_state_tensors(model))
-        with meter, snapshots_on_host(meter):
-            guard.run_step(_step_fn(model, data, world_size))
-        _save(model, guard, "forced", rank, out_dir, budget=budget, meter_peak=meter.peak_bytes)
-        guard.detach()
-        del model, guard
+        _forced_step(rank, world_size, data, out_dir, "forced", budget, rank == forced_rank)
     except BaseException:
         torch.distributed.destroy_process_group()
         raise
@@ -202,17 +207,8 @@ def forced_forward_oom_worker(rank: int, world_size: int, store_path: str, out_d
         budget = HUGE
         if rank == forced_rank:
             budget = (full_peak + forward_peak) // 2
-        model = _warm_model(rank, world_size)
-        guard = spikeguard.attach(model, budget=budget, policy="adaptive")
-        if rank == forced_rank:
-            blind_prevention(guard)
-        meter = LiveMeter(baseline_tensors=model_state_tensors(model))
-        with meter, snapshots_on_host(meter):
-            guard.run_step(_step_fn(model, data, world_size))
-        _save(model, guard, "fwd_forced", rank, out_dir, budget=budget,
-              meter_peak=meter.peak_bytes, full_peak=full_peak, forward_peak=forward_peak)
-        guard.detach()
-        del model, guard
+        _forced_step(rank, world_size, data, out_dir, "fwd_forced", budget,
+                     rank == forced_rank, full_peak=full_peak, forward_peak=forward_peak)
     except BaseException:
         torch.distributed.destroy_process_group()
         raise

@@ -21,16 +21,6 @@ from spikeguard.runtime.device_state import move_state_to_device
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _two_mesh_model() -> nn.Module:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
