@@ -25,7 +25,7 @@ import torch
 
 from spikeguard.errors import BudgetInfeasible
 from spikeguard.memory.budget import format_bytes
-from spikeguard.memory.ledger import Ledger
+from spikeguard.memory.ledger import Ledger, storage_bytes, storage_key
 from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.planner import Decision
@@ -117,6 +117,14 @@ class DecisionWindow:
         # The head keeps its saved bytes until backward starts, and its backward adds the
         # logits' gradient and the softmax beside them: both are reserved as the head's.
         head = self.ledger.bytes_by(mb, self.num_layers, "head")
+        loss = getattr(out, "loss", None)
+        if not (torch.is_tensor(loss) and loss.requires_grad):
+            # The loss is the caller's (torchtitan's, a user's own): the model's output,
+            # which no saved-tensor hook holds, stays on the device while the caller's
+            # loss reads it, and the head's backward is measured from above it (seen:
+            # torchtitan at 0.85x re-ran every step in the head's backward, 1 MiB of
+            # logits short).
+            head += output_bytes(out, self.ledger)
         self.forecast.observe(head + int(self.layer_room.head_backward_per_token * num_tokens),
                               post, num_tokens)
         if mb in self._backward_peak:
@@ -126,7 +134,6 @@ class DecisionWindow:
         # The head's backward is measured from what is in use when it starts: the loss's
         # gradient is its first (the caller may have dropped the logits by then).
         self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
-        loss = getattr(out, "loss", None)
         if torch.is_tensor(loss) and loss.requires_grad:
             loss.register_hook(functools.partial(self._head_backward_starts, mb, num_tokens))
 
@@ -248,3 +255,19 @@ class DecisionWindow:
         over the in-use its forward left, which the device's figure holds now)."""
         mb = self.ctx.micro_batch
         return max((v for m, v in self.pending_backward.items() if m != mb), default=0)
+
+
+def output_bytes(out, ledger) -> int:
+    """Bytes of the storages a forward returned that autograd will reach (a tensor, or a
+    tuple, list or dict of them) and no saved-tensor hook holds (`ledger` has those: a
+    pipeline's last stage returns the log-softmax its own op saved): the logits of a model
+    whose loss is computed outside it."""
+    if torch.is_tensor(out):
+        if not out.requires_grad or ledger.holds(storage_key(out)):
+            return 0
+        return storage_bytes(out)
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return sum(output_bytes(t, ledger) for t in out)
+    return 0
