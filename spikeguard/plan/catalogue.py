@@ -152,3 +152,9 @@ ALL_SAVE = LayerPlan.of()
 EXPERTS_RECOMPUTE = LayerPlan.of(gate_up=Action.RECOMPUTE, silu=Action.RECOMPUTE,
                                  act=Action.RECOMPUTE)
 ALL_OFFLOAD = LayerPlan(tuple(Action.OFFLOAD for _ in OPS))
+
+# The static policies' plan for every layer, the one table the runtime and the simulator
+# read. "full" recomputes each layer whole (its expert path runs inside the recompute as
+# in the plain layer: saved, then freed); "ceiling" is the simulator's unlimited device.
+POLICY_PLANS = {"ceiling": ALL_SAVE, "none": ALL_SAVE, "full": ALL_SAVE,
+                "experts": EXPERTS_RECOMPUTE, "offload": ALL_OFFLOAD}

@@ -124,14 +124,9 @@ class Planner:
             if need <= headroom_bytes and (backward_room is None or need <= backward_room):
                 return Decision(keep_all, need, 0.0)
         for r in self.ranked():
-            fixed_device, fixed_offload = self.layer_bytes(r.plan)
-            need = r.device_bytes_per_token * num_routed + fixed_device
-            if need > headroom_bytes:
-                continue
-            if backward_room is not None and \
-                    need + r.offload_bytes_per_token * num_routed + fixed_offload > backward_room:
-                continue
-            return Decision(r.plan, need, r.s_per_token * num_routed)
+            need = self._fits(r, num_routed, headroom_bytes, backward_room)
+            if need is not None:
+                return Decision(r.plan, need, r.s_per_token * num_routed)
         # Nothing fits: take the plan with the smallest shortfall over both passes, and
         # evict that much from earlier layers (evicted bytes leave the device in both).
         def shortfall_of(r: Ranked) -> int:
@@ -157,6 +152,25 @@ class Planner:
             f"more come back from host in backward), {format_bytes(shortfall - evictable_bytes)} "
             f"more than the room left after evicting earlier layers ({room})",
             needed_bytes=shortfall - evictable_bytes)
+
+    def _fits(self, r: Ranked, num_routed: int, headroom_bytes: int,
+              backward_room: Optional[int]) -> Optional[int]:
+        """The device bytes plan `r` keeps for `num_routed` copies, if it fits both passes
+        as they are (no eviction); else None."""
+        fixed_device, fixed_offload = self.layer_bytes(r.plan)
+        need = r.device_bytes_per_token * num_routed + fixed_device
+        if need > headroom_bytes:
+            return None
+        if backward_room is not None and \
+                need + r.offload_bytes_per_token * num_routed + fixed_offload > backward_room:
+            return None
+        return need
+
+    def fits(self, num_routed: int, headroom_bytes: int, backward_room: Optional[int]) -> bool:
+        """Whether some plan of the menu fits as it is, with no eviction: `decide`'s own
+        test, without the ranking's choice (the hookless proof asks it of later layers)."""
+        return any(self._fits(r, num_routed, headroom_bytes, backward_room) is not None
+                   for r in self.ranked())
 
     def least(self, num_routed: int) -> Decision:
         """The plan keeping the least on the device (when nothing fits and the forward must

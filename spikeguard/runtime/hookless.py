@@ -16,9 +16,10 @@ which may take any layer of an older micro-batch (plan/residency.py). The proof,
 decision of layer L:
   * policy "adaptive", no pipeline residency;
   * L keeps everything, with no eviction asked;
-  * the later layers of this micro-batch, walked now with the window's own pure
-    functions (plan/room.py: `layer_cannot_fit` at their entry, `decision_inputs` with
-    the layer peaks), each find a plan of the menu that fits with no shortfall, at the
+  * the later layers of this micro-batch, walked now with the window's own procedure
+    (plan/decide.py `fits_unaided`: the entry check, the planner's inputs with the layer
+    peaks, the planner's own fit test), each find a plan of the menu that fits with no
+    shortfall, at the
     most the device can hold there: every layer before keeping everything (no plan keeps
     more) for the most routed copies, each growing the device by what L grew it since
     its entry (or by its attention part, the larger: same shapes, same bytes), plus that
@@ -52,8 +53,8 @@ from dataclasses import replace
 
 from spikeguard.memory.ledger import Ledger
 from spikeguard.plan.catalogue import ALL_SAVE, ExpertShape
-from spikeguard.plan.room import (EntryState, WindowState, decision_inputs,
-                                  forward_transient_bytes_per_routed, layer_cannot_fit)
+from spikeguard.plan.decide import LayerFacts, fits_unaided
+from spikeguard.plan.room import EntryState, forward_transient_bytes_per_routed
 from spikeguard.runtime.executor import release_all
 from spikeguard.runtime.hooks import SavedTensorTracker
 
@@ -77,7 +78,6 @@ class HooklessLayers:
         # One process, built-in dropless top-k: every layer routes tokens x top-k copies.
         self.exact_routing = exact_routing
         self._modelled: dict[int, list] = {}   # micro-batch -> its modelled ledger keys
-        self._per_plan = None   # the menu's bytes per routed copy, computed at first use
         # Micro-batch -> the first layer proven: every layer after it is covered whole.
         self._covered_after: dict[int, int] = {}
         # Micro-batch -> {op: bytes} of MEASURED_OPS on its last layer run hooked.
@@ -162,40 +162,20 @@ class HooklessLayers:
     def _needs_no_eviction(self, layer: int, in_use: int, layer_part: int, routed: int,
                            seen, resident: int) -> bool:
         """Would `layer`, at `in_use` after its attention part, decide with no eviction and
-        no whole-layer fallback? The window's own arithmetic (plan/room.py), on a
-        prediction: some plan of the menu fits both its forward headroom and backward room,
-        and the layer's own peaks fit (no shortfall)."""
+        no whole-layer fallback? The window's own procedure (plan/decide.py
+        `fits_unaided`), on a prediction."""
         w = self.window
         entry = EntryState(layer, w.budget_bytes, in_use - layer_part, w.num_tokens,
                            w.planner.min_bytes_per_token, seen, resident)
-        if layer_cannot_fit(entry, w.forecast):
-            return False
-        forward_peak, backward_peak = w.layer_room.needs(
-            in_use, routed, w.grads_to_come.get(layer, 0), layer_part)
-        room = decision_inputs(WindowState(
-            layer=layer, budget_bytes=w.budget_bytes, in_use_bytes=in_use, num_routed=routed,
+        facts = LayerFacts(
+            layer=layer, budget_bytes=w.budget_bytes, num_routed=routed,
             layer_part_bytes=layer_part, max_routed=routed, num_tokens=w.num_tokens,
             min_bytes_per_token=w.planner.min_bytes_per_token,
+            grads_to_come=w.grads_to_come.get(layer, 0),
             transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape, w.on_cuda),
             prefetch=w.engine.prefetch_enabled, last_layer=layer >= w.num_layers - 1,
-            layer_forward_peak_bytes=forward_peak, layer_backward_peak_bytes=backward_peak,
-            resident_backward_bytes=resident), w.forecast)
-        if room.layer_shortfall_bytes:
-            return False
-        return any(device + fixed <= room.headroom_bytes
-                   and device + fixed + offload + fixed_off <= room.backward_room_bytes
-                   for device, offload, fixed, fixed_off in self._menu_bytes(routed))
-
-    def _menu_bytes(self, num_routed: int):
-        """(device, offloaded, fixed device, fixed offloaded) bytes of every plan of the
-        menu for `num_routed` copies, the keep-all plan first (Planner.decide's tests)."""
-        if self._per_plan is None:
-            planner = self.window.planner
-            plans = sorted(planner.menu, key=lambda p: p != ALL_SAVE)
-            self._per_plan = [(planner.device_bytes_per_token(p),
-                               planner.offload_bytes_per_token(p), *planner.layer_bytes(p))
-                              for p in plans]
-        return ((d * num_routed, o * num_routed, fd, fo) for d, o, fd, fo in self._per_plan)
+            resident_backward_bytes=resident)
+        return fits_unaided(entry, facts, in_use, w.layer_room, w.forecast, w.planner)
 
     def _keep_all_bytes(self, num_routed: int) -> int:
         planner = self.window.planner

@@ -2,9 +2,10 @@
 
 One part of the guard (spikeguard.runtime.guard), and the one place where memory is
 decided: `decide` runs in every MoE layer of every micro-batch right after routing;
-`layer_cannot_fit` runs at a layer's entry, before its attention. The arithmetic of both
-is spikeguard.plan.room's, which the simulator (spikeguard/sim/walk.py) calls too: the
-window only reads what its collaborators know into room's plain-number states.
+`layer_cannot_fit` runs at a layer's entry, before its attention. The procedure of both
+is spikeguard.plan.decide's (its arithmetic spikeguard.plan.room's), which the simulator
+(spikeguard/sim/chunk.py) and the hookless proof call too: the window only collects what
+its collaborators know into the procedure's plain numbers.
 
 Its collaborators are passed in (ledger, planner, tracker, forecast, layer peaks, the
 offload engine's prefetch switch, the open step's recorder); its own state is declared in
@@ -26,20 +27,16 @@ import torch
 from spikeguard.errors import BudgetInfeasible
 from spikeguard.memory.budget import format_bytes
 from spikeguard.memory.ledger import Ledger, storage_bytes, storage_key
-from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE
+from spikeguard.plan.catalogue import POLICY_PLANS
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.planner import Decision
-from spikeguard.plan.room import (EntryState, Seen, WindowState, backward_above_end,
-                                  decision_inputs, entry_estimate,
-                                  forward_transient_bytes_per_routed, layer_cannot_fit)
+from spikeguard.plan.decide import LayerFacts, decide_layer, entry_fallback
+from spikeguard.plan.room import (EntryState, Seen, backward_above_end,
+                                  forward_transient_bytes_per_routed)
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.layer_room import LayerPeaks
 from spikeguard.runtime.offload import OffloadEngine
-
-STATIC_PLANS = {"none": ALL_SAVE, "full": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
-                "offload": ALL_OFFLOAD}
-
 
 class DecisionWindow:
     """Turns the ledger, the forecast and the counts into a plan, per layer and micro-batch."""
@@ -144,7 +141,7 @@ class DecisionWindow:
     def decide(self, layer: int, num_routed: int) -> Decision:
         start = time.perf_counter()
         if self.policy != "adaptive":
-            decision = self.planner.fixed(STATIC_PLANS[self.policy], num_routed)
+            decision = self.planner.fixed(POLICY_PLANS[self.policy], num_routed)
         else:
             decision = self._adaptive(layer, num_routed)
         step = self.recorder()
@@ -153,6 +150,7 @@ class DecisionWindow:
         return decision
 
     def _adaptive(self, layer: int, num_routed: int) -> Decision:
+        """Collect the numbers of this decision, then the one procedure (plan/decide.py)."""
         mb = self.ctx.micro_batch
         layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
         # What the layer's entry check will expect of the next layers: the device's growth
@@ -160,25 +158,22 @@ class DecisionWindow:
         # now, the dispatched rows among them), not only what its attention part saved.
         growth = self.ledger.in_use() - self.layer_entry_in_use
         seen = self.seen = self.seen.after(num_routed, max(layer_part, growth), self.num_tokens)
-        evictable = self.tracker.evictable(mb, layer)
-        residency = self.forecast.residency  # pipeline: resident micro-batches may go too
-        if residency is not None:
-            evictable += residency.evictable(self.tracker)
         in_use = self.ledger.in_use()
-        self.layer_room.record(mb, layer, in_use, num_routed, self.grads_to_come.get(layer, 0),
-                               layer_part, self.others_bytes(mb))
-        room = decision_inputs(self._window_state(layer, num_routed, layer_part, seen,
-                                                  evictable, in_use), self.forecast)
-        if room.layer_shortfall_bytes > 0:
-            # The layer's own peaks do not fit beside the layers below, whatever its
-            # plan: move bytes of those to host first, then decide on what is left.
-            self._evict(mb, layer, room.layer_shortfall_bytes)
-            before, in_use = in_use, self.ledger.in_use()
-            evictable = max(0, evictable - (before - in_use))
-            room = decision_inputs(self._window_state(layer, num_routed, layer_part, seen,
-                                                      evictable, in_use), self.forecast)
+        grads_to_come = self.grads_to_come.get(layer, 0)
+        self.layer_room.record(mb, layer, in_use, num_routed, grads_to_come, layer_part,
+                               self.others_bytes(mb))
+        facts = LayerFacts(
+            layer=layer, budget_bytes=self.budget_bytes, num_routed=num_routed,
+            layer_part_bytes=layer_part, max_routed=seen.max_routed, num_tokens=self.num_tokens,
+            min_bytes_per_token=self.planner.min_bytes_per_token, grads_to_come=grads_to_come,
+            transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape,
+                                                                          self.on_cuda),
+            prefetch=self.engine.prefetch_enabled, last_layer=layer >= self.num_layers - 1,
+            resident_backward_bytes=self._resident_backward())
         try:
-            decision = self.planner.decide(*room.planner_args())
+            return decide_layer(facts, in_use, self.layer_room, self.forecast, self.planner,
+                                self._evictor(mb, layer),
+                                functools.partial(self._predicted_backward, mb)).decision
         except BudgetInfeasible as err:
             raise BudgetInfeasible(
                 f"micro-batch {mb}, layer {layer}: {err}; a budget of at least "
@@ -186,64 +181,31 @@ class DecisionWindow:
                 f"planner fit it without the safety net",
                 needed_bytes=self.budget_bytes + err.needed_bytes,
                 budget_bytes=self.budget_bytes) from None
-        if decision.evict_bytes:
-            self._evict(mb, layer, decision.evict_bytes)
-        return decision
 
-    def _window_state(self, layer: int, num_routed: int, layer_part: int, seen: Seen,
-                      evictable: int, in_use: int) -> WindowState:
-        forward_peak, backward_peak = self.layer_room.needs(
-            in_use, num_routed, self.grads_to_come.get(layer, 0), layer_part)
-        self._predicted_backward(self.ctx.micro_batch, backward_peak, in_use)
-        return WindowState(
-            layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=in_use,
-            num_routed=num_routed, layer_part_bytes=layer_part, max_routed=seen.max_routed,
-            num_tokens=self.num_tokens, min_bytes_per_token=self.planner.min_bytes_per_token,
-            transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape,
-                                                                          self.on_cuda),
-            prefetch=self.engine.prefetch_enabled, last_layer=layer >= self.num_layers - 1,
-            evictable_bytes=evictable, layer_forward_peak_bytes=forward_peak,
-            layer_backward_peak_bytes=backward_peak,
-            resident_backward_bytes=self._resident_backward())
-
-    def _evict(self, mb: int, layer: int, num_bytes: int) -> None:
-        residency = self.forecast.residency
-        freed = self.tracker.evict(mb, layer, num_bytes,
-                                   functools.partial(self.layer_room.evicted, mb))
-        if residency is not None and freed < num_bytes:
-            freed += residency.evict(self.tracker, num_bytes - freed)
-        step = self.recorder()
-        if step:
-            step.evicted_bytes += freed
+    def _evictor(self, mb: int, layer: int) -> "TrackerEvictor":
+        return TrackerEvictor(self.tracker, self.forecast.residency, self.ledger,
+                              self.layer_room, self.recorder, mb, layer)
 
     def layer_cannot_fit(self, layer: int) -> bool:
         """Before a layer's forward runs: would it overflow even with its expert path at the
         least the planner can keep? Then recompute the whole layer (attention included)
-        rather than discover it mid-layer and pay the safety net's re-run. Needs the
-        attention part's bytes per token, measured on earlier layers; never on the first."""
+        rather than discover it mid-layer and pay the safety net's re-run
+        (plan/decide.py `entry_fallback`). Needs the attention part's bytes per token,
+        measured on earlier layers; never on the first."""
         if self.policy != "adaptive":
             return False
+        mb = self.ctx.micro_batch
         entry = EntryState(layer, self.budget_bytes, self.ledger.in_use(), self.num_tokens,
                            self.planner.min_bytes_per_token, self.seen,
                            self._resident_backward())
-        if not layer_cannot_fit(entry, self.forecast):
+        # Its backward is a working set later micro-batches must leave room for too.
+        if not entry_fallback(entry, self.forecast, self.layer_room,
+                              self.grads_to_come.get(layer, 0), self._evictor(mb, layer),
+                              functools.partial(self._predicted_backward, mb)):
             return False
         step = self.recorder()
         if step is not None:
             step.full_layers += 1
-        # Recomputed whole, the layer still comes back whole in its backward, with its
-        # gradients, beside what the layers below keep: make that fit now, by eviction.
-        estimate = entry_estimate(entry)
-        if estimate is not None:
-            part, routed = estimate
-            backward = self.layer_room.whole_backward(entry.in_use_bytes, part, int(routed),
-                                                      self.grads_to_come.get(layer, 0))
-            mb = self.ctx.micro_batch
-            # Its backward is a working set later micro-batches must leave room for too.
-            self._predicted_backward(mb, backward, entry.in_use_bytes)
-            short = backward + self._resident_backward() - self.budget_bytes
-            if short > 0:
-                self._evict(mb, layer, short)
         return True
 
     def _predicted_backward(self, mb: int, backward_peak: int, in_use: int) -> None:
@@ -255,6 +217,37 @@ class DecisionWindow:
         over the in-use its forward left, which the device's figure holds now)."""
         mb = self.ctx.micro_batch
         return max((v for m, v in self.pending_backward.items() if m != mb), default=0)
+
+
+class TrackerEvictor:
+    """plan/decide.py's Evictor over the saved-tensor tracker: micro-batch `mb`'s layers
+    below `layer` first, then (pipeline) older resident micro-batches. What it moves is
+    counted in the open step's record; the bytes freed are the device's drop, as the
+    ledger sees it."""
+
+    def __init__(self, tracker: SavedTensorTracker, residency, ledger: Ledger,
+                 layer_room: LayerPeaks, recorder: Callable[[], Optional[StepRecorder]],
+                 mb: int, layer: int):
+        self.tracker, self.residency, self.ledger = tracker, residency, ledger
+        self.layer_room, self.recorder = layer_room, recorder
+        self.mb, self.layer = mb, layer
+
+    def evictable(self) -> int:
+        evictable = self.tracker.evictable(self.mb, self.layer)
+        if self.residency is not None:   # pipeline: resident micro-batches may go too
+            evictable += self.residency.evictable(self.tracker)
+        return evictable
+
+    def evict(self, num_bytes: int) -> int:
+        before = self.ledger.in_use()
+        freed = self.tracker.evict(self.mb, self.layer, num_bytes,
+                                   functools.partial(self.layer_room.evicted, self.mb))
+        if self.residency is not None and freed < num_bytes:
+            freed += self.residency.evict(self.tracker, num_bytes - freed)
+        step = self.recorder()
+        if step:
+            step.evicted_bytes += freed
+        return before - self.ledger.in_use()
 
 
 def output_bytes(out, ledger) -> int:

@@ -1,8 +1,9 @@
 """One micro-batch chunk on one rank: its forward's decisions and bytes, its backward's peak.
 
-A static policy takes `Planner.fixed`; `adaptive` takes `Planner.decide` with the inputs
-spikeguard.plan.room computes for the runtime's decision window too (`decision_inputs`,
-`layer_cannot_fit`): in use at the decision as the device counts it, the layer's own
+A static policy takes `Planner.fixed`; `adaptive` calls the decision procedure the
+runtime's decision window calls too (spikeguard.plan.decide: `entry_fallback`,
+`decide_layer`), on what this chunk would know: in use at the decision as the device
+counts it, the layer's own
 forward and backward peaks (plan/layer_room.py, the runtime's own arithmetic) that
 are evicted for first, the forecast with the schedule's residency. Whole-layer recompute
 when even the least would not fit at the layer's entry; the safety net (the micro-batch
@@ -23,14 +24,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from spikeguard.errors import BudgetInfeasible
-from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, OPS, LayerPlan
+from spikeguard.plan.catalogue import OPS, POLICY_PLANS, LayerPlan
 from spikeguard.plan.forecast import Forecast
-from spikeguard.plan.room import (EntryState, Seen, WindowState, backward_above_end,
-                                  decision_inputs, entry_estimate, layer_cannot_fit)
+from spikeguard.plan.decide import LayerFacts, decide_layer, entry_fallback
+from spikeguard.plan.room import EntryState, Seen, backward_above_end
 from spikeguard.plan.layer_room import LayerRoom
 
-FIXED_PLANS = {"ceiling": ALL_SAVE, "none": ALL_SAVE, "experts": EXPERTS_RECOMPUTE,
-               "offload": ALL_OFFLOAD}
 HEAD = "head"
 
 
@@ -62,6 +61,53 @@ class Layer:
             self.on_host[op] += size
             freed += size
         self.kept -= freed
+        return freed
+
+
+class BackwardPeaks:
+    """The largest backward peak the window predicted for a micro-batch, and the largest
+    excess of one over the in-use it was predicted at (runtime/window.py keeps the same
+    pair per micro-batch, `_predicted_backward`): plan/decide.py's `note_backward`."""
+
+    def __init__(self):
+        self.peak = 0
+        self.over = 0
+
+    def note(self, backward: int, at: int) -> None:
+        self.peak = max(self.peak, backward)
+        self.over = max(self.over, backward - at)
+
+
+class ChunkEvictor:
+    """plan/decide.py's Evictor over the simulated chunk: this micro-batch's earlier layers
+    first (each layer's storages in order), then older resident micro-batches. As the
+    runtime's layer peaks do, the probes of the layers above an evicted one lose what it
+    moved (runtime/layer_room.py `LayerPeaks.evicted`). Copy time is the caller's, from
+    the bytes moved."""
+
+    def __init__(self, layers: list, probes: list, residency, residents):
+        self.layers, self.probes = layers, probes
+        self.residency, self.residents = residency, residents
+        self.moved = 0   # bytes sent to host, from this micro-batch's layers and older ones
+
+    def evictable(self) -> int:
+        own = sum(sum(n for _, n in layer.storages) for layer in self.layers)
+        return own + self.residency.evictable(self.residents)
+
+    def evict(self, num_bytes: int) -> int:
+        freed = 0
+        for j, layer in enumerate(self.layers):
+            if freed >= num_bytes:
+                break
+            moved = layer.evict(num_bytes - freed)
+            freed += moved
+            self.probes[:] = [(p, rel - moved if p > j else rel, n, ev)
+                              for p, rel, n, ev in self.probes]
+        if freed < num_bytes:
+            before = sum(self.residents.evicted.values())
+            self.residency.evict(self.residents, num_bytes - freed)
+            freed += sum(self.residents.evicted.values()) - before
+        self.moved += freed
         return freed
 
 
@@ -180,7 +226,7 @@ class Chunk:
                 seconds += w.layer_compute_s(count)
                 decisions["recompute"] += len(OPS)
             else:
-                d = w.planner.fixed(FIXED_PLANS[policy], count)
+                d = w.planner.fixed(POLICY_PLANS[policy], count)
                 layer = Layer(d.plan, count, lb.kept(d.plan, T, count),
                               lb.storages(d.plan, T, count))
                 forward_where.append((i, start + lb.at_decision(T, count)
@@ -194,34 +240,23 @@ class Chunk:
     def adaptive(self, chunk: int, counts: tuple[int, ...], in_use: int, residency,
                  evictable: dict, memory: Memory, grads_by_layer: tuple,
                  resident_backward: int = 0) -> Forward:
-        """`resident_backward`: the largest backward excess the window predicted for the
-        other resident micro-batches (runtime/window.py's pending backward)."""
+        """The window's decisions by plan/decide.py. `resident_backward`: the other resident
+        micro-batches' largest predicted backward excess (the runtime's pending backward);
+        `grads_by_layer[i]`: gradients that exist by layer i's backward and not now."""
         from spikeguard.sim.residents import ResidentTracker, relative
 
-        w, lb, T, dm, planner = self.w, self.lb, self.T, self.w.dm, self.w.planner
+        w, lb, T, planner = self.w, self.lb, self.T, self.w.planner
         cap = int(w.capacity)
-
-        def to_come(i: int) -> int:
-            """As the runtime's guard: the gradients that exist by layer i's backward and
-            not now (walk.py, StageWalker.grads_by_layer)."""
-            return grads_by_layer[i]
         embed, tail, head_flops = self._ends(chunk)
-        head_forecast = memory.head_per_token if w.last_chunk(chunk) else 0.0
-        forecast = Forecast(num_layers=len(counts), head_bytes_per_token=head_forecast,
-                            post_bytes_per_token=dm.shared_bytes_per_token,
-                            combine_bytes_per_token=dm.combine_bytes_per_token,
-                            residency=residency)
+        forecast = self._forecast(chunk, len(counts), memory, residency)
         layer_part, min_bpt = lb.layer_part(T), planner.min_bytes_per_token
         seconds = w.base_s(counts, head_flops)
         flow = lb.flow(T)
         layers: list[Layer] = []
-        forward_where: list = []
-        probes: list = []
-        decisions: Counter = Counter()
+        forward_where, probes, decisions = [], [], Counter()
         residents = ResidentTracker(evictable)
         seen, room = memory.seen, memory.room
-        backward_peak_max = 0   # the largest backward peak predicted, device bytes
-        over_decision = 0       # the largest excess of one over its decision's in-use
+        peaks = BackwardPeaks()
 
         def now() -> int:
             """The device's figure: what was in use, less what went to host, plus this
@@ -229,109 +264,72 @@ class Chunk:
             return (in_use - sum(residents.evicted.values()) + embed + flow
                     + sum(layer.kept for layer in layers))
 
-        def evict(num_bytes: int) -> float:
-            """Earlier layers of this micro-batch first, then older resident ones."""
-            freed = 0
-            for j, layer in enumerate(layers):
-                if freed >= num_bytes:
-                    break
-                moved = layer.evict(num_bytes - freed)
-                freed += moved
-                # As the runtime's layer peaks: the layers above j will not find these
-                # bytes on the device in their backward (see runtime/layer_room.py).
-                probes[:] = [(p, rel - moved if p > j else rel, n, ev)
-                             for p, rel, n, ev in probes]
-            moved_s = w.copy_s(freed)
-            if freed < num_bytes:
-                before = sum(residents.evicted.values())
-                residency.evict(residents, num_bytes - freed)
-                more = sum(residents.evicted.values()) - before
-                moved_s += w.copy_s(more)
-                freed += more
-            decisions["evicted_bytes"] += freed
-            return moved_s
-
+        evictor = ChunkEvictor(layers, probes, residency, residents)
         for i, count in enumerate(counts):
             start = now()
             entry = EntryState(i, cap, start, T, min_bpt, seen, resident_backward)
-            if layer_cannot_fit(entry, forecast):
-                # Recomputed whole; its backward still brings it all back: room for it now.
-                estimate = entry_estimate(entry)
-                if estimate is not None:
-                    part, routed = estimate
-                    backward = room.whole_backward(start, part, int(routed), to_come(i))
-                    backward_peak_max = max(backward_peak_max, backward)   # as runtime/window.py
-                    over_decision = max(over_decision, backward - start)
-                    short = backward + resident_backward - cap
-                    if short > 0:
-                        seconds += evict(short)
+            if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, peaks.note):
                 layers.append(self._full_layer(count))
                 forward_where.append((i, now() - in_use - layers[-1].kept
                                       + lb.full_forward_over(T, count)))
                 seconds += w.layer_compute_s(count)
-                decisions["full_layer"] += 1
-                decisions["recompute"] += len(OPS)  # the runtime records every op recomputed
+                # the runtime records every op of a layer recomputed whole
+                decisions.update(full_layer=1, recompute=len(OPS))
                 continue
             # The window remembers the device's growth since the layer's entry.
             seen = seen.after(count, max(layer_part, lb.at_decision(T, count)), T)
             at_decision = start + lb.at_decision(T, count)
             probes.append((i, at_decision - in_use, count, sum(residents.evicted.values())))
-
-            def window(at: int):
-                nonlocal backward_peak_max, over_decision
-                forward_peak, backward_peak = room.needs(at, count, to_come(i), layer_part)
-                backward_peak_max = max(backward_peak_max, backward_peak)
-                over_decision = max(over_decision, backward_peak - at)
-                own = sum(sum(n for _, n in layer.storages) for layer in layers)
-                return decision_inputs(WindowState(
-                    layer=i, budget_bytes=cap, in_use_bytes=at, num_routed=count,
-                    layer_part_bytes=layer_part, max_routed=seen.max_routed, num_tokens=T,
-                    min_bytes_per_token=min_bpt, transient_bytes_per_routed=w.transient,
-                    prefetch=w.prefetch, last_layer=i == len(counts) - 1,
-                    evictable_bytes=own + residency.evictable(residents),
-                    layer_forward_peak_bytes=forward_peak,
-                    layer_backward_peak_bytes=backward_peak,
-                    resident_backward_bytes=resident_backward), forecast)
-
-            decision_room = window(at_decision)
-            # The device holds all of it at the decision, before anything is evicted.
-            before_evictions = at_decision
-            if decision_room.layer_shortfall_bytes > 0:
-                # The layer's own peaks do not fit beside the layers below: evict first.
-                before = now()
-                seconds += evict(decision_room.layer_shortfall_bytes)
-                at_decision -= before - now()
-                decision_room = window(at_decision)
+            facts = LayerFacts(
+                layer=i, budget_bytes=cap, num_routed=count, layer_part_bytes=layer_part,
+                max_routed=seen.max_routed, num_tokens=T, min_bytes_per_token=min_bpt,
+                grads_to_come=grads_by_layer[i], transient_bytes_per_routed=w.transient,
+                prefetch=w.prefetch, last_layer=i == len(counts) - 1,
+                resident_backward_bytes=resident_backward)
             try:
-                d = planner.decide(*decision_room.planner_args())
+                out = decide_layer(facts, at_decision, room, forecast, planner, evictor,
+                                   peaks.note)
             except BudgetInfeasible:
                 net = self.safety_net(chunk, counts, i)
                 net.resident_evictions = relative(residency, residents)
                 net.memory = Memory(seen, room, memory.head_per_token)
                 return net
-            if d.evict_bytes:
-                before = now()
-                seconds += evict(d.evict_bytes)
-                at_decision -= before - now()
+            d = out.decision
             layers.append(Layer(d.plan, count, lb.kept(d.plan, T, count),
                                 lb.storages(d.plan, T, count)))
-            forward_where.append((i, max(before_evictions, at_decision + lb.forward_over_decision(
+            # The device held all of it at the decision, before anything was evicted.
+            forward_where.append((i, max(at_decision, out.in_use_bytes + lb.forward_over_decision(
                 d.plan, T, count)) - in_use))
             seconds += d.added_s
             decisions.update(a.value for a in d.plan.actions)
-        host = [layer.on_host.total() + (planner.offload_bytes_per_token(layer.plan)
-                                         * layer.num_routed if layer.plan else 0)
-                for layer in layers]
+        if evictor.moved:
+            seconds += w.copy_s(evictor.moved)
+            decisions["evicted_bytes"] += evictor.moved
         out = self._finish(chunk, layers, embed, tail, seconds, decisions, forward_where,
-                           moved=sum(residents.evicted.values()), host=host,
+                           moved=sum(residents.evicted.values()), host=self._host(layers),
                            resident_evictions=relative(residency, residents),
                            probes=tuple(probes))
         head = self.hb.ledger(T) / T + room.head_backward_per_token if w.last_chunk(chunk) \
             else memory.head_per_token
         out.memory = Memory(seen, room, head)
-        out.pending = backward_above_end(backward_peak_max, in_use + out.kept - out.resident_freed,
-                                         over_decision, room.observed)
+        out.pending = backward_above_end(peaks.peak, in_use + out.kept - out.resident_freed,
+                                         peaks.over, room.observed)
         return out
+
+    def _forecast(self, chunk: int, num_layers: int, memory: Memory, residency) -> Forecast:
+        """The window's forecast of the rest of the micro-batch, as the runtime's guard
+        builds it (its head measured on earlier micro-batches, on the last stage only)."""
+        dm = self.w.dm
+        head = memory.head_per_token if self.w.last_chunk(chunk) else 0.0
+        return Forecast(num_layers=num_layers, head_bytes_per_token=head,
+                        post_bytes_per_token=dm.shared_bytes_per_token,
+                        combine_bytes_per_token=dm.combine_bytes_per_token, residency=residency)
+
+    def _host(self, layers: list) -> list[int]:
+        """Bytes each layer has on the host: evicted, and offloaded by its plan."""
+        offload = self.w.planner.offload_bytes_per_token
+        return [layer.on_host.total() + (offload(layer.plan) * layer.num_routed
+                                         if layer.plan else 0) for layer in layers]
 
     def safety_net(self, chunk: int, counts: tuple[int, ...], layer: int) -> Forward:
         """The planner raised: the runtime abandons the micro-batch and re-runs it with

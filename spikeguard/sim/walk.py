@@ -12,9 +12,9 @@ frees what it kept. The step's peak is the largest of all of them.
 The guard's memory (`chunk.Memory`: the window's `Seen`, its layer peaks' slopes, its
 forecast of the head) is carried from forward to forward and, in `StepState`, from step to
 step as the guard carries it. On the emulated device (device.kind = cpu) the layer peaks
-are calibrated after each step from the step's simulated peaks per (phase, layer) and the
-window's probes, as the runtime calibrates them from its device (plan/layer_room.py, the runtime's arithmetic); on
-CUDA the runtime's device keeps no such peaks and neither does the walk. On CUDA a walk
+are calibrated after each step from its simulated peaks per (phase, layer) and the
+window's probes, by the runtime's arithmetic (plan/layer_room.py); on CUDA the runtime's
+device keeps no such peaks and neither does the walk. On CUDA a walk
 also starts from the window's steady state (attention part measured, the mean routed
 copies per token), so that one walk serves every rank and step that share its load.
 
@@ -31,7 +31,7 @@ recompute, and copies that do not hide), plus whole-layer recompute and safety-n
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -57,6 +57,30 @@ class StepState:
 
     optimizer: bool = False
     memory: Optional[Memory] = None
+
+
+@dataclass
+class _Walk:
+    """One step's walk on one stage, as it goes (StageWalker.walk)."""
+
+    in_use: int
+    lingering: int
+    peak: int = 0
+    seconds: float = 0.0
+    k: int = 0           # forwards run so far (their ordinals)
+    grads_done: set = field(default_factory=set)
+    live: dict = field(default_factory=dict)       # (micro-batch, chunk) -> forward ordinal
+    fwds: dict = field(default_factory=dict)       # forward ordinal -> its Forward
+    device: dict = field(default_factory=dict)     # forward ordinal -> bytes it keeps on device
+    evictable: dict = field(default_factory=dict)  # forward ordinal -> of those, what may go
+    host: dict = field(default_factory=dict)       # (forward ordinal, layer) -> host bytes
+    decisions: Counter = field(default_factory=Counter)
+    memory: Optional[Memory] = None
+    where: dict = field(default_factory=dict)      # (phase, layer, mb mod 4): position codes
+    probes: list = field(default_factory=list)
+    # forward ordinal -> its probes, until its backward says what the others hold then
+    waiting: dict = field(default_factory=dict)
+    head_probes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -123,103 +147,94 @@ class StageWalker:
         state = state or self.initial_state()
         if self.policy != "adaptive" and isinstance(load, (int, np.integer)):
             return self._walk_uniform_static(int(load), state)
-        st, dm = self.stage, self.dm
-        lazy = dm.lazy_state
-        in_use = self._static(state)
-        lingering = self._lingering()
-        grads_done = set()
-        if not lazy:
-            in_use += sum(st.chunk_grad_bytes)
-            grads_done = set(range(len(st.chunks)))
-        peak, seconds = in_use, 0.0
-        live: dict = {}     # (micro-batch, chunk) -> forward ordinal
-        fwds: dict = {}     # forward ordinal -> its Forward
-        device: dict = {}   # forward ordinal -> bytes it keeps on the device
-        evictable: dict = {}   # forward ordinal -> of those, what could go to host
-        host: dict = {}     # (forward ordinal, layer) -> bytes it has on the host
-        decisions: Counter = Counter()
-        memory = state.memory
-        if memory is not None and self.cuda:
-            memory = replace(memory, seen=self._steady_seen())
-        where: dict = {}    # (phase, layer, micro-batch mod 4): the runtime's position codes
-        probes: list = []
-        # forward ordinal -> its probes, with the other micro-batches' bytes at each
-        # decision, until its backward says what they hold then (Probe.others_added)
-        waiting: dict = {}
-        head_probes: dict = {}
-        mod = MICRO_BATCH_CODES
-        k = 0
+        st = self.stage
+        w = _Walk(in_use=self._static(state), lingering=self._lingering())
+        if not self.dm.lazy_state:
+            w.in_use += sum(st.chunk_grad_bytes)
+            w.grads_done = set(range(len(st.chunks)))
+        w.peak = w.in_use
+        w.memory = state.memory
+        if w.memory is not None and self.cuda:
+            w.memory = replace(w.memory, seen=self._steady_seen())
         for op in self.ops:
-            if op.kind == "B":
-                done = live.pop((op.micro_batch, op.chunk))
-                fwd = fwds.pop(done)
-                others = sum(n for o, n in device.items() if o != done)
-                probes += [replace(p, others_added=others - before)
-                           for p, before in waiting.pop(done, ())]
-                first = op.chunk not in grads_done
-                top = in_use + (fwd.bwd_first if first else fwd.bwd)
-                peak = max(peak, top)
-                if self.last_chunk(op.chunk):   # the loss's gradient starts the head's backward
-                    head_probes[(self.head_layer, op.micro_batch)] = (in_use, dm.tokens)
-                for layer, rel, rel_first in fwd.backward_where:
-                    key = (BACKWARD, self.head_layer if layer == HEAD else layer,
-                           op.micro_batch % mod)
-                    where[key] = max(where.get(key, 0), in_use + (rel_first if first else rel))
-                in_use -= device.pop(done)
-                evictable.pop(done)
-                for key in [key for key in host if key[0] == done]:
-                    del host[key]
-                if first:
-                    in_use += st.chunk_grad_bytes[op.chunk]
-                    grads_done.add(op.chunk)
-                in_use, lingering = in_use + lingering, 0   # from the first backward on
-                if top > self.capacity:
-                    return self._overflow(load, state, peak, seconds, decisions)
-                continue
-            counts = self._counts(load, op)
-            to_come = st.chunk_grad_bytes[op.chunk] if op.chunk not in grads_done else 0
-            resident = max((f.pending for f in fwds.values()), default=0)
-            fwd = self.forward(op.chunk, counts, in_use, k, host, device, memory, to_come,
-                               resident, evictable)
-            if self.policy == "adaptive" and in_use + fwd.peak > self.capacity and not fwd.failed:
-                # An allocation past the device in forward: the safety net re-runs it.
-                net = self.chunks.safety_net(op.chunk, counts, len(counts) - 1)
-                net.memory, fwd = fwd.memory, net
-            memory = fwd.memory or memory
-            top = in_use + fwd.peak
-            peak = max(peak, top)
-            decisions.update(fwd.decisions)
-            seconds += fwd.seconds
-            for layer, rel in fwd.forward_where:
-                key = (FORWARD, layer, op.micro_batch % mod)
-                where[key] = max(where.get(key, 0), in_use + rel)
-            part = self.dm.layer.layer_part(dm.tokens)
-            others = sum(device.values())   # the live forwards before this one
-            grads = self.grads_by_layer(len(counts), k, to_come)
-            waiting[k] = [(Probe(op.micro_batch, layer, in_use + rel, n, grads[layer], part),
-                           others - sent)
-                          for layer, rel, n, sent in fwd.probes]
-            if fwd.failed or top > self.capacity:
-                return self._overflow(load, state, peak, seconds, decisions)
-            if fwd.resident_evictions:   # the older resident micro-batches it sent to host
-                newest_first = sorted(self.positions[k].older, reverse=True)
-                for index, n in fwd.resident_evictions:
-                    device[newest_first[index]] -= n
-                    evictable[newest_first[index]] -= n
-                    key = (newest_first[index], "evicted")
-                    host[key] = host.get(key, 0) + n
-            in_use += fwd.kept - fwd.resident_freed
-            live[(op.micro_batch, op.chunk)], device[k], fwds[k] = k, fwd.kept, fwd
-            evictable[k] = fwd.evictable
-            host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
-            k += 1
+            over = self._backward(op, w) if op.kind == "B" else self._forward(load, op, w)
+            if over:
+                return self._overflow(load, state, w.peak, w.seconds, w.decisions)
+        memory = w.memory
         if memory is not None and self.calibrates:
             memory = replace(memory, room=memory.room.calibrated(
-                lambda phase, layer, mb: where.get((phase, layer, mb % MICRO_BATCH_CODES), 0),
-                probes, head_probes))
+                lambda phase, layer, mb: w.where.get((phase, layer, mb % MICRO_BATCH_CODES), 0),
+                w.probes, w.head_probes))
         if memory is not None and self.cuda:   # every walk starts from the steady state
             memory = replace(memory, seen=self._steady_seen())
-        return WalkResult(peak, seconds, False, decisions, StepState(True, memory), where)
+        return WalkResult(w.peak, w.seconds, False, w.decisions, StepState(True, memory), w.where)
+
+    def _backward(self, op: Op, w: "_Walk") -> bool:
+        """One chunk's backward; True when the device runs out."""
+        done = w.live.pop((op.micro_batch, op.chunk))
+        fwd = w.fwds.pop(done)
+        others = sum(n for o, n in w.device.items() if o != done)
+        w.probes += [replace(p, others_added=others - before)
+                     for p, before in w.waiting.pop(done, ())]
+        first = op.chunk not in w.grads_done
+        top = w.in_use + (fwd.bwd_first if first else fwd.bwd)
+        w.peak = max(w.peak, top)
+        if self.last_chunk(op.chunk):   # the loss's gradient starts the head's backward
+            w.head_probes[(self.head_layer, op.micro_batch)] = (w.in_use, self.dm.tokens)
+        for layer, rel, rel_first in fwd.backward_where:
+            key = (BACKWARD, self.head_layer if layer == HEAD else layer,
+                   op.micro_batch % MICRO_BATCH_CODES)
+            w.where[key] = max(w.where.get(key, 0), w.in_use + (rel_first if first else rel))
+        w.in_use -= w.device.pop(done)
+        w.evictable.pop(done)
+        for key in [key for key in w.host if key[0] == done]:
+            del w.host[key]
+        if first:
+            w.in_use += self.stage.chunk_grad_bytes[op.chunk]
+            w.grads_done.add(op.chunk)
+        w.in_use, w.lingering = w.in_use + w.lingering, 0   # from the first backward on
+        return top > self.capacity
+
+    def _forward(self, load, op: Op, w: "_Walk") -> bool:
+        """One chunk's forward (or the safety net's re-run of it); True when it runs out."""
+        counts, k = self._counts(load, op), w.k
+        to_come = self.stage.chunk_grad_bytes[op.chunk] if op.chunk not in w.grads_done else 0
+        resident = max((f.pending for f in w.fwds.values()), default=0)
+        fwd = self.forward(op.chunk, counts, w.in_use, k, w.host, w.device, w.memory, to_come,
+                           resident, w.evictable)
+        if self.policy == "adaptive" and w.in_use + fwd.peak > self.capacity and not fwd.failed:
+            # An allocation past the device in forward: the safety net re-runs it.
+            net = self.chunks.safety_net(op.chunk, counts, len(counts) - 1)
+            net.memory, fwd = fwd.memory, net
+        w.memory = fwd.memory or w.memory
+        top = w.in_use + fwd.peak
+        w.peak = max(w.peak, top)
+        w.decisions.update(fwd.decisions)
+        w.seconds += fwd.seconds
+        for layer, rel in fwd.forward_where:
+            key = (FORWARD, layer, op.micro_batch % MICRO_BATCH_CODES)
+            w.where[key] = max(w.where.get(key, 0), w.in_use + rel)
+        part = self.dm.layer.layer_part(self.dm.tokens)
+        others = sum(w.device.values())   # the live forwards before this one
+        grads = self.grads_by_layer(len(counts), k, to_come)
+        w.waiting[k] = [(Probe(op.micro_batch, layer, w.in_use + rel, n, grads[layer], part),
+                         others - sent)
+                        for layer, rel, n, sent in fwd.probes]
+        if fwd.failed or top > self.capacity:
+            return True
+        if fwd.resident_evictions:   # the older resident micro-batches it sent to host
+            newest_first = sorted(self.positions[k].older, reverse=True)
+            for index, n in fwd.resident_evictions:
+                w.device[newest_first[index]] -= n
+                w.evictable[newest_first[index]] -= n
+                key = (newest_first[index], "evicted")
+                w.host[key] = w.host.get(key, 0) + n
+        w.in_use += fwd.kept - fwd.resident_freed
+        w.live[(op.micro_batch, op.chunk)], w.device[k], w.fwds[k] = k, fwd.kept, fwd
+        w.evictable[k] = fwd.evictable
+        w.host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
+        w.k += 1
+        return False
 
     def _overflow(self, load, state: StepState, peak: int, seconds: float,
                   decisions: Counter) -> WalkResult:

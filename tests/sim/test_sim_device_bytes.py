@@ -87,7 +87,7 @@ def _runtime(plan: LayerPlan, batches) -> tuple[dict, list, int, list]:
 def _simulated(plan: LayerPlan, counts, monkeypatch) -> tuple[dict, int]:
     cfg = sim_config(1 << 50, 1, 8, 2)
     dm = build(cfg)
-    monkeypatch.setitem(chunk.FIXED_PLANS, "none", plan)
+    monkeypatch.setitem(chunk.POLICY_PLANS, "none", plan)
     walker = StageWalker(cfg, dm, dm.stages[0], "none", device_cost(cfg, dm))
     res = walker.walk(np.array(counts))
     return res.where, res.peak_bytes

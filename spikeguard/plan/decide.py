@@ -1,0 +1,158 @@
+"""The decision procedure of one layer: written once, called by every part that decides.
+
+The runtime's decision window (spikeguard/runtime/window.py), its hookless proof
+(spikeguard/runtime/hookless.py) and the simulator's chunk walk (spikeguard/sim/chunk.py)
+each collect their numbers (the device's in-use, the layer's measured attention part, its
+routed count) and call these functions; none of them repeats the steps:
+
+    at a layer's entry   entry_fallback: would even its least plan overflow? then it is
+                         recomputed whole, and room is made now for its whole backward
+    after routing        decide_layer: window state -> planner inputs (plan/room.py) ->
+                         evict first if the layer's own peaks do not fit -> the planner's
+                         least-cost plan -> evict what that plan still needs
+    hookless proof       fits_unaided: would a later layer decide with no eviction and no
+                         whole-layer fallback?
+
+Nothing here holds a tensor, a guard or a ledger. The two collaborators with state are
+passed in as protocols: the layer slopes (plan/layer_room.py `LayerRoom`) and an evictor,
+which the runtime's saved-tensor tracker and the simulator's layers both implement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from spikeguard.plan.planner import Decision, Planner
+from spikeguard.plan.room import (EntryState, Room, ToCome, WindowState, decision_inputs,
+                                  entry_estimate, layer_cannot_fit)
+
+
+class Evictor(Protocol):
+    """Earlier layers' saved tensors (and, in a pipeline, older resident micro-batches')
+    that can move to host memory."""
+
+    def evictable(self) -> int:
+        """Bytes that could leave the device now."""
+        ...
+
+    def evict(self, num_bytes: int) -> int:
+        """Move at least `num_bytes` (as far as there are) to host; the device bytes freed."""
+        ...
+
+
+class Slopes(Protocol):
+    """The layer's own forward and backward peaks (plan/layer_room.py `LayerRoom`)."""
+
+    def needs(self, in_use: int, num_routed: int, grads_to_come: int,
+              layer_part: int = 0) -> tuple[int, int]: ...
+
+    def whole_backward(self, entry_in_use: int, layer_part: int, num_routed: int,
+                       grads_to_come: int) -> int: ...
+
+
+# Called with (a predicted backward peak of the layer, the in-use it was predicted at):
+# the caller keeps the largest, for the pipeline's resident-backward reserve.
+NoteBackward = Callable[[int, int], None]
+
+
+def _ignore(backward_peak: int, in_use: int) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """What the caller knows of a layer right after routing, the device's in-use aside
+    (it changes as the procedure evicts)."""
+
+    layer: int
+    budget_bytes: int
+    num_routed: int            # routed copies this layer's local experts received
+    layer_part_bytes: int      # its attention + router part, measured
+    max_routed: int            # largest routed count of this micro-batch, this one included
+    num_tokens: int
+    min_bytes_per_token: int   # Planner.min_bytes_per_token
+    grads_to_come: int         # gradient bytes this layer's backward will allocate
+    transient_bytes_per_routed: int = 0
+    prefetch: bool = False
+    last_layer: bool = False
+    resident_backward_bytes: int = 0
+
+
+def window_state(facts: LayerFacts, in_use: int, evictable: int, slopes: Slopes) -> WindowState:
+    """The one constructor of a decision's WindowState: the layer's own peaks at `in_use`."""
+    forward_peak, backward_peak = slopes.needs(in_use, facts.num_routed, facts.grads_to_come,
+                                               facts.layer_part_bytes)
+    return WindowState(
+        layer=facts.layer, budget_bytes=facts.budget_bytes, in_use_bytes=in_use,
+        num_routed=facts.num_routed, layer_part_bytes=facts.layer_part_bytes,
+        max_routed=facts.max_routed, num_tokens=facts.num_tokens,
+        min_bytes_per_token=facts.min_bytes_per_token,
+        transient_bytes_per_routed=facts.transient_bytes_per_routed, prefetch=facts.prefetch,
+        last_layer=facts.last_layer, evictable_bytes=evictable,
+        layer_forward_peak_bytes=forward_peak, layer_backward_peak_bytes=backward_peak,
+        resident_backward_bytes=facts.resident_backward_bytes)
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    decision: Decision
+    room: Room                 # the inputs the planner decided on
+    in_use_bytes: int          # the device after the evictions
+    evicted_bytes: int
+
+
+def decide_layer(facts: LayerFacts, in_use: int, slopes: Slopes, forecast: ToCome,
+                 planner: Planner, evictor: Evictor,
+                 note_backward: NoteBackward = _ignore) -> LayerDecision:
+    """The layer's plan at the least added time that fits (raises BudgetInfeasible, from
+    the planner, when nothing does even after evicting everything evictable)."""
+    evicted = 0
+    state = window_state(facts, in_use, evictor.evictable(), slopes)
+    note_backward(state.layer_backward_peak_bytes, in_use)
+    room = decision_inputs(state, forecast)
+    if room.layer_shortfall_bytes > 0:
+        # The layer's own peaks do not fit beside the layers below, whatever its plan:
+        # move bytes of those to host first, then decide on what is left.
+        freed = evictor.evict(room.layer_shortfall_bytes)
+        evicted, in_use = evicted + freed, in_use - freed
+        state = window_state(facts, in_use, evictor.evictable(), slopes)
+        note_backward(state.layer_backward_peak_bytes, in_use)
+        room = decision_inputs(state, forecast)
+    decision = planner.decide(*room.planner_args())
+    if decision.evict_bytes:
+        freed = evictor.evict(decision.evict_bytes)
+        evicted, in_use = evicted + freed, in_use - freed
+    return LayerDecision(decision, room, in_use, evicted)
+
+
+def entry_fallback(entry: EntryState, forecast: ToCome, slopes: Slopes, grads_to_come: int,
+                   evictor: Evictor, note_backward: NoteBackward = _ignore) -> bool:
+    """Before a layer's forward: would it overflow even with its expert path at the least
+    the planner can keep? Then it is recomputed whole (True) rather than discovered
+    mid-layer; recomputed whole it still comes back whole in its backward, with its
+    gradients, beside what the layers below keep: that is made to fit now, by eviction."""
+    if not layer_cannot_fit(entry, forecast):
+        return False
+    estimate = entry_estimate(entry)
+    if estimate is not None:
+        part, routed = estimate
+        backward = slopes.whole_backward(entry.in_use_bytes, part, int(routed), grads_to_come)
+        note_backward(backward, entry.in_use_bytes)
+        short = backward + entry.resident_backward_bytes - entry.budget_bytes
+        if short > 0:
+            evictor.evict(short)
+    return True
+
+
+def fits_unaided(entry: EntryState, facts: LayerFacts, in_use: int, slopes: Slopes,
+                 forecast: ToCome, planner: Planner) -> bool:
+    """Would the layer (at `entry` before its attention, `in_use` after it) decide with no
+    whole-layer fallback, no eviction first and some plan of the menu fitting as it is?
+    The hookless proof asks this of every later layer, on a prediction."""
+    if layer_cannot_fit(entry, forecast):
+        return False
+    room = decision_inputs(window_state(facts, in_use, 0, slopes), forecast)
+    if room.layer_shortfall_bytes:
+        return False
+    return planner.fits(room.num_routed, room.headroom_bytes, room.backward_room_bytes)
