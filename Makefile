@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TITAN_PKGS := torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0 tyro==1.0.17 \
 	docstring_parser==0.18.0 typeguard==4.6.1
 
-.PHONY: demo test bench bench-pp clean
+.PHONY: demo test test-fast bench bench-pp clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# The edit-run loop's subset: one process, nothing over ~5 s (markers: tests/conftest.py).
+# CI runs `make test`, everything.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "not slow and not multiprocess and not gpu"
 
 # Regenerates docs/bench.md, docs/bench.json and docs/img/bench/ (tracked: --overwrite).
 bench: $(STAMP)

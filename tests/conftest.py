@@ -2,10 +2,41 @@
 
 One torch thread: the tiny models gain nothing from two, and on a 2-core machine shared
 with other jobs two OpenMP threads stall each other (steps measured 10-100x slower).
+
+Markers (pyproject.toml) make the fast subset, `make test-fast` = `-m "not slow and not
+multiprocess"`; CI runs everything. `multiprocess` is checked, not trusted: a test that
+starts a process (subprocess, multiprocessing, torchrun: all go through
+`_posixsubprocess.fork_exec`, or `os.fork`) without the marker fails, so the fast subset
+cannot quietly grow a launch.
 """
+
+import _posixsubprocess
+import os
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request, monkeypatch):
+    if request.node.get_closest_marker("multiprocess") is not None:
+        yield
+        return
+    started: list[str] = []
+
+    def spy(real, name):
+        def call(*args, **kwargs):
+            started.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", spy(_posixsubprocess.fork_exec,
+                                                           "fork_exec"))
+    monkeypatch.setattr(os, "fork", spy(os.fork, "fork"))
+    yield
+    if started:
+        pytest.fail(f"this test started {len(started)} process(es) ({started[0]}): mark it "
+                    f"`multiprocess` (tests/conftest.py)", pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -14,6 +14,8 @@ import pytest
 from spikeguard import cli
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 
+pytestmark = pytest.mark.multiprocess
+
 TINY = ["train", "--preset", "tiny", "--steps", "1", "--batch-size", "2"]
 
 

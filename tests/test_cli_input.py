@@ -22,7 +22,7 @@ from spikeguard import cli
 
 from one_line import check_exit_3_line, check_one_line, digests, immutable, unwritable
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 NINES = "9" * 400
 TINY = ["train", "--preset", "tiny", "--steps", "2", "--batch-size", "2"]

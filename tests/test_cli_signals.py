@@ -11,7 +11,7 @@ import pytest
 
 from spikeguard import cli
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 GUARDED = ["train", "--preset", "tiny", "--steps", "100000", "--threads", "1",
            "--budget", "4MiB", "--policy", "adaptive"]

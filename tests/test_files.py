@@ -21,7 +21,7 @@ import pytest
 from spikeguard.errors import OutputError, UsageError
 from spikeguard.files import LineFile, atomic_write, check_outputs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 TINY = ["train", "--preset", "tiny", "--batch-size", "2", "--threads", "1",
         "--eval-every", "100", "--eval-batches", "1"]
 SIM = ["simulate", "--preset", "188b", "--steps", "5", "--devices", "128"]

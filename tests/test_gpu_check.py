@@ -15,7 +15,7 @@ import pytest
 
 from spikeguard.runtime.guard import Guard
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
@@ -71,3 +71,13 @@ def test_run_step_is_used_when_the_guard_has_it():
 
     gpu_check.run_guarded(WithRunStep(), lambda: calls.append("fn"))
     assert calls == ["run_step", "fn"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_passes():
+    """The real thing, where a GPU is at hand: the script on CUDA ends in PASS."""
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+                          timeout=290)
+    lines = done.stdout.strip().splitlines()
+    assert lines and lines[-1] == "gpu_check: PASS", done.stdout[-3000:] + done.stderr[-3000:]

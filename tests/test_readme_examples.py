@@ -147,6 +147,8 @@ def page_block(page: str, contains: str) -> str:
 
 from readme_examples_table import EXAMPLES, VARIANTS, Run  # noqa: E402  (tests/ is on sys.path)
 
+pytestmark = pytest.mark.multiprocess
+
 
 def unlisted(examples: list[Example]) -> list[Example]:
     """The commands of `examples` that EXAMPLES neither runs nor lists."""

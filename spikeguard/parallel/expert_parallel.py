@@ -51,7 +51,7 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing
 from spikeguard.parallel.exchange_journal import Exchange, ExchangeJournal
 from spikeguard.runtime.agreement import Note, PeerFailed
-from spikeguard.runtime.guard import attached_guard
+from spikeguard.runtime.guard_arguments import attached_guard
 
 
 @dataclass

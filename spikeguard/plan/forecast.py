@@ -100,6 +100,19 @@ class Forecast:
                                   min_expert_bytes_per_token, num_tokens)[2]
         return self._pipeline(layer, whole)[1]
 
+    @staticmethod
+    def for_model(model: nn.Module, num_layers: int, shared: Optional[nn.Module],
+                  head_backward_bytes_per_token: float,
+                  combine_bytes_per_token: float = 0.0) -> "Forecast":
+        """A guard's forecast before any micro-batch measured one: what the head keeps
+        and its backward's gradients (`head_backward_bytes_per_token`), the shared part's
+        estimate, and the combine's rows under expert parallelism."""
+        return Forecast(num_layers=num_layers,
+                        head_bytes_per_token=head_bytes_estimate(model)
+                        + head_backward_bytes_per_token,
+                        post_bytes_per_token=shared_bytes_estimate(shared),
+                        combine_bytes_per_token=combine_bytes_per_token)
+
     def observe(self, head_bytes: int, post_bytes: int, num_tokens: int) -> None:
         """Per-token bytes measured on a finished micro-batch replace the estimates."""
         if num_tokens > 0 and head_bytes > 0:

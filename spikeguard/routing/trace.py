@@ -28,7 +28,7 @@ from torch import nn
 
 from spikeguard.errors import UsageError
 from spikeguard.model.router import Routing, TopKRouter, load_balancing_loss
-from spikeguard.runtime.guard import attached_guard
+from spikeguard.runtime.guard_arguments import attached_guard
 
 TRACE_FORMAT = "spikeguard-trace"
 TRACE_VERSION = 1

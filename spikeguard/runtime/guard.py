@@ -16,16 +16,14 @@
 
 The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
 counts every live storage. Every forward of the model is one micro-batch. The guard is
-composed of named parts, each in its own file: the wiring it puts on the model
-(runtime/wiring.py), the ledger (memory/ledger.py), the cost model and planner (plan/), the
-forecast (plan/forecast.py), the layer peaks (runtime/layer_room.py), the saved-tensor
-tracker and offload engine (runtime/hooks.py, runtime/offload.py), the executor
-(runtime/executor.py), the hookless layers (runtime/hookless.py), the position
-(runtime/position.py), the decision window (runtime/window.py) and the micro-batch safety
-net (runtime/net.py, with the expert-parallel agreement its adapter gives). The guard
-wires them to the model and owns the step's life cycle; in each MoE layer the window
-decides and the executor runs the expert path under the plan. Static policies share the
-same executor.
+composed of named parts, each in its own file: its arguments (runtime/guard_arguments.py),
+the wiring it puts on the model (runtime/wiring.py), the ledger (memory/ledger.py), the
+cost model, planner and forecast (plan/), the layer peaks (runtime/layer_room.py), the
+saved-tensor tracker and offload engine (runtime/hooks.py, offload.py), the executor, the
+hookless layers, the position, the decision window (runtime/window.py) and the micro-batch
+safety net (runtime/net.py, with the agreement its adapter gives). The guard wires them to
+the model and owns the step's life cycle; in each MoE layer the window decides and the
+executor runs the expert path under the plan, for static policies too.
 """
 
 from __future__ import annotations
@@ -33,19 +31,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
-from spikeguard.runtime.adapter import SHARED_POLICIES, find_adapter
+from spikeguard.runtime.adapter import find_adapter
 from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.static import optimizer_state_bytes, static_bytes
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
-from spikeguard.plan.forecast import Forecast, head_bytes_estimate, shared_bytes_estimate
+from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES,
                                              PHASE_OPTIMIZER, GradSnapshot, decode_where,
                                              HEAD_LAYER,
@@ -62,11 +60,11 @@ from spikeguard.runtime.net import MicroBatchNet, num_tokens
 from spikeguard.runtime.offload import OffloadEngine, prefetch_below
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.step import run_steps, step_context
-from spikeguard.runtime.policies import POLICIES
 from spikeguard.runtime.window import DecisionWindow
-from spikeguard.runtime.wiring import ModelWiring, OptimizerScope
-
-Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+from spikeguard.runtime.guard_arguments import (Optimizers, OptimizerParameters,
+                                                attached_guard, as_optimizers, check_arguments,
+                                                mark_attached)
+from spikeguard.runtime.wiring import ModelWiring
 
 # Under "full" the whole layer is recomputed; recorded as every operator recomputed.
 FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
@@ -82,53 +80,12 @@ def attach(model: nn.Module, budget=None, policy: str = "adaptive",
                  shared_policy=shared_policy)
 
 
-def attached_guard(model: nn.Module) -> Optional["Guard"]:
-    """The guard attached to `model` (or to a module of it that attach was given), if any."""
-    return getattr(model, "_spikeguard", None)
-
-
-def as_optimizers(optimizer: Optimizers) -> tuple:
-    """`attach`'s optimizer argument as a tuple: () for None, one for one."""
-    if optimizer is None:
-        return ()
-    if isinstance(optimizer, (list, tuple)):
-        return tuple(optimizer)
-    return (optimizer,)
-
-
-def _check_arguments(model, optimizer, policy: str, shared_policy: str) -> None:
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
-    bad = [o for o in as_optimizers(optimizer) if not isinstance(o, torch.optim.Optimizer)]
-    if bad:
-        raise UsageError(f"optimizer must be a torch.optim.Optimizer, a list of them, or "
-                         f"None, got {type(bad[0]).__name__}")
-    OptimizerScope.check_free(as_optimizers(optimizer))
-    if policy not in POLICIES:
-        raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if shared_policy not in SHARED_POLICIES:
-        raise UsageError(f"unknown shared_policy {shared_policy!r}; choose one of "
-                         f"{', '.join(SHARED_POLICIES)}")
-    if attached_guard(model) is not None:
-        raise UsageError("this model already has a spikeguard attached; detach() it first")
-
-
-class _Parameters:
-    """An optimizer's parameters where `optimizer_state_bytes` reads a model's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-
-    def parameters(self):
-        return (p for group in self.optimizer.param_groups for p in group["params"])
-
-
 class Guard:
     """Keeps one model's training under a device memory budget."""
 
     def __init__(self, model: nn.Module, *, budget=None, policy: str = "adaptive",
                  optimizer: Optimizers = None, shared_policy: str = "keep"):
-        _check_arguments(model, optimizer, policy, shared_policy)
+        check_arguments(model, optimizer, policy, shared_policy)
         # The blocks, found by the adapter of their family (spikeguard.integrations).
         self.adapter = find_adapter(model)
         self.moe_blocks = self.adapter.blocks
@@ -183,7 +140,7 @@ class Guard:
         self.grads = GradsToCome([p for p in model.parameters() if p.requires_grad],
                                  self.adapter, self.moe_blocks)
         self.wiring = ModelWiring(self)   # runtime/wiring.py
-        self.model._spikeguard = self
+        mark_attached(self.model, self)
         self.wiring.install(self._guarded_forward)
         # Shared experts and dense layers: a static policy, set once ("keep" or "recompute").
         self.recomputed_modules = self.adapter.apply_shared_policy(shared_policy, self)
@@ -191,32 +148,26 @@ class Guard:
 
     def _make_forecast(self) -> Forecast:
         shared = self.adapter.shared_modules(self.moe_blocks[0])
-        combine = 0.0
-        if self.group is not None:
-            # Rows back from the reverse all-to-all and their weighted copy, plus weights.
-            b = self.shape.elem_bytes
-            combine = self.adapter.top_k() * (2 * self.shape.d_model * b + b)
-        return Forecast(num_layers=len(self.moe_blocks),
-                        # what the head keeps, and its backward's gradient
-                        head_bytes_per_token=head_bytes_estimate(self.model)
-                        + 2 * head_logit_bytes(self.model),
-                        post_bytes_per_token=shared_bytes_estimate(
-                            shared[0] if shared else None),
-                        combine_bytes_per_token=combine)
+        # Under EP: rows back from the reverse all-to-all and their weighted copy, plus weights.
+        b = self.shape.elem_bytes
+        combine = (self.adapter.top_k() * (2 * self.shape.d_model * b + b)
+                   if self.group is not None else 0.0)
+        return Forecast.for_model(self.model, len(self.moe_blocks), shared[0] if shared else None,
+                                  2 * head_logit_bytes(self.model), combine)
 
     # ---- life cycle -------------------------------------------------------------------
     def _static_bytes(self) -> int:
         self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
         # Each optimizer's state from its own parameters (several share the model out).
         return static_bytes(self.model) + sum(
-            optimizer_state_bytes(_Parameters(o), o)[0] for o in self.optimizers)
+            optimizer_state_bytes(OptimizerParameters(o), o)[0] for o in self.optimizers)
 
     def detach(self) -> None:
         """Remove every hook and wrapper: the model computes exactly as before attach."""
         if not self.attached:
             raise UsageError("this guard is not attached (detach() was already called)")
         self.wiring.remove(self.recomputed_modules)
-        self.model._spikeguard = None
+        mark_attached(self.model, None)
         # Nothing of the guard outlives it: a block's aux loss holds a graph whose tensor
         # hooks are the guard's; the host pool is pinned memory on CUDA.
         self.free_attempt()

@@ -33,13 +33,11 @@ freeing what it consumed. The experts' weight gradients are made per expert by
 tensor and that expert's own slice are alive, two copies of the local experts' weights and
 1/E of one (`grouped`: a grouped GEMM writing them in place, as production MoE kernels do,
 keeps one). Under a Python dispatch mode (tests/meter.py's independent meter) every tensor
-also has a Python reference, the engine cannot steal it and adds out of place: three copies
-there, measured; the device without a mode is what this module models. The first backward of a step allocates every
-parameter's gradient as it goes (the shared expert's, then the experts' down, ...).
+also has a Python reference and the engine adds out of place: three copies there,
+measured; this module models the device without a mode. The first backward of a step
+allocates every parameter's gradient as it goes (the shared expert's, the experts' ...).
 
-Head (after the last layer, whose output is alive): the end of the forward holds
-T*(2*D*b + V*b + 4) more (final norm's saved tensors, log-probabilities), its forward peak
-T*V*b more (the logits, until the loss is made), its backward peak 2*T*V*b more.
+The output head's bytes are sim/head_bytes.py's.
 """
 
 from __future__ import annotations
@@ -369,34 +367,3 @@ class _Backward:
         back = self.on_host.get("attn", 0) + self.on_host.get("router", 0)
         self.alloc(TD + back + 3 * TD)
         return self.peak
-
-
-@dataclass(frozen=True)
-class HeadBytes:
-    """The output head (final norm, LM head, cross-entropy) on the last stage."""
-
-    d_model: int
-    vocab_size: int
-    elem_bytes: int
-    grad_bytes: int = 4
-
-    def kept(self, tokens: int) -> int:
-        """What the head holds at the end of the forward, its input (the last layer's
-        output) included; the targets are host memory."""
-        D, V, b = self.d_model, self.vocab_size, self.elem_bytes
-        return tokens * (3 * D * b + V * b + 4)
-
-    def ledger(self, tokens: int) -> int:
-        """What the runtime's ledger attributes to the head (its saved tensors, targets
-        included): the forecast's figure."""
-        return self.kept(tokens) + INDEX * tokens
-
-    def forward_over_end(self, tokens: int) -> int:
-        return tokens * self.vocab_size * self.elem_bytes
-
-    def backward_over_end(self, tokens: int, first: bool = False) -> int:
-        """The loss's and the logits' gradients; then the LM head's input gradient beside
-        the logits' (and, in a first backward, its weights' gradient)."""
-        D, V, b = self.d_model, self.vocab_size, self.elem_bytes
-        weight = V * D * self.grad_bytes if first else 0
-        return max(2 * tokens * V * b, tokens * (V * b + D * b) + weight)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.sim.config import SimConfig
-from spikeguard.sim.device_bytes import HeadBytes, LayerBytes
+from spikeguard.sim.device_bytes import LayerBytes
+from spikeguard.sim.head_bytes import HeadBytes
 
 FP32 = 4
 INDEX = 8

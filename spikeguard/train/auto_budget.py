@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from spikeguard.errors import UsageError
+from spikeguard.memory.budget import format_bytes
 from spikeguard.memory.static import optimizer_state_bytes
 
 # The margin is a fraction of the activation bytes (the peak less parameters, gradients
@@ -119,3 +120,12 @@ def auto_budget(calm_peak: int, static: int, margin: float = AUTO_MARGIN) -> int
     if not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
         raise UsageError(f"margin must be a non-negative number, got {margin!r}")
     return int(math.ceil((calm_peak + margin * (calm_peak - static)) / 1024)) * 1024
+
+
+def auto_budget_line(peak: int, static: Optional[int], budget: int, held: str = "") -> str:
+    """The line that says how `--budget auto` was reached from a calm step's peak."""
+    of_it = (f"; {format_bytes(static)} of it parameters, gradients and optimizer state"
+             if static is not None else "")
+    return (f"memory: budget auto = {format_bytes(budget)}: a calm step with everything "
+            f"saved peaks at {format_bytes(peak)} (worst rank{held}{of_it}), plus "
+            f"{AUTO_MARGIN:.0%} of its activations (emulated device)")

@@ -17,7 +17,6 @@ command line only fills them.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -29,9 +28,14 @@ from spikeguard.parallel.mesh import SCHEDULES, ParallelLayout
 from spikeguard.routing.skew import PATTERNS, SkewConfig
 from spikeguard.runtime.adapter import SHARED_POLICIES
 from spikeguard.runtime.policies import POLICIES
-from spikeguard.train.loop import MAX_SEED, TrainConfig
+from spikeguard.train.train_config import MAX_SEED, TrainConfig
+from spikeguard.train.typed_settings import check_sections, check_types, is_real, read_toml
 
 SECTIONS = ("model", "parallel", "train", "guard", "skew", "files")
+_PATHS = {p: "a path (a string)" for p in ("data", "log", "record_trace", "trace", "checkpoint_dir")}
+# What a setting must be, where its annotation does not say it well (check_types).
+DESCRIBED = {"FilesConfig": {**_PATHS, "resume": "true, false or 'auto'"},
+             "GuardConfig": {"budget": "a byte count or a string like '24GiB' or 'auto'"}}
 MAX_THREADS = 4096
 MAX_NPROC = 4096   # processes on this machine
 
@@ -165,7 +169,7 @@ class SkewChoice:
                              f"{', '.join(PATTERNS)}")
         for name in ("spike_prob", "spike_max"):
             value = getattr(self, name)
-            if value is not None and (not _is_real(value) or not math.isfinite(value)):
+            if value is not None and (not is_real(value) or not math.isfinite(value)):
                 raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value!r}")
         if self.spike_prob is not None and not 0 <= self.spike_prob <= 1:
             raise UsageError(f"--spike-prob is a probability, in [0, 1], got {self.spike_prob!r}")
@@ -316,18 +320,18 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict, argv: tuple = ()) -> "RunConfig":
         """From {section: {key: value}}; unknown sections or keys are refused by name."""
-        _check_sections(data)
+        check_sections(data, SECTIONS)
         model = dict(data.get("model", {}))
         choice = {k: model.pop(k) for k in ("preset", "hf", "titan") if k in model}
         parallel = dict(data.get("parallel", {}))
         train = dict(data.get("train", {}))
-        _check_types(ModelChoice, choice, "model")
-        _check_types(ModelConfig, model, "model")
-        _check_types(ParallelConfig, parallel, "parallel")
-        _check_types(TrainConfig, train, "train")
+        _typed(ModelChoice, choice, "model")
+        _typed(ModelConfig, model, "model")
+        _typed(ParallelConfig, parallel, "parallel")
+        _typed(TrainConfig, train, "train")
         for section, kind in (("guard", GuardConfig), ("skew", SkewChoice),
                               ("files", FilesConfig)):
-            _check_types(kind, data.get(section, {}), section)
+            _typed(kind, data.get(section, {}), section)
         if "micro_batches" not in train and parallel.get("pp", 1) > 1:
             # The 1F1B schedules fill every stage: one micro-batch per stage at least.
             train["micro_batches"] = parallel["pp"]
@@ -344,7 +348,7 @@ class RunConfig:
                   argv: tuple = ()) -> "RunConfig":
         """A TOML file's sections, then `overrides` ({section: {key: value}}) on top."""
         data = read_toml(path)
-        _check_sections(data)
+        check_sections(data, SECTIONS)
         for section, values in (overrides or {}).items():
             data.setdefault(section, {}).update(values)
         return cls.from_dict(data, argv=argv)
@@ -359,19 +363,6 @@ def check_inputs(cfg: RunConfig) -> None:
     load_corpus(cfg.files.data).check_seq_len(seq_len)
 
 
-def read_toml(path: str | Path) -> dict:
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"--config {path} is a folder, not a TOML file")
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"--config {path} does not exist") from None
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise UsageError(f"--config {path} is not a config file (TOML): "
-                         f"{str(err).splitlines()[0]}") from None
-
-
 def _check_resume(files: "FilesConfig") -> None:
     if files.resume not in (True, False, "auto"):
         raise UsageError(f"--resume takes nothing or 'auto', got {files.resume!r}")
@@ -379,75 +370,8 @@ def _check_resume(files: "FilesConfig") -> None:
         raise UsageError(f"files.overwrite must be true or false, got {files.overwrite!r}")
 
 
-def _check_sections(data: Any) -> None:
-    if not isinstance(data, dict):
-        raise UsageError("a run configuration is a table of sections")
-    unknown = set(data) - set(SECTIONS)
-    if unknown:
-        raise UsageError(f"unknown section(s) {', '.join(sorted(map(str, unknown)))}; the "
-                         f"sections are {', '.join(SECTIONS)}")
-    for section, values in data.items():
-        if not isinstance(values, dict):
-            raise UsageError(f"[{section}] must be a table of settings, got "
-                             f"{type(values).__name__} {values!r:.40}")
-
-
-# The one place a setting's type is checked, from the dataclasses' annotations: every
-# section's __post_init__ may then compare and do arithmetic on what it gets. A TOML file
-# can hold any type anywhere; the command line gives argparse's (int, float, str, True).
-_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-          dict: "a table", frozenset: "a list of step numbers or a string like '3,7'"}
-_PATHS = ("data", "log", "record_trace", "trace", "checkpoint_dir")
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    import typing
-
-    if hint is Any:
-        return True
-    if typing.get_origin(hint) is Union:
-        return any(_fits(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return _is_real(value)
-    if hint is frozenset:
-        return isinstance(value, str) or (
-            isinstance(value, (list, tuple, set, frozenset))
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
-    return isinstance(value, typing.get_origin(hint) or hint)
-
-
-def _describe(hint: Any) -> str:
-    import typing
-
-    if typing.get_origin(hint) is Union:
-        parts = [_describe(h) for h in typing.get_args(hint) if h is not type(None)]
-        return " or ".join(parts)
-    return _KINDS.get(hint, getattr(hint, "__name__", str(hint)))
-
-
-def _check_types(kind: type, values: dict, section: str) -> None:
-    """UsageError naming the first setting of `values` whose type is not its field's."""
-    import typing
-
-    hints = typing.get_type_hints(kind)
-    for name, value in values.items():
-        hint = hints.get(name)
-        if hint is None or name == "overrides":
-            continue
-        if not _fits(value, hint):
-            what = "a path (a string)" if name in _PATHS else _describe(hint)
-            if kind is GuardConfig and name == "budget":
-                what = "a byte count or a string like '24GiB' or 'auto'"
-            if kind is FilesConfig and name == "resume":
-                what = "true, false or 'auto'"
-            raise UsageError(f"{section}.{name} must be {what}, got "
-                             f"{type(value).__name__} {value!r:.40}")
+def _typed(kind: type, values: dict, section: str) -> None:
+    check_types(kind, values, section, DESCRIBED.get(kind.__name__))
 
 
 def _build(kind: type, values: Any, section: str):
@@ -473,7 +397,3 @@ def _parse_steps(text: str) -> frozenset:
         return frozenset(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise UsageError(f"--skip-steps must be comma-separated step numbers, got {text!r}") from None
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

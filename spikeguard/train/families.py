@@ -17,7 +17,6 @@ run is built (`train.loop.train`).
 from __future__ import annotations
 
 import gc
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,17 +34,6 @@ def family_for(cfg: RunConfig):
         from spikeguard.train.titan_family import TitanFamily
         return TitanFamily(cfg)
     return HFFamily(cfg) if cfg.model.hf is not None else BuiltinFamily(cfg)
-
-
-def auto_budget_line(peak: int, static: Optional[int], budget: int, held: str = "") -> str:
-    """The line that says how `--budget auto` was reached from a calm step's peak."""
-    from spikeguard.train.auto_budget import AUTO_MARGIN
-
-    of_it = (f"; {format_bytes(static)} of it parameters, gradients and optimizer state"
-             if static is not None else "")
-    return (f"memory: budget auto = {format_bytes(budget)}: a calm step with everything "
-            f"saved peaks at {format_bytes(peak)} (worst rank{held}{of_it}), plus "
-            f"{AUTO_MARGIN:.0%} of its activations (emulated device)")
 
 
 class BuiltinFamily:
@@ -102,7 +90,7 @@ class BuiltinFamily:
         """A calm step's true peak with everything saved (worst rank) plus the margin;
         under a pipeline, on a probe pipeline built for it alone (the run's schedule is
         built once, with its guards)."""
-        from spikeguard.train.auto_budget import auto_budget, calm_peak_bytes
+        from spikeguard.train.auto_budget import auto_budget, auto_budget_line, calm_peak_bytes
 
         if self.cfg.layout.pp > 1:
             peak, static = self._pipeline_probe(groups, batches)
@@ -115,7 +103,7 @@ class BuiltinFamily:
 
     def _pipeline_probe(self, groups, batches) -> tuple[int, int]:
         from spikeguard.train.auto_budget import pipeline_calm_peak_bytes
-        from spikeguard.train.loop import make_optimizer
+        from spikeguard.train.train_config import make_optimizer
 
         probe = self.engine(self.build(), groups)   # same seed: the same weights
         try:
@@ -235,4 +223,4 @@ class HFFamily:
                 f"{guard.shape.recompute_per_token} B")
 
 
-__all__ = ["BuiltinFamily", "HFFamily", "HF_AUTO_FRACTION", "auto_budget_line", "family_for"]
+__all__ = ["BuiltinFamily", "HFFamily", "HF_AUTO_FRACTION", "family_for"]

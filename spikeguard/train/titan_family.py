@@ -63,7 +63,7 @@ class TitanFamily:
 
     def auto_budget(self, engine, batches: list, groups, held: str = "") -> tuple[int, str]:
         from spikeguard.train.auto_budget import auto_budget
-        from spikeguard.train.families import auto_budget_line
+        from spikeguard.train.auto_budget import auto_budget_line
 
         peak, static = calm_peak_bytes(engine.model, engine.optimizers[0], batches,
                                        groups is not None)

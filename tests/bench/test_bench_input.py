@@ -24,7 +24,7 @@ from spikeguard.bench import bench_docs, hf_bench, runtime_ratios
 
 from one_line import check_one_line, digests
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 NINES = "9" * 400
 BENCH = ["bench", "--preset", "tiny", "--steps", "4", "--segments", "1"]

@@ -19,7 +19,7 @@ import pytest
 from spikeguard import cli
 from spikeguard.bench.runner import read_log
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 TINY_PIPELINE = ["--preset", "tiny", "--num-layers", "4", "--num-experts", "8",
                  "--pp", "2", "--ep", "2"]

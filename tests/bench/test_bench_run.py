@@ -18,7 +18,7 @@ from spikeguard.bench import results
 from spikeguard.bench.bench_cli import _segments
 from spikeguard.bench.runner import Job, PolicyRun, read_log
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -57,6 +57,7 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_core_never_imports_transformers():
     done = subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS], capture_output=True,
                           text=True, timeout=90)

@@ -173,6 +173,7 @@ def _toy_step(model, guard=None):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_unseen_block_is_found_and_probed(caplog):
     model = _toy()
     with caplog.at_level(logging.INFO, logger="spikeguard"):

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from spikeguard.cli import main  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32",
         "--eval-batches", "1", "--num-experts", "4"]

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "hf.md"
 BUDGET_BYTES = 12 << 20

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).with_name("hf_ep_worker.py")
 JOB_TIMEOUT_S = 120   # a hung collective fails here (the group's own timeout is longer)

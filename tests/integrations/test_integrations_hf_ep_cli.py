@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32",
         "--eval-batches", "1", "--num-experts", "4", "--threads", "1"]

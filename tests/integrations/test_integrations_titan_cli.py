@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 SMALL = ["--seq-len", "32", "--batch-size", "2", "--eval-batches", "1"]
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "titan.md"
 

@@ -30,7 +30,7 @@ pytest.importorskip("torchtitan")
 
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore:In CPU autocast")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore:In CPU autocast")]
 
 POLICIES = ("none", "full", "experts", "offload", "adaptive")
 

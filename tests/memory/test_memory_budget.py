@@ -34,7 +34,7 @@ def test_parse_bytes_reads_binary_and_decimal_units(text, num_bytes):
     "lots", "", "GiB", "12 parsecs", "1e3", "-5MB", "0", "0KiB", 0, -1, True, False, None, [1],
 ])
 def test_parse_bytes_rejects_what_is_not_a_positive_size(bad):
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="^budget must|^cannot read budget"):
         parse_bytes(bad)
 
 

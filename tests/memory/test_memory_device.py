@@ -132,6 +132,7 @@ def test_nothing_ever_passes_the_limit_as_on_cuda():
     device.close()
 
 
+@pytest.mark.multiprocess
 def test_no_compiler_is_one_line_not_a_traceback(tmp_path):
     import os
     import subprocess

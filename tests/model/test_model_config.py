@@ -29,7 +29,7 @@ from spikeguard.model import PRESETS, ModelConfig, build_model, model_config
     {"d_model": 30, "num_heads": 4},
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_bad_config_raises_usage_error(kwargs):
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=f"model.{next(iter(kwargs))}"):
         ModelConfig(**kwargs)
 
 
@@ -51,7 +51,7 @@ def test_model_config_overrides_are_applied_and_validated():
     assert cfg.num_experts == 8
     assert cfg.top_k == PRESETS["tiny"].top_k          # None means "keep the preset"
     assert PRESETS["tiny"].num_experts == 4             # the preset itself is not mutated
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="top_k .* cannot exceed model.num_experts"):
         model_config("tiny", top_k=PRESETS["tiny"].num_experts + 1)
 
 

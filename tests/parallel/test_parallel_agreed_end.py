@@ -18,7 +18,7 @@ import time
 import pytest
 from test_parallel_signals import _job_pids   # processes of a launcher's job
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 EP2 = ["train", "--preset", "tiny", "--num-experts", "8", "--nproc", "2", "--steps", "3",
        "--batch-size", "8", "--skew", "one-hot-rank", "--spike-prob", "1", "--spike-max", "2",

@@ -9,7 +9,7 @@ import pytest
 
 from spikeguard import cli
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 TINY8 = ["train", "--preset", "tiny", "--num-experts", "8", "--steps", "3", "--batch-size", "8",
          "--threads", "1"]

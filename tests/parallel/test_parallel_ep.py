@@ -17,7 +17,7 @@ import ep_workers
 from spikeguard.model import build_model, model_config
 from spikeguard.parallel.launch_utils import run_spawned
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 SPAWN_TIMEOUT_S = 90           # a hung collective fails the test here, well inside 180 s
 NUM_SEQUENCES = 8

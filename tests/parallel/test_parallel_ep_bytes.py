@@ -15,7 +15,7 @@ from spikeguard.parallel.launch_utils import run_spawned
 
 import ep_workers
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
 def test_ep_bytes_per_op_are_predicted_exactly(tmp_path):

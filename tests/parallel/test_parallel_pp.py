@@ -19,7 +19,7 @@ import pp_workers
 from spikeguard.model import build_model, model_config
 from spikeguard.parallel.launch_utils import run_spawned
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 SPAWN_TIMEOUT_S = 150          # a hung collective fails the test here
 MICRO_BATCHES, BATCH = 4, 2

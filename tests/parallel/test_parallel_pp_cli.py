@@ -13,7 +13,7 @@ import pytest
 from spikeguard import cli
 from spikeguard.parallel import launch
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 TINY = ["train", "--preset", "tiny", "--num-layers", "4", "--num-experts", "8", "--steps", "2",
         "--batch-size", "2", "--micro-batches", "4", "--threads", "1"]

@@ -119,5 +119,5 @@ def test_layout_mistakes_are_usage_errors(layout, kwargs, match):
 
 def test_layers_are_cut_evenly():
     assert layer_split(4, 2) == [(0, 2), (2, 4)]
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="3 pipeline stages must divide the 4 layers"):
         layer_split(4, 3)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 TINY = ["train", "--preset", "tiny", "--num-experts", "8", "--batch-size", "8", "--threads", "1",
         "--nproc", "2"]

@@ -23,7 +23,7 @@ import torch
 import true_device_workers as workers
 from spikeguard.parallel.launch_utils import run_spawned
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 90     # a hung collective fails here, well inside the 180 s above

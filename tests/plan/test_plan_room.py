@@ -142,6 +142,7 @@ def test_forward_transient_is_the_gate_up_output_on_cuda_only():
     assert forward_transient_bytes_per_routed(shape, on_cuda=False) == 0
 
 
+@pytest.mark.multiprocess
 def test_room_imports_no_torch():
     import subprocess
     import sys

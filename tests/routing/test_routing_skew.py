@@ -110,18 +110,18 @@ def test_schedule_is_a_pure_function_of_seed_and_step(pattern):
     {"pattern": "rotating", "spike_probability": 0.0}, {"spike_max_ratio": "2.6"},
 ])
 def test_bad_config_raises_usage_error(kwargs):
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=next(iter(kwargs))):
         SkewConfig(**kwargs)
 
 
 def test_bad_schedule_arguments_raise_usage_error():
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="one rank cannot be skewed"):
         SkewSchedule(SkewConfig(), 1)
-    with pytest.raises(UsageError):  # 2.6x is more than two ranks can hold
+    with pytest.raises(UsageError, match="unreachable with ep_size 2"):  # 2.6x on 2 ranks
         SkewSchedule(SkewConfig(), 2)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="hot_rank 4 must be < ep_size 4"):
         SkewSchedule(SkewConfig(hot_rank=4), 4)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="step must be a non-negative integer"):
         SkewSchedule(SkewConfig(), 4).target(-1)
 
 
@@ -287,14 +287,15 @@ def test_injected_routing_backpropagates_over_two_micro_batches():
 def test_injector_usage_errors():
     model = _model()
     injector = SkewInjector(_fixed_spike(2.0, 0, 4), 4).attach(model)
-    with pytest.raises(UsageError):  # no step chosen yet
+    with pytest.raises(UsageError, match=r"set_step\(step\) before the forward"):
         model(_batch("random"))
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="already attached"):
         injector.attach(model)
     injector.detach()
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="ep_size 2 differs from the schedule's 4"):
         SkewInjector(_fixed_spike(2.0, 0, 4), 2)
-    with pytest.raises(UsageError):  # 6 experts over 4 ranks
+    with pytest.raises(UsageError, match="6 experts cannot be split over ep_size 4"):
         SkewInjector(_fixed_spike(2.0, 0, 4), 4).attach(_model(num_experts=6))
-    with pytest.raises(UsageError):  # H = 1 < K = 2: the hot rank holds at most 2.0x
+    # H = 1 < K = 2: the hot rank holds at most 2.0x
+    with pytest.raises(UsageError, match="2.6 is unreachable: with top_k 2"):
         SkewInjector(_fixed_spike(2.6, 0, 4), 4).attach(_model(num_experts=4))

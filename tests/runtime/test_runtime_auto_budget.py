@@ -54,10 +54,12 @@ def test_margin_is_on_activations_and_rounded_to_kib():
     assert AUTO_MARGIN == 0.10
 
 
-@pytest.mark.parametrize("args", [(0, 0), (-5, 0), (100, 200), (100, -1), (100, 10, -0.1),
-                                  (100, 10, float("nan")), (1.5, 0)])
-def test_bad_arguments_are_usage_errors(args):
-    with pytest.raises(UsageError):
+@pytest.mark.parametrize("args, fragment", [
+    ((0, 0), "calm peak"), ((-5, 0), "calm peak"), ((100, 200), "static bytes"),
+    ((100, -1), "static bytes"), ((100, 10, -0.1), "margin"), ((100, 10, float("nan")), "margin"),
+    ((1.5, 0), "calm peak")])
+def test_bad_arguments_are_usage_errors(args, fragment):
+    with pytest.raises(UsageError, match=fragment):
         auto_budget(*args)
 
 

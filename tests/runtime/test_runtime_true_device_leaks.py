@@ -17,7 +17,7 @@ from meter import model_state_tensors
 from true_device_support import (HUGE, TINY, PhaseMeter, blind_prevention, expected_live,
                                  guarded, host_marks, metered_step, step_data, storage_bytes)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 assert host_marks   # a fixture: imported for pytest to find, used as an argument
 
 

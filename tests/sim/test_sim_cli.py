@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from spikeguard.cli import main
 
 
+@pytest.mark.slow
 def test_simulate_writes_json_and_plots(tmp_path, capsys):
     out = tmp_path / "sim.json"
     code = main(["simulate", "--preset", "188b", "--devices", "256", "--global-batch", "128",

@@ -23,6 +23,7 @@ def _cfg(**overrides):
     return load_config("188b", overrides=base)
 
 
+@pytest.mark.slow
 def test_same_seed_same_result_other_seed_differs():
     a = simulate(_cfg()).to_dict()
     b = simulate(_cfg()).to_dict()
@@ -64,6 +65,7 @@ def test_adaptive_beats_full_recompute():
 
 
 
+@pytest.mark.slow
 def test_adaptive_keeps_up_with_every_surviving_static_policy_at_scale():
     """`1t` at 12,288 devices (CUDA: the layer peaks keep the shapes' slopes): every layer's
     backward, whole or planned, reserves the experts' weight gradients (a fresh one beside
@@ -113,6 +115,7 @@ def test_schedules_hold_what_their_warmup_holds(pp, v, m):
         assert max_in_flight(ops) == expect
 
 
+@pytest.mark.slow
 def test_interleaved_runs_and_differs():
     base = _cfg(**{"run.policies": ["ceiling", "adaptive"]})
     inter = base.with_changes(layout={"schedule": "interleaved", "virtual_stages": 2})

@@ -15,6 +15,8 @@ from spikeguard.bench.worker import WorkerPool
 from spikeguard.sim.validate import compare_peaks
 from spikeguard.sim.validate_pp import compare_pp_ep
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 0.05
 
 
@@ -76,6 +78,7 @@ def test_adaptive_decides_as_the_runtime_did(peaks):
 PP_EP_STATIC = ("none", "offload", "experts", "full")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_pp2_ep2_four_processes_peaks_within_5_percent(tmp_path):
     """4 processes under torchrun (gloo): PP=2 x EP=2, production skew with frequent spikes;

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 TINY = ["train", "--preset", "tiny", "--batch-size", "2", "--threads", "1",
         "--eval-every", "100", "--eval-batches", "1"]
 

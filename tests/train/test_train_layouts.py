@@ -23,7 +23,7 @@ import pytest
 
 from spikeguard import cli
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 BASE = ["train", "--preset", "tiny", "--num-layers", "4", "--num-experts", "8",
         "--batch-size", "2", "--micro-batches", "2", "--eval-every", "4",

@@ -154,7 +154,7 @@ def test_guard_wraps_forward_and_backward_of_all_micro_batches(corpus):
 
 
 def test_guard_and_factory_together_is_an_error(corpus):
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="either guard or guard_factory"):
         _run(corpus, guard=FakeGuard(), guard_factory=lambda m, o: FakeGuard())
 
 
