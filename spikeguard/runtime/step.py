@@ -17,7 +17,8 @@ same notes: every rank re-runs the step together, or every rank ends the job wit
 same line. One code path on CPU and CUDA.
 
 The optimizer step is not re-runnable (an update may be half applied): an out-of-memory
-there is reported, never retried.
+there is reported, never retried (on several processes, agreed by every rank at one flag
+point after it: spikeguard.train.engines.optimizer_steps).
 """
 
 from __future__ import annotations
