@@ -223,8 +223,8 @@ class HFAdapter(BlockAdapter):
             # The window is the experts' own forward on the rows this rank received,
             # called by transformers' EP implementation between its two exchanges.
             originals = self._originals[id(block)] = []
-            observe_exchanges(self._family, self.model, part.experts,
-                              part.ep)
+            observe_exchanges(self._family, self.model, part.experts, part.ep,
+                              self.parent_layer(block))
             for impl in implementations(part.ep):
                 orig = impl.experts_forward
                 originals.append((impl, orig))

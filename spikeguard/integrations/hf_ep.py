@@ -143,8 +143,9 @@ def family_agreement(model: nn.Module, impl) -> Optional[FamilyAgreement]:
 
 
 def observe_exchanges(agreement: Optional[FamilyAgreement], model: nn.Module,
-                      experts: nn.Module, impl) -> None:
-    """Let `agreement` watch the exchanges of one MoE layer (its FSDP unit found)."""
+                      experts: nn.Module, impl, layer: nn.Module) -> None:
+    """Let `agreement` watch the exchanges of one MoE layer: its flag point at the FSDP
+    unit that holds it, else at its decoder `layer`."""
     exchanging = all_to_all_of(impl)
     if agreement is not None and exchanging is not None:
-        agreement.observe(exchanging, unit_of(model, experts))
+        agreement.observe(exchanging, unit_of(model, experts) or layer)

@@ -70,14 +70,19 @@ class FamilyAgreement(GroupAgreement):
         self.unit_impls: dict[int, object] = {}   # id(FSDP unit) -> its layer's AllToAllEP
         self.patched: list = []
         self.handles: list = []
+        self.hooked: set[int] = set()
 
     # ---- what is observed ---------------------------------------------------------------
     def observe(self, impl, unit: Optional[nn.Module]) -> None:
         """Watch `impl`'s dispatch and combine (the AllToAllEP of a layer in FSDP `unit`);
         the first call also puts the flag points on every FSDP unit with peers."""
         if not self.handles:
-            self._hook_units()
+            for fsdp_unit in self.model.modules():
+                if (isinstance(fsdp_unit, FSDPModule) and fsdp_unit is not self.model
+                        and _spans_peers(fsdp_unit)):
+                    self._hook(fsdp_unit)
         if unit is not None:
+            self._hook(unit)   # its decoder layer, where no FSDP unit holds it
             self.unit_impls[id(unit)] = impl
         dispatch, combine = impl._dispatch_tokens, impl._combine_tokens
 
@@ -106,14 +111,16 @@ class FamilyAgreement(GroupAgreement):
                 vars(impl).pop(name, None)
         for handle in self.handles:
             handle.remove()
-        self.patched, self.handles, self.unit_impls = [], [], {}
+        self.patched, self.handles, self.unit_impls, self.hooked = [], [], {}, set()
 
-    def _hook_units(self) -> None:
-        for unit in self.model.modules():
-            if isinstance(unit, FSDPModule) and unit is not self.model and _spans_peers(unit):
-                self.handles.append(unit.register_forward_pre_hook(self._unit_entered,
-                                                                   prepend=True))
-                self.handles.append(unit.register_forward_pre_hook(self._unit_gathered))
+    def _hook(self, unit: nn.Module) -> None:
+        """A flag point ahead of `unit`'s forward pre-hooks (FSDP's all-gather), and a mark
+        after them."""
+        if id(unit) in self.hooked:
+            return
+        self.hooked.add(id(unit))
+        self.handles.append(unit.register_forward_pre_hook(self._unit_entered, prepend=True))
+        self.handles.append(unit.register_forward_pre_hook(self._unit_gathered))
 
     def _unit_entered(self, unit, args) -> None:
         """Before FSDP's all-gather of `unit`: a flag point, then a new segment."""
@@ -214,7 +221,8 @@ def _spans_peers(unit: nn.Module) -> bool:
 
 
 def unit_of(model: nn.Module, module: nn.Module) -> Optional[nn.Module]:
-    """The innermost FSDP unit with peers that holds `module` (its decoder layer)."""
+    """The innermost FSDP unit with peers that holds `module` (its decoder layer), or None
+    (no FSDP: the caller names the decoder layer)."""
     names = {id(m): n for n, m in model.named_modules()}
     name = names.get(id(module), "")
     best = None
