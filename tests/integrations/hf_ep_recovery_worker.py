@@ -40,7 +40,7 @@ HUGE = 1 << 40
 REFUSING_RANK, LAYER = 1, 1
 
 
-def refuse_once(guard, budget: int):
+def refuse_once(budget: int):
     """A callable that, the first time on the refusing rank, asks the device for the
     whole budget (refused: torch.OutOfMemoryError from the allocation)."""
     state = {"done": dist.get_rank() != REFUSING_RANK}
@@ -54,7 +54,7 @@ def refuse_once(guard, budget: int):
 
 def arm(model, guard, budget: int, where: str):
     """Place the one refusal (see the module docstring)."""
-    ask = refuse_once(guard, budget)
+    ask = refuse_once(budget)
     layer = model.model.layers[LAYER]
     if where == "attention":
         layer.self_attn.register_forward_pre_hook(lambda m, a: ask())
