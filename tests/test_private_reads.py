@@ -64,6 +64,22 @@ ALLOWED = {
     # nn.Module's parameter dict: the local weights put back for a recompute under
     # transformers' EP without re-registering them (as ep_forward itself does)
     ("integrations/hf_ep.py", "_parameters"),
+    # transformers' AllToAllEP phases (v5.24), observed, never re-implemented, by the
+    # family journal: how far a refused rank's layer got (no public hook between them)
+    ("integrations/hf_ep.py", "_dispatch_tokens"),
+    ("integrations/hf_ep.py", "_combine_tokens"),
+    # the job's store and the abort of every group: how a rank that cannot settle ends the
+    # job for its peers (torch 2.13 has no public accessor for either)
+    ("parallel/agreement.py", "_get_default_store"),
+    ("parallel/agreement.py", "_abort_process_group"),
+    # the family journal: FSDP2's per-mesh groups (whether a unit gathers across ranks),
+    # whether code runs inside a backward, and the functional all-to-all of its zeros
+    # (as parallel/exchange_journal.py; no public equivalents in torch 2.13)
+    ("parallel/family_journal.py", "_get_fsdp_state"),
+    ("parallel/family_journal.py", "_fsdp_param_groups"),
+    ("parallel/family_journal.py", "_C"),
+    ("parallel/family_journal.py", "_current_graph_task_id"),
+    ("parallel/family_journal.py", "_c10d_functional"),
     # DDP's own way to leave parameters out of its all-reduce (the experts, sharded)
     ("parallel/pipeline_training.py", "_set_params_and_buffers_to_ignore_for_model"),
     # transformers v5 internals read to recognise its grouped_mm experts and layers that

@@ -37,8 +37,8 @@ from spikeguard.errors import UsageError
 from spikeguard.memory.ledger import local_tensor
 from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
 from spikeguard.integrations.hf_ep import (LocalWeights, check_ep_experts, ep_group,
-                                           ep_implementation, implementations)
-from spikeguard.parallel.agreement import agreement_for
+                                           ep_implementation, family_agreement,
+                                           implementations, observe_exchanges)
 from spikeguard.integrations.hf_bytes import RegionBytes, RegionPlanner, derive_bytes, probe_bytes
 from spikeguard.integrations.hf_window import run_window
 from spikeguard.runtime.executor import base_policy
@@ -184,6 +184,7 @@ class HFAdapter(BlockAdapter):
                              "and some are not; the guard needs one layout")
         self.ep = found[0].ep
         self._originals: dict[int, list] = {}
+        self._family = None   # the agreement under transformers' EP (agreement())
         if self.ep is not None:
             self.layer_policy = hf_ep_layer_policy
             self.layer_fallback_agreed = True
@@ -212,7 +213,9 @@ class HFAdapter(BlockAdapter):
         return ep_group(self.ep)
 
     def agreement(self):
-        return agreement_for(self.group())
+        """Under transformers' EP, the agreement that observes its exchanges (hf_ep)."""
+        self._family = family_agreement(self.model, self.ep) if self.ep is not None else None
+        return self._family
 
     def install(self, block: nn.Module, guard) -> None:
         part = self.part(block)
@@ -220,6 +223,8 @@ class HFAdapter(BlockAdapter):
             # The window is the experts' own forward on the rows this rank received,
             # called by transformers' EP implementation between its two exchanges.
             originals = self._originals[id(block)] = []
+            observe_exchanges(self._family, self.model, part.experts, part.ep,
+                              self.parent_layer(block))
             for impl in implementations(part.ep):
                 orig = impl.experts_forward
                 originals.append((impl, orig))
@@ -233,6 +238,8 @@ class HFAdapter(BlockAdapter):
         experts.forward = window
 
     def uninstall(self, block: nn.Module) -> None:
+        if self._family is not None:
+            self._family.close()
         for impl, orig in self._originals.pop(id(block), []):
             impl.experts_forward = orig
         experts = self.part(block).experts

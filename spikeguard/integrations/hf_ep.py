@@ -30,6 +30,12 @@ Three things differ from one process (transformers 5.24, torch 2.13):
     keep): every rank of the EP group must recompute the same layers. Under "full" and
     the safety net's re-run they do; adaptive's per-layer fallback is agreed by the group
     before the layer runs (`BlockAdapter.layer_fallback_agreed`).
+
+A rank whose device refuses inside a forward tells its peers at a flag point before every
+FSDP unit's all-gather and at each layer's vote, after making with zeros what its peers
+wait in (spikeguard.parallel.family_journal, which observes `AllToAllEP`'s dispatch and
+combine): every rank re-runs the micro-batch together. Where that cannot be known (a
+backward, through FSDP's own collectives), every rank ends the job in one agreed line.
 This module never imports transformers.
 """
 
@@ -42,6 +48,7 @@ from torch import nn
 
 from spikeguard.errors import UsageError
 from spikeguard.memory.ledger import local_tensor
+from spikeguard.parallel.family_journal import FamilyAgreement, unit_of
 
 # The attributes of transformers' dispatching implementations that hold a sub-implementation
 # with its own `experts_forward` (AutoEP: its all-to-all and all-reduce paths).
@@ -111,3 +118,34 @@ class LocalWeights:
 def ep_group(impl) -> Optional[object]:
     """The process group of the EP mesh of a transformers EP implementation."""
     return impl.ep_mesh.get_group() if impl is not None else None
+
+
+def all_to_all_of(impl) -> Optional[object]:
+    """The implementation among `impl`'s that exchanges tokens with transformers'
+    AllToAllEP phases (`_dispatch_tokens`, `_combine_tokens`), or None."""
+    return next((i for i in implementations(impl)
+                 if hasattr(i, "_dispatch_tokens") and hasattr(i, "_combine_tokens")), None)
+
+
+def family_agreement(model: nn.Module, impl) -> Optional[FamilyAgreement]:
+    """The agreement of the ranks under transformers' EP: over the whole job where FSDP
+    gathers across more ranks than the EP group (a refusal stalls those too), else over
+    the EP group. None without EP."""
+    group = ep_group(impl)
+    if group is None:
+        return None
+    import torch.distributed as dist
+    if dist.get_world_size() > impl.ep_mesh.size():
+        group = dist.group.WORLD
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return FamilyAgreement(group, model, int(width), dtype)
+
+
+def observe_exchanges(agreement: Optional[FamilyAgreement], model: nn.Module,
+                      experts: nn.Module, impl, layer: nn.Module) -> None:
+    """Let `agreement` watch the exchanges of one MoE layer: its flag point at the FSDP
+    unit that holds it, else at its decoder `layer`."""
+    exchanging = all_to_all_of(impl)
+    if agreement is not None and exchanging is not None:
+        agreement.observe(exchanging, unit_of(model, experts) or layer)

@@ -3,10 +3,16 @@
 Implements `OverflowAgreement` over a process group. For spikeguard's own dispatcher the
 flag points are its journal's all-to-alls (spikeguard.parallel.exchange_journal), the
 same collective the counts exchange of every layer is, so a failed rank's one flag point
-meets its peers wherever they are. For a family whose exchanges are its own (transformers,
-torchtitan) there is no journal: the flag points are an all-gather of the notes at the end
-of each forward attempt and of each step, and a rank that fails inside the family's own
-all-to-all leaves its peers there (the limit docs/recovery.md states).
+meets its peers wherever they are. For a family whose exchanges are its own
+(transformers: spikeguard.parallel.family_journal; torchtitan) the flag points are an
+all-gather of one row per rank (a note and a vote).
+
+Where a failed rank cannot make what its peers wait in (an exchange it cannot size, a
+collective of FSDP's or of torchtitan's, a backward through them), it ends the job for
+every rank (`end_job`): its note goes to the job's store, then it aborts its process
+groups, so every peer's pending collective fails at once (gloo: the peers' sockets close);
+a peer whose collective failed reads the note there (`peer_ended`) and raises the same
+agreed line. Never a hang; one line, the same on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import torch
 import torch.distributed as dist
 
 from spikeguard.parallel.exchange_journal import ExchangeJournal
-from spikeguard.runtime.agreement import NONE, NOTE_FIELDS, Note
+from spikeguard.runtime.agreement import ABORT, NONE, NOTE_FIELDS, Note
+
+#: The job store's key of the note that ended the job (one job per store).
+END_KEY = "spikeguard/job_ends"
 
 
 class GroupAgreement:
@@ -29,46 +38,86 @@ class GroupAgreement:
         self.journal = journal
         self.rank = dist.get_rank()
         self.device = device or torch.device("cpu")
+        # Held now: once the job's groups are aborted the default store is not reachable.
+        self.store = dist.distributed_c10d._get_default_store()
 
-    @property
-    def settles(self) -> bool:
-        """Whether a failed rank can make the exchanges its peers wait in (the journal of
-        spikeguard's own dispatcher); else a failure inside a forward or backward is not
-        agreed: the rank raises at once and the launcher ends its peers."""
-        return self.journal is not None
+    def gather(self, note: Note, vote: bool = False) -> tuple[list[Note], bool]:
+        """One all-gather of (note, vote) rows over the group: every rank's note (empty:
+        none) and whether any rank voted."""
+        row = note.as_list() + [1 if vote else 0]
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        out = torch.empty(dist.get_world_size(self.group) * len(row), dtype=torch.int64,
+                          device=self.device)
+        dist.all_gather_single(out, mine, group=self.group)   # gloo: a flat output
+        rows = out.view(-1, len(row)).tolist()
+        notes = [n for n in (Note(*r[:NOTE_FIELDS]) for r in rows) if n.kind != NONE]
+        return notes, any(r[NOTE_FIELDS] for r in rows)
 
     def any_rank(self, mine: bool) -> bool:
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return self.gather(Note(), mine)[1]
 
     def begin_step(self) -> None:
         if self.journal is not None:
             self.journal.begin_step()
 
-    def begin_attempt(self, micro_batch: int) -> None:
+    def begin_attempt(self, micro_batch: int, layer_votes: bool = False) -> None:
         if self.journal is not None:
             self.journal.begin_attempt(micro_batch)
 
     def flag_point(self, note: Note) -> list[Note]:
         if self.journal is not None:
             return self.journal.flag_point(None, note, self.device)[1]
-        mine = torch.tensor(note.as_list(), dtype=torch.int64, device=self.device)
-        out = torch.empty(dist.get_world_size(self.group) * NOTE_FIELDS, dtype=torch.int64,
-                          device=self.device)
-        dist.all_gather_single(out, mine, group=self.group)   # gloo: a flat output
-        return [n for n in (Note(*row) for row in out.view(-1, NOTE_FIELDS).tolist())
-                if n.kind != NONE]
+        return self.gather(note)[0]
 
     def settle_forward(self, note: Note) -> list[Note]:
         if self.journal is not None:
             return self.journal.settle_forward(note, self.device)
-        return self.flag_point(note)
+        return self.end_job(note)
 
     def settle_backward(self, note: Note, micro_batch: Optional[int] = None) -> list[Note]:
         if self.journal is not None:
             return self.journal.settle_backward(note, self.device, micro_batch)
-        return self.flag_point(note)
+        return self.end_job(note)
+
+    # ---- where settling is impossible ---------------------------------------------------
+    def end_job(self, note: Note) -> list[Note]:
+        """End the job for every rank: this rank's note (now ABORT) to the job's store,
+        then every process group aborted, so that each peer's pending or next collective
+        fails at once and the peer reads the note (`peer_ended`). Returns the notes."""
+        note = Note(ABORT, *note.as_list()[1:])
+        self.store.set(END_KEY, ",".join(map(str, note.as_list())))
+        dist.distributed_c10d._abort_process_group()
+        return [note]
+
+    def peer_ended(self, err: BaseException) -> Optional[list[Note]]:
+        """The notes of a peer that ended the job, if `err` (a collective that failed) came
+        from that: the peer wrote its note before it aborted, so it is there now. This
+        rank's groups are aborted then as well (the job ends)."""
+        if not isinstance(err, RuntimeError):
+            return None
+        try:
+            if not self.store.check([END_KEY]):
+                return None
+            row = [int(v) for v in self.store.get(END_KEY).decode().split(",")]
+        except (RuntimeError, ValueError):
+            return None
+        # Its own groups aborted too: their pending works (an FSDP reduce-scatter, a
+        # functional all-to-all) fail now rather than block whoever frees them.
+        dist.distributed_c10d._abort_process_group()
+        return [Note(*row)]
+
+
+def job_flag_point(note: Note, device: torch.device) -> list[Note]:
+    """One all-gather of notes over the whole job (every rank calls it at the same point,
+    e.g. after the optimizer step): every rank's note, the same on every rank; [] on one
+    process or where no rank failed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [note] if note.kind != NONE else []
+    mine = torch.tensor(note.as_list(), dtype=torch.int64, device=device)
+    out = torch.empty(dist.get_world_size() * NOTE_FIELDS, dtype=torch.int64, device=device)
+    dist.all_gather_single(out, mine)   # gloo: a flat output
+    return [n for n in (Note(*row) for row in out.view(-1, NOTE_FIELDS).tolist())
+            if n.kind != NONE]
 
 
 def agreement_for(group, blocks=(), device=None) -> Optional[GroupAgreement]:

@@ -25,8 +25,9 @@ flag point of the same shape. Nothing can hang by construction, and no collectiv
 half-issued. The dummy rows come from the memory the abandoned attempt just freed: a rank
 that cannot find even those ends the job (the launcher ends its peers).
 
-What is not covered: a model whose exchanges are not this module's (transformers' and
-torchtitan's own expert parallelism): their all-to-alls have no journal.
+A model whose exchanges are not this module's: transformers' own expert parallelism has
+its own journal (spikeguard.parallel.family_journal); torchtitan's has none, and a rank
+refused there ends the job for every rank (spikeguard.parallel.agreement.end_job).
 """
 
 from __future__ import annotations

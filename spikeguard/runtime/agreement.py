@@ -14,6 +14,10 @@ the same notes and takes the same branch:
     ABORT        ends the job with one agreed line (a static policy ran out, or even full
                  recompute did not fit)
 
+Where the failed rank cannot make what its peers wait in, it ends the job for every rank
+(spikeguard.parallel.agreement: its note to the job's store, its groups aborted, so each
+peer's collective fails at once and the peer reads the same note): one agreed line.
+
 Without a group (one process) a rank decides alone, and no flag point is made.
 """
 
@@ -114,9 +118,6 @@ class OverflowAgreement(Protocol):
     """The group's side of the protocol (spikeguard.parallel.agreement.GroupAgreement)."""
 
     rank: int
-    #: whether a failed rank can make the exchanges its peers wait in (False where the
-    #: family's own all-to-alls run: transformers', torchtitan's)
-    settles: bool
 
     def any_rank(self, mine: bool) -> bool:
         """Whether this rank's flag (`mine`) or any other rank's is set: every rank calls it
@@ -126,8 +127,9 @@ class OverflowAgreement(Protocol):
     def begin_step(self) -> None:
         ...
 
-    def begin_attempt(self, micro_batch: int) -> None:
-        """A forward attempt of `micro_batch` starts (what its exchanges owe is recorded)."""
+    def begin_attempt(self, micro_batch: int, layer_votes: bool = False) -> None:
+        """A forward attempt of `micro_batch` starts (what its exchanges owe is recorded);
+        `layer_votes`: its layers vote on the whole-layer fallback (flag points too)."""
         ...
 
     def flag_point(self, note: Note) -> list[Note]:
@@ -141,5 +143,11 @@ class OverflowAgreement(Protocol):
 
     def settle_backward(self, note: Note, micro_batch: Optional[int] = None) -> list[Note]:
         """The same for a failure after a forward (its backward, or a loss computed
-        outside the model)."""
+        outside the model). Where the peers' exchanges cannot be made (a family's own,
+        FSDP's), the job ends for every rank instead: the note returned is ABORT."""
+        ...
+
+    def peer_ended(self, err: BaseException) -> Optional[list[Note]]:
+        """Where a collective failed with `err` because a peer ended the job, its notes
+        (the same on every rank); None for any other error."""
         ...

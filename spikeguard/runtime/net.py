@@ -55,6 +55,15 @@ def failure_note(guard, kind: int, err: DeviceOutOfMemory, rank: int) -> Note:
                 guard.budget_bytes)
 
 
+def layer_votes(guard) -> bool:
+    """Whether this attempt's layers vote on the whole-layer fallback (GuardedLayers: some
+    rank adaptive, where a recomputed layer re-issues a collective; not under full
+    recompute): the votes are flag points the journal of a family's EP counts on."""
+    layers = guard.layers
+    return (layers.agreement is not None and layers.agree_fallback
+            and not layers.full_recompute)
+
+
 class MicroBatchNet:
     """Runs a guard's micro-batch forwards under the safety net."""
 
@@ -110,22 +119,24 @@ class MicroBatchNet:
             return g.forward_micro_batch(orig_forward, mb, args, kwargs)
         if g.recorder is not None:   # what the step reached before this attempt stands
             g.recorder.note_peak(g.meter.peak(), g.meter.peak_where())
-        self.agreement.begin_attempt(mb)
+        self.agreement.begin_attempt(mb, layer_votes=layer_votes(g))
         counted = g.recorder.micro_batches if g.recorder is not None else 0
         mine: Optional[Note] = None
         try:
             out = g.forward_micro_batch(orig_forward, mb, args, kwargs)
+            notes = self.agreement.flag_point(Note())
         except PeerFailed as err:
             notes = err.notes
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-            if not self.agreement.settles:   # its peers wait in the family's own exchange
-                raise g.device_oom(err) from None
             err = g.device_oom(err)
             adaptive = g.policy == "adaptive" and g.group_adaptive
             kind = MICRO_BATCH if adaptive and not last_try else ABORT
             mine = failure_note(g, kind, err, self.agreement.rank)
+        except RuntimeError as err:   # a collective that a peer's agreed end broke
+            notes = self.agreement.peer_ended(err)
+            if notes is None:
+                raise
         else:
-            notes = self.agreement.flag_point(Note())
             if not notes:
                 return out
             del out

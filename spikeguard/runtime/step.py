@@ -17,7 +17,8 @@ same notes: every rank re-runs the step together, or every rank ends the job wit
 same line. One code path on CPU and CUDA.
 
 The optimizer step is not re-runnable (an update may be half applied): an out-of-memory
-there is reported, never retried.
+there is reported, never retried (on several processes, agreed by every rank at one flag
+point after it: spikeguard.train.engines.optimizer_steps).
 """
 
 from __future__ import annotations
@@ -66,19 +67,22 @@ def _attempt(guards: Sequence, fn, agreement, rerun: bool):
     """One attempt at the step: (fn's value, None) or (None, the group's notes)."""
     try:
         result = fn()
+        notes = agreement.flag_point(Note())   # the step's end: every rank makes one
     except JobEnds:
         raise
     except GroupFailure as err:   # a peer's note met in a forward, or the net's verdict
         return None, err.notes
     except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-        if not agreement.settles:   # its peers wait in the family's own exchange
-            raise guards[0].device_oom(err) from None
         err = guards[0].device_oom(err)
         adaptive = all(g.policy == "adaptive" for g in guards)   # a static one dies of it
         kind = STEP if adaptive and not rerun else ABORT
         mine = failure_note(guards[0], kind, err, agreement.rank)
+    except RuntimeError as err:   # a collective that a peer's agreed end broke
+        notes = agreement.peer_ended(err)
+        if notes is None:
+            raise
+        return None, notes
     else:
-        notes = agreement.flag_point(Note())   # the step's end: every rank makes one
         return result, notes or None
     for guard in guards:
         guard.free_attempt()   # the attempt's graph and saved tensors, before the exchanges
@@ -231,9 +235,14 @@ def step_context(guard):
                 raise unrecoverable(err.notes, guard.budget_bytes, tried_full=False) from None
             except (torch.OutOfMemoryError, DeviceOutOfMemory) as err:
                 err = guard.device_oom(err)
-                if agreement is None or not agreement.settles:
+                if agreement is None:
                     raise err from None
                 mine = failure_note(guard, ABORT, err, agreement.rank)
+            except RuntimeError as err:   # a collective that a peer's agreed end broke
+                notes = agreement.peer_ended(err) if agreement is not None else None
+                if notes is None:
+                    raise
+                raise unrecoverable(notes, guard.budget_bytes, tried_full=False) from None
             if agreement is not None:
                 if mine is not None:
                     guard.free_attempt()

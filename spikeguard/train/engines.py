@@ -29,7 +29,10 @@ from spikeguard.memory.ledger import local_tensor
 from spikeguard.model.dispatch import expert_imbalance
 from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, expert_parameters,
                                                  parallelize_experts)
+from spikeguard.parallel.agreement import job_flag_point
 from spikeguard.parallel.summary import RoutingMonitor, ep_summary, pipeline_summary
+from spikeguard.runtime.agreement import ABORT, JobEnds, Note, agreed_text
+from spikeguard.runtime.net import failure_note
 
 GuardMaker = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
@@ -271,7 +274,11 @@ class PipelineEngine:
 def optimizer_steps(optimizers, guards) -> None:
     """Each optimizer's step (on the device through the guard's step hooks). The device
     refuses inside it as a GPU does, at the allocation: the update is half applied and not
-    re-runnable, so the run ends here, in one line that names it."""
+    re-runnable, so the run ends here. On several processes every rank then makes one flag
+    point over the job (an optimizer step makes no collective, so every rank reaches it),
+    and every rank ends with the same line naming the rank that ran out; alone, the one
+    line names the optimizer step."""
+    oom = None
     for opt in optimizers:
         try:
             opt.step()
@@ -279,10 +286,29 @@ def optimizer_steps(optimizers, guards) -> None:
             if not guards or not hasattr(guards[0], "device_oom"):
                 raise
             oom = guards[0].device_oom(err)
-        else:
-            continue
-        oom.__context__ = None
+            oom.__context__ = None
+            break
+    if guards and hasattr(guards[0], "device_oom"):
+        ended = _agreed_after_optimizers(guards[0], oom)
+        if ended is not None:
+            raise ended
+    if oom is not None:
         raise oom
+
+
+def _agreed_after_optimizers(guard, oom) -> Optional[Exception]:
+    """The flag point after the optimizer steps: the job's agreed end if any rank's ran
+    out (None on one process: `oom` stands as it is)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    note = (failure_note(guard, ABORT, oom, dist.get_rank()) if oom is not None else Note())
+    notes = job_flag_point(note, guard.device)
+    if not notes:
+        return None
+    ended = JobEnds(notes, f"{agreed_text(notes)}; the update may be half applied, so the "
+                           "run ends")
+    ended.budget_bytes = guard.budget_bytes
+    return ended
 
 
 def _guarded(guard, micro_batches):

@@ -10,7 +10,8 @@ A tiny Qwen3-MoE with random weights under transformers' own expert parallelism
 whole on each rank). Each check writes its findings to OUT_DIR/<check>_rank<r>.json; the
 test reads them. Checks run in the order given, all ranks together (collectives must
 match): `policies`, `tight`, `mixed`, `fallback`, `spike`; `spike_none` last, since it
-ends the job on rank 0 (exit 3, the one-line message on stderr), as a real job would.
+ends the job (every rank holds the same agreed line; rank 0, which ran out, prints it and
+exits 3), as a real job would.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 import spikeguard
 from spikeguard.errors import DeviceOutOfMemory
+from spikeguard.runtime.agreement import JobEnds, worst
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: the meter
 
@@ -236,8 +239,13 @@ def check_spike_none(state: dict) -> dict:
     try:
         run(model, batches(1), guard)
     except DeviceOutOfMemory as err:
-        print(f"spikeguard: out of memory on rank {dist.get_rank()}: {err}", file=sys.stderr,
-              flush=True)
+        # As the CLI does (spikeguard.cli): an agreed end is said by the rank that ran
+        # out; the others hold the same line and exit a moment later.
+        if isinstance(err, JobEnds) and worst(err.notes).rank != dist.get_rank():
+            time.sleep(2.0)
+        else:
+            print(f"spikeguard: out of memory on rank {dist.get_rank()}: {err}",
+                  file=sys.stderr, flush=True)
         os._exit(3)
     return {"survived": True}
 

@@ -1,0 +1,143 @@
+"""One torchrun rank of the transformers-EP recovery checks (test_integrations_hf_ep_recovery.py).
+
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 \
+        tests/integrations/hf_ep_recovery_worker.py OUT_DIR CHECK
+
+The model and data of hf_ep_worker.py (a tiny Qwen3-MoE under `DistributedConfig(fsdp_size=2,
+ep_size=2)`, 2 layers). Rank 1's device is asked, once, for an allocation no plan foresees
+(the whole budget) at layer 1, after layer 0's exchanges: the device refuses it at once,
+as CUDA's allocator does. CHECK says where:
+
+  window     inside layer 1's experts call (its counts and rows exchanged, not its combine)
+  attention  in layer 1's attention (its vote made, none of its exchanges)
+  backward   in layer 1's backward (FSDP's and transformers' collectives under way)
+
+Each writes OUT_DIR/<check>_rank<r>.json: gradients against the uninterrupted layout's,
+the step record, the independent meter's peak; or, where the job ends, the agreed line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_ep_worker import batches, build, differ, record, run, world_max  # noqa: E402
+from meter import LiveMeter, model_state_tensors  # noqa: E402
+
+import spikeguard  # noqa: E402
+from spikeguard.runtime import device_state  # noqa: E402
+from spikeguard.runtime.agreement import JobEnds  # noqa: E402
+from spikeguard.runtime.offload import HostPool  # noqa: E402
+
+HUGE = 1 << 40
+REFUSING_RANK, LAYER = 1, 1
+
+
+def refuse_once(budget: int):
+    """A callable that, the first time on the refusing rank, asks the device for the
+    whole budget (refused: torch.OutOfMemoryError from the allocation)."""
+    state = {"done": dist.get_rank() != REFUSING_RANK}
+
+    def ask(*_):
+        if not state["done"]:
+            state["done"] = True
+            torch.empty(budget // 4 + 1, dtype=torch.float32)
+    return ask
+
+
+def arm(model, guard, budget: int, where: str):
+    """Place the one refusal (see the module docstring)."""
+    ask = refuse_once(budget)
+    layer = model.model.layers[LAYER]
+    if where == "attention":
+        layer.self_attn.register_forward_pre_hook(lambda m, a: ask())
+    elif where == "window":
+        impl = guard.adapter.part(layer.mlp).ep
+        for sub in [impl, getattr(impl, "all_to_all", None)]:
+            if sub is not None and "experts_forward" in vars(sub):
+                window = sub.experts_forward
+
+                def in_window(*args, _window=window):
+                    ask()
+                    return _window(*args)
+                sub.experts_forward = in_window
+    elif where == "backward":
+        def hook(module, grad_output):
+            ask()
+        layer.mlp.register_full_backward_pre_hook(hook)
+
+
+def metered_peak(model, guard) -> int:
+    """The step's peak by the independent meter (tests/meter.py), the local shards of the
+    sharded state as baseline. Host memory is marked where the library makes it: the
+    offload pool (`HostPool.acquire`) and the host copy of the gradients (`GradSnapshot`)."""
+    meter = LiveMeter(baseline_tensors=[getattr(t, "_local_tensor", t)
+                                        for t in model_state_tensors(model)])
+    acquire, snapshot_init = HostPool.acquire, device_state.GradSnapshot.__init__
+
+    def host_acquire(self, num_bytes):
+        with meter.host_scope():
+            return acquire(self, num_bytes)
+
+    def host_snapshot(self, *args):
+        with meter.host_scope():
+            snapshot_init(self, *args)
+    HostPool.acquire, device_state.GradSnapshot.__init__ = host_acquire, host_snapshot
+    try:
+        with meter:
+            run(model, batches(), guard)
+    finally:
+        HostPool.acquire, device_state.GradSnapshot.__init__ = acquire, snapshot_init
+    return meter.peak_bytes
+
+
+def calm_budget() -> int:
+    """1.05 x the everything-kept step's device peak (worst rank)."""
+    model = build()
+    guard = spikeguard.attach(model, budget=HUGE, policy="none")
+    run(model, batches(), guard)
+    peak = world_max(record(guard)["peak"])
+    guard.detach()
+    return int(peak * 1.05)
+
+
+def check(out_dir: Path, where: str) -> dict:
+    ref = run(build(), batches())
+    budget = calm_budget()
+    model = build()
+    guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    arm(model, guard, budget, where)
+    start = time.perf_counter()
+    try:
+        peak = metered_peak(model, guard)
+    except JobEnds as err:
+        return {"ended": str(err), "seconds": time.perf_counter() - start}
+    g = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return {"differ": differ(ref, g), "meter_peak": peak, "budget": budget,
+            **record(guard), "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    out_dir, where = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    found = check(out_dir, where)
+    (out_dir / f"{where}_rank{rank}.json").write_text(json.dumps(found))
+    if "ended" in found:
+        # The job's groups are aborted: nothing to tear down. Exit 0, not 3: torchrun ends
+        # the whole job at a failed exit, before the peers (released by this exit) write.
+        os._exit(0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""A rank refused by its device under transformers' own expert parallelism, after exchanges.
+
+A tiny Qwen3-MoE, `DistributedConfig(fsdp_size=2, ep_size=2)` on 2 gloo ranks (CPU), the
+budget 1.05 x the calm step's device peak. Rank 1's device refuses an allocation at layer
+1, after layer 0's exchanges (hf_ep_recovery_worker.py), as CUDA's allocator does: at once,
+on that rank alone. In forward the family journal settles what rank 1's peer waits in and
+every rank re-runs the micro-batch with full recompute: gradients bitwise the
+uninterrupted layout's, the independent meter's peak under the budget on every rank. In
+backward (FSDP's and transformers' collectives under way, not the journal's to make) every
+rank ends in the same line, within seconds.
+
+    .venv/bin/python -m pytest tests/integrations/test_integrations_hf_ep_recovery.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.timeout(200)
+
+WORKER = Path(__file__).with_name("hf_ep_recovery_worker.py")
+JOB_TIMEOUT_S = 150   # a hung collective fails here (the group's own timeout is longer)
+
+
+def found(tmp_path: Path, where: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", str(WORKER), str(tmp_path), where]
+    # A session of its own, so that a hung job's ranks go with it (no orphans).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the torchrun job of {where} did not finish in {JOB_TIMEOUT_S} s (hang)")
+    assert proc.returncode == 0, err[-3000:]
+    return [json.loads((tmp_path / f"{where}_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("where", ["window", "attention"])
+def test_a_forward_refused_after_exchanges_is_re_run_by_every_rank_bitwise(tmp_path, where):
+    ranks = found(tmp_path, where)
+    for rank, got in enumerate(ranks):
+        assert got["differ"] == [], (rank, got)
+        assert got["reruns"] == 1, (rank, got)           # both ranks, the same re-run
+        assert got["meter_peak"] <= got["budget"], (rank, got)
+        assert got["peak"] <= got["budget"], (rank, got)
+
+
+def test_a_backward_refused_ends_every_rank_with_the_same_line_in_seconds(tmp_path):
+    ranks = found(tmp_path, "backward")
+    lines = {got["ended"] for got in ranks}
+    assert len(lines) == 1, ranks
+    line = lines.pop()
+    assert line.startswith("rank 1 ran out of memory in backward of micro-batch 0, layer 1"), line
+    assert "on a device of" in line, line
+    assert all(got["seconds"] < 20 for got in ranks), ranks
