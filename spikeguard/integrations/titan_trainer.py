@@ -29,12 +29,14 @@ import dataclasses
 import functools
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.integrations.titan_converter import GuardSettings, SpikeGuardConverter, attach_titan
+from spikeguard.runtime.agreement import JobEnds, worst
 from spikeguard.runtime.device_state import PHASE_OPTIMIZER
 from spikeguard.runtime.step import run_steps
 
@@ -81,6 +83,29 @@ class SpikeGuardTrainer(Trainer):
         self.guards = [part.spikeguard for part in self.model_parts]
 
     def train_step(self, data_iterator):
+        """One guarded step; a failure of it is one line and the exit (here, not in
+        `train`: torchtitan's `train` is under torchelastic's `@record`, which would
+        print the exception's traceback beneath the line)."""
+        try:
+            return self._guarded_step(data_iterator)
+        except (DeviceOutOfMemory, OptimizerStepOutOfMemory) as err:
+            self._fail(f"out of memory on rank {os.environ.get('RANK', '0')}: "
+                       f"{_one_line(err)}", 3, err)
+        except UsageError as err:
+            self._fail(f"error: {_one_line(err)}", 2, err)
+
+    def _fail(self, text: str, code: int, err: BaseException) -> None:
+        """An agreed failure (every rank of the EP group holds the same line) is said by
+        the rank that ran out; the others leave a moment later, silent, so that torchrun
+        names that rank first."""
+        self.close()
+        if isinstance(err, JobEnds) and worst(err.notes).rank != int(os.environ.get("RANK", "0")):
+            time.sleep(2.0)
+            sys.stdout.flush()
+            os._exit(code)
+        _leave(f"spikeguard: {text}", code)
+
+    def _guarded_step(self, data_iterator):
         """torchtitan's step inside `run_steps`: its micro-batches drawn first, so that a
         re-run sees the same data; the previous step's gradients dropped first, so that the
         net's snapshot of them (taken to put back after a failed attempt) is empty."""
@@ -100,17 +125,6 @@ class SpikeGuardTrainer(Trainer):
                     ) from None
                 raise
         return run_steps(self.guards, body)
-
-    def train(self):
-        try:
-            return super().train()
-        except (DeviceOutOfMemory, OptimizerStepOutOfMemory) as err:
-            rank = os.environ.get("RANK", "0")
-            self.close()
-            _leave(f"spikeguard: out of memory on rank {rank}: {_one_line(err)}", 3)
-        except UsageError as err:
-            self.close()
-            _leave(f"spikeguard: error: {_one_line(err)}", 2)
 
     def close(self) -> None:
         for guard in getattr(self, "guards", []):

@@ -7,7 +7,12 @@ config registry (titan_train_registry.py) before torchtitan builds anything:
   * a device module for its memory monitor (components/metrics.py:38-52 reads CUDA's
     memory statistics; here they read zero);
   * `torch.distributed.set_timeout`, missing from torch 2.13's CPU build, which the
-    Trainer calls after the first step (distributed/utils.py:595).
+    Trainer calls after the first step (distributed/utils.py:595);
+  * FSDP2's gradient reduction as a plain SUM: torchtitan sets the divide factor to 1.0
+    (distributed/fsdp.py:27-41), which torch 2.13 turns into `ReduceOp.PREMUL_SUM(1.0)`
+    (fsdp/_fully_shard/_fsdp_collectives.py:850), an op gloo does not have; FSDP2's own
+    `set_force_sum_reduction_for_comms` makes it SUM with a division by 1.0 (the same
+    numbers). Only with 2 ranks or more.
 SDPA attention instead of FlexAttention (no CPU backward in torch 2.13) is the model
 config's (spikeguard.integrations.titan_models.titan_config).
 """
@@ -45,8 +50,22 @@ def install() -> None:
         if hasattr(mod, "device_module"):
             mod.device_module = module
     parallel_dims.device_type = "cpu"
+    _sum_reduction_for_gloo()
     if not hasattr(torch.distributed, "set_timeout"):
         torch.distributed.set_timeout = lambda timeout, group=None: None
+
+
+def _sum_reduction_for_gloo() -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import fsdp
+    divide_by_one = fsdp.disable_fsdp_gradient_division
+
+    def sum_for_gloo(model) -> None:
+        divide_by_one(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    fsdp.disable_fsdp_gradient_division = sum_for_gloo
 
 
 install()
