@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
+from spikeguard.memory.budget import parse_bytes
 from spikeguard.integrations.titan_converter import GuardSettings, SpikeGuardConverter, attach_titan
+from spikeguard.parallel.launch_utils import peer_failure
 from spikeguard.runtime.agreement import JobEnds, worst
 from spikeguard.runtime.device_state import PHASE_OPTIMIZER
 from spikeguard.runtime.step import run_steps
@@ -93,6 +95,12 @@ class SpikeGuardTrainer(Trainer):
                        f"{_one_line(err)}", 3, err)
         except UsageError as err:
             self._fail(f"error: {_one_line(err)}", 2, err)
+        except RuntimeError as err:   # a peer's process gone: its own line says why
+            peer = peer_failure(err)
+            if peer is None:
+                raise
+            self._fail(f"rank {os.environ.get('RANK', '?')} stopped: another rank of the "
+                       f"group failed ({_one_line(peer).split('. ')[0]})", 1, err)
 
     def _fail(self, text: str, code: int, err: BaseException) -> None:
         """An agreed failure (every rank of the EP group holds the same line) is said by
@@ -160,6 +168,8 @@ def with_spikeguard(config: Trainer.Config, *, budget=None, policy: str = "adapt
                          f"is {type(config).__qualname__}, whose own trainer it would "
                          f"replace")
     GuardSettings(budget, policy, shared_policy)   # validates
+    if budget is not None:
+        parse_bytes(budget)
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.init and f.name != "spikeguard"}
     return SpikeGuardTrainer.Config(
