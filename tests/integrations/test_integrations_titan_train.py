@@ -21,6 +21,8 @@ independent meter's: the device's own peak counter read after every optimizer st
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("torchtitan")
@@ -107,3 +109,51 @@ def test_a_bad_setting_is_one_line_and_exit_2(assets, tmp_path):
     assert job.returncode != 0
     assert len(job.lines("spikeguard: error: unknown policy 'sometimes'")) == 1, job.output[-3000:]
     assert "exitcode  : 2" in job.output
+
+
+def _debug_config():
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+    return deepseek_v3_debugmodel()
+
+
+def test_with_spikeguard_keeps_the_users_config_and_adds_the_settings():
+    from spikeguard.integrations.titan_trainer import SpikeGuardTrainer, with_spikeguard
+    config = _debug_config()
+    guarded = with_spikeguard(config, budget="70GiB", policy="full")
+    assert type(guarded) is SpikeGuardTrainer.Config
+    assert guarded.build.__func__ is config.build.__func__   # torchtitan's own build ...
+    assert type(guarded)._owner is SpikeGuardTrainer         # ... of spikeguard's trainer
+    assert guarded.model_spec is config.model_spec and guarded.training is config.training
+    assert (guarded.spikeguard.budget, guarded.spikeguard.policy) == ("70GiB", "full")
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"policy": "sometimes"}, "unknown policy 'sometimes'"),
+    ({"shared_policy": "drop"}, "unknown shared_policy 'drop'"),
+    ({"budget": "lots"}, "cannot read budget 'lots'"),
+    ({"budget": -1}, "budget"),
+])
+def test_with_spikeguard_refuses_a_bad_setting_in_one_line(kwargs, says):
+    import spikeguard
+    from spikeguard.integrations.titan_trainer import with_spikeguard
+    with pytest.raises(spikeguard.UsageError, match=says) as info:
+        with_spikeguard(_debug_config(), **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_with_spikeguard_refuses_a_config_of_another_trainer():
+    import spikeguard
+    from spikeguard.integrations.titan_trainer import SpikeGuardTrainer, with_spikeguard
+    from torchtitan.trainer import Trainer
+
+    class OtherTrainer(Trainer):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Trainer.Config):
+            pass
+    with pytest.raises(spikeguard.UsageError, match="whose own trainer it would replace"):
+        with_spikeguard(OtherTrainer.Config(**_fields(_debug_config())))
+    assert SpikeGuardTrainer   # imported: the module needs torchtitan's Trainer
+
+
+def _fields(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
