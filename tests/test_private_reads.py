@@ -44,6 +44,7 @@ ALLOWED = {
     # os._exit: documented, the one way for a failed or stopped rank to leave without
     # the teardown that aborts in gloo's threads (cli._exit_now)
     ("cli.py", "_exit"),
+    ("integrations/titan_trainer.py", "_exit"),   # the same, for a rank of torchtitan.train
     # imported early so it does not hold on to a process group at shutdown (launch_utils)
     ("parallel/launch.py", "_dynamo"),
     # DeviceMesh's way to flatten dp x ep into one replicate group (no public one in 2.13)
