@@ -9,7 +9,9 @@ independent meter's: the device's own peak counter read after every optimizer st
 (titan_train_registry.py), not the guard's history. Shown:
   * one rank, FSDP2: `full` peaks below everything kept (`none`); at a budget halfway
     between, adaptive runs every step with no safety-net re-run and its true peak under
-    the budget, and `none` dies in one line (exit 3);
+    the budget, and `none` dies in one line (exit 3); an allocation forced into step 2's
+    backward (one no plan foresees): the step-level net re-runs that step, and torchtitan
+    logs the uninterrupted job's loss and grad norm at every step;
   * EP=2 (torchtitan's own EP on gloo, `partial_dtensor`, FSDP2 over the 2 ranks): a 2x
     spike forced onto rank 0 at step 3 under 1.04x the calm all-kept peak: `none` dies on
     rank 0 at that step in one line, adaptive finishes on both ranks under the budget,
@@ -80,6 +82,15 @@ def test_one_rank_fsdp2_adaptive_between_full_and_all_kept(assets, tmp_path):
     assert report["budget"] == budget
     assert report["reruns"] == [0, 0, 0, 0]
     assert adaptive.peak() <= budget, (adaptive.reports, budget)
+
+    # an allocation no plan foresees, in step 2's backward: the step-level net frees the
+    # attempt (FSDP2's state with it) and re-runs the step; torchtitan then logs the same
+    # loss and grad norm, every step, as the uninterrupted job
+    net = _job(assets, tmp_path, "net", "adaptive", budget, backward_oom_at=1)
+    _ok(net)
+    assert net.reports[0]["reruns"] == [0, 1, 0, 0], net.reports
+    assert net.peak() <= budget, (net.reports, budget)
+    assert net.metrics() == adaptive.metrics() and len(net.metrics()) == 4, net.output[-3000:]
 
     dies = _job(assets, tmp_path, "none_tight", "none", budget)
     _died_in_one_line(dies, at_step=2)   # step 1 fits: AdamW's state is made in its update

@@ -59,6 +59,10 @@ class Job:
 
     nproc: int = 1
 
+    def metrics(self) -> list[str]:
+        """torchtitan's per-step loss and grad norm, as rank 0 logged them."""
+        return re.findall(r"(step:\s+\d+\s+loss:\s+\S+\s+grad_norm:\s+\S+)", _plain(self.output))
+
     def peak(self, rank: int = 0, steps=None) -> int:
         peaks = self.reports[rank]["peaks"]
         return max(peaks if steps is None else [peaks[i] for i in steps])
@@ -76,14 +80,15 @@ def _free_port() -> int:
 
 def run_job(assets: tuple[Path, Path], work: Path, *options: str, nproc: int = 1,
             config: str = "tiny_deepseek_guarded", spike_every: int = 0,
-            timeout_s: int = JOB_TIMEOUT_S) -> Job:
+            backward_oom_at: int = -1, timeout_s: int = JOB_TIMEOUT_S) -> Job:
     """torchrun -m torchtitan.train with the registry's `config` and `options`."""
     tok_dir, corpus_dir = assets
     work.mkdir(parents=True, exist_ok=True)
     report = work / "meter"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]),
                SPIKEGUARD_TEST_REPORT=str(report), OMP_NUM_THREADS="1",
-               SPIKEGUARD_TEST_SPIKE_EVERY=str(spike_every))
+               SPIKEGUARD_TEST_SPIKE_EVERY=str(spike_every),
+               SPIKEGUARD_TEST_BACKWARD_OOM_AT=str(backward_oom_at))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            "-m", "torchtitan.train", "--module", "titan_train_registry", "--config", config,

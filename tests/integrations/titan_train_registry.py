@@ -29,6 +29,7 @@ from spikeguard.integrations.titan_trainer import with_spikeguard
 
 SIZES = TitanSizes()
 SPIKE_EVERY = int(os.environ.get("SPIKEGUARD_TEST_SPIKE_EVERY", "0"))
+OOM_AT_STEP = int(os.environ.get("SPIKEGUARD_TEST_BACKWARD_OOM_AT", "-1"))
 
 
 def tiny_deepseek():
@@ -45,6 +46,7 @@ def tiny_deepseek():
     config.checkpoint.enable = False
     config.lr_scheduler.warmup_steps = 1
     config.comm.init_timeout_seconds = 120
+    config.debug.seed = 0                        # the same weights in every job
     config.model_spec.post_optimizer_build_fn = _meter(config.model_spec.post_optimizer_build_fn)
     return config
 
@@ -62,6 +64,8 @@ def _meter(chain):
             _install_meter(optimizers, model_parts)
         if SPIKE_EVERY:
             _install_spike(model_parts)
+        if OOM_AT_STEP >= 0:
+            _install_backward_oom(model_parts)
     return hook
 
 
@@ -102,3 +106,24 @@ def _install_spike(model_parts):
             if on:
                 block.expert_bias_E[: SIZES.num_experts // 2] = 10.0
     model_parts[0].register_forward_pre_hook(before)
+
+
+def _install_backward_oom(model_parts):
+    """At step OOM_AT_STEP (0-based), on its first attempt only, an allocation in backward
+    that no plan foresees (the budget's size, held): the device refuses it, and only the
+    guard's step-level net (a re-run with every layer recomputed) can save the step."""
+    import torch
+    part = model_parts[0]
+    state = {"done": False}
+
+    def allocate(grad):
+        guard = part.spikeguard
+        if len(guard.history) == OOM_AT_STEP and not state["done"]:
+            state["done"] = True
+            state["held"] = torch.empty(guard.budget_bytes, dtype=torch.uint8)
+        return grad
+
+    def after_forward(module, args, out):
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(allocate)
+    part.register_forward_hook(after_forward)
