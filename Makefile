@@ -8,7 +8,12 @@ STAMP := $(VENV)/.installed
 # level by its token dispatcher (a 286 MB wheel; never run on CPU). Same pins as the
 # `titan` extra in pyproject.toml.
 TITAN_PKGS := torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0 tyro==1.0.17 \
-	docstring_parser==0.18.0 typeguard==4.6.1
+	docstring_parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0
+# What torchtitan's Trainer imports at module level (`-m torchtitan.train`, its tests in
+# tests/integrations/test_integrations_titan_train.py): its metrics' tensorboard, its data
+# loader's datasets (torchdata above, --no-deps: it would pull another torch); with their
+# own dependencies. About 25 s on a fresh install here.
+TITAN_TRAINER_PKGS := tensorboard==2.21.0 datasets==4.7.0
 
 .PHONY: demo test test-fast bench bench-pp clean
 
@@ -16,6 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps $(TITAN_PKGS)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(TITAN_TRAINER_PKGS)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -179,7 +179,8 @@ def _run(argv: Optional[Sequence[str]]) -> int:
         if isinstance(exc, DeviceBuildError):   # no compiler: the machine, not the input
             print(f"spikeguard: error: {_one_line(exc)}", file=sys.stderr)
             return 1
-        peer = _peer_failure(exc)
+        from spikeguard.parallel.launch_utils import peer_failure
+        peer = peer_failure(exc)
         if peer is None:
             raise
         from spikeguard.parallel.launch import LAUNCHER_ENV
@@ -298,21 +299,3 @@ class _StopSignals:
             self._defer()
             return
         sys.__unraisablehook__(unraisable)
-
-
-# What gloo and NCCL say in a surviving rank when a peer's process is gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "NCCL communicator was aborted")
-
-
-def _peer_failure(exc: BaseException) -> Optional[BaseException]:
-    """The error of a broken collective in `exc` or what caused it (torch.distributed's
-    pipelining wraps it: "[Stage 0] failed to run forward"), under torchrun only."""
-    if "RANK" not in os.environ:
-        return None
-    seen = 0
-    while exc is not None and seen < 16:
-        if any(text in str(exc) for text in _PEER_GONE):
-            return exc
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None

@@ -145,6 +145,11 @@ EXAMPLES: dict = {
         Run(cap={"--steps": 3}, expect=DONE),   # 20 steps: 35 s loaded
     "spikeguard train --titan deepseek_v3 --nproc 2 --ep 2 --steps 20 --budget auto":
         Run(cap={"--steps": 5}, expect=DONE, timeout_s=180),
+    "torchrun -m torchtitan.train": Listed("torchtitan's entry point named in a sentence, "
+                                           "not a command line"),
+    "torchrun --nproc-per-node 8 -m torchtitan.train --module my_pkg --config my_run "
+    "--spikeguard.budget 60GiB": Listed("a user's config module and 8 GPUs; the same entry "
+                                        "point on CPU is test_integrations_titan_train.py's"),
     "python -m spikeguard.bench.titan_ratios --reps 7 --steps 8":
         Run(cap={"--reps": 2, "--steps": 2}, timeout_s=240, long=True),   # --reps >= 2
 }

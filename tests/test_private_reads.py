@@ -44,6 +44,7 @@ ALLOWED = {
     # os._exit: documented, the one way for a failed or stopped rank to leave without
     # the teardown that aborts in gloo's threads (cli._exit_now)
     ("cli.py", "_exit"),
+    ("integrations/titan_trainer.py", "_exit"),   # the same, for a rank of torchtitan.train
     # imported early so it does not hold on to a process group at shutdown (launch_utils)
     ("parallel/launch.py", "_dynamo"),
     # DeviceMesh's way to flatten dp x ep into one replicate group (no public one in 2.13)
@@ -56,6 +57,15 @@ ALLOWED = {
     # (`reset_sharded_param`, what its lazy init runs; no public handle in torch 2.13)
     ("runtime/device_state.py", "_local_tensor"),
     ("runtime/device_state.py", "_get_fsdp_state"),
+    # FSDP2's per-iteration state after a step that died inside backward (its root
+    # post-backward callback never ran), reset as that callback does: no public reset in
+    # torch 2.13 (reset_fsdp_after_failure)
+    ("runtime/device_state.py", "_fully_shard"),
+    ("runtime/device_state.py", "_fsdp_common"),
+    ("runtime/device_state.py", "_state_ctx"),
+    ("runtime/device_state.py", "_modules_to_run_forward"),
+    ("runtime/device_state.py", "_training_state"),
+    ("runtime/device_state.py", "_comm_ctx"),
     ("runtime/device_state.py", "_fsdp_param_group"),
     # ... and its per-mesh groups (torch 2.13: the singular one raises when there are several)
     ("runtime/device_state.py", "_fsdp_param_groups"),

@@ -17,7 +17,9 @@ on its device and its optimizers built: where the guard must attach, after torch
 expert parallelism has sharded the experts). It chains the model's own hook (MoE models
 register their load-balancing hook there) and attaches one guard per model part; the
 guards are in `model.spikeguard`. Each optimizer step's micro-batches must then run inside
-`guard.run_step(fn)` (or `with guard.step():`), as in any training loop. torchtitan's
+`guard.run_step(fn)` (or `with guard.step():`), as in any training loop; inside
+torchtitan's own Trainer, `spikeguard.integrations.titan_trainer.with_spikeguard` does all
+of this from the config (SpikeGuardTrainer runs each step in `run_step`). torchtitan's
 activation checkpointing and a compiled MoE block are refused at attach, saying what to
 turn off. Importing this module needs torchtitan (`pip install 'spikeguard[titan]'`).
 """

@@ -73,3 +73,21 @@ def run_spawned(worker: Callable, world_size: int, args: tuple, store_path,
                 proc.join(5)
             raise TimeoutError(f"{world_size} ranks of {worker.__name__} did not finish "
                                f"within {timeout_s:.0f} s (a hung collective?)")
+
+
+# What gloo and NCCL say in a surviving rank when a peer's process is gone.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted")
+
+
+def peer_failure(exc: BaseException) -> "BaseException | None":
+    """The error of a broken collective in `exc` or what caused it (torch.distributed's
+    pipelining wraps it: "[Stage 0] failed to run forward"), under torchrun only."""
+    if "RANK" not in os.environ:
+        return None
+    seen = 0
+    while exc is not None and seen < 16:
+        if any(text in str(exc) for text in PEER_GONE):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None

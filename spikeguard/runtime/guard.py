@@ -47,7 +47,8 @@ from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES,
                                              PHASE_OPTIMIZER, GradSnapshot, decode_where,
                                              HEAD_LAYER,
-                                             move_state_to_device, resolve_budget)
+                                             move_state_to_device, reset_fsdp_after_failure,
+                                             resolve_budget)
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
@@ -275,6 +276,7 @@ class Guard:
         # saved, until the next backward runs on this thread: one empty backward frees them.
         with self.meter.unlimited():   # 4 bytes of bookkeeping, below any budget's notice
             (torch.ones((), requires_grad=True) * 1).backward()
+        reset_fsdp_after_failure(self.model)
         self.ledger.clear()
         self.tracker.holders.clear()
         self.engine.end_forward()
