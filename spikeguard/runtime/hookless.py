@@ -166,12 +166,14 @@ class HooklessLayers:
         prediction: some plan of the menu fits both its forward headroom and backward room,
         and the layer's own peaks fit (no shortfall)."""
         w = self.window
+        extra = w.fsdp_extra(layer)
         entry = EntryState(layer, w.budget_bytes, in_use - layer_part, w.num_tokens,
-                           w.planner.min_bytes_per_token, seen, resident)
+                           w.planner.min_bytes_per_token, seen, resident,
+                           extra["forward_extra_bytes"])
         if layer_cannot_fit(entry, w.forecast):
             return False
         forward_peak, backward_peak = w.layer_room.needs(
-            in_use, routed, w.grads_to_come.get(layer, 0), layer_part)
+            in_use, routed, w.grads_to_come.get(layer, 0), layer_part, layer)
         room = decision_inputs(WindowState(
             layer=layer, budget_bytes=w.budget_bytes, in_use_bytes=in_use, num_routed=routed,
             layer_part_bytes=layer_part, max_routed=routed, num_tokens=w.num_tokens,
@@ -179,7 +181,7 @@ class HooklessLayers:
             transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape, w.on_cuda),
             prefetch=w.engine.prefetch_enabled, last_layer=layer >= w.num_layers - 1,
             layer_forward_peak_bytes=forward_peak, layer_backward_peak_bytes=backward_peak,
-            resident_backward_bytes=resident), w.forecast)
+            resident_backward_bytes=resident, **extra), w.forecast)
         if room.layer_shortfall_bytes:
             return False
         return any(device + fixed <= room.headroom_bytes

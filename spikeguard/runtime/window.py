@@ -186,7 +186,7 @@ class DecisionWindow:
     def _window_state(self, layer: int, num_routed: int, layer_part: int, seen: Seen,
                       evictable: int, in_use: int) -> WindowState:
         forward_peak, backward_peak = self.layer_room.needs(
-            in_use, num_routed, self.grads_to_come.get(layer, 0), layer_part)
+            in_use, num_routed, self.grads_to_come.get(layer, 0), layer_part, layer)
         self._predicted_backward(self.ctx.micro_batch, backward_peak, in_use)
         return WindowState(
             layer=layer, budget_bytes=self.budget_bytes, in_use_bytes=in_use,
@@ -197,7 +197,14 @@ class DecisionWindow:
             prefetch=self.engine.prefetch_enabled, last_layer=layer >= self.num_layers - 1,
             evictable_bytes=evictable, layer_forward_peak_bytes=forward_peak,
             layer_backward_peak_bytes=backward_peak,
-            resident_backward_bytes=self._resident_backward())
+            resident_backward_bytes=self._resident_backward(), **self.fsdp_extra(layer))
+
+    def fsdp_extra(self, layer: int) -> dict[str, int]:
+        """WindowState's FSDP2 terms at a decision in `layer` (plan/fsdp_bytes.py): what its
+        units add by the forward's last backward peak, and beside this layer's reloads."""
+        fsdp = self.layer_room.fsdp
+        return {"forward_extra_bytes": fsdp.forward_to_come(layer),
+                "backward_extra_bytes": fsdp.layer_backward(layer)[0]}
 
     def _evict(self, mb: int, layer: int, num_bytes: int) -> None:
         residency = self.forecast.residency
@@ -218,7 +225,8 @@ class DecisionWindow:
             return False
         entry = EntryState(layer, self.budget_bytes, self.ledger.in_use(), self.num_tokens,
                            self.planner.min_bytes_per_token, self.seen,
-                           self._resident_backward())
+                           self._resident_backward(),
+                           self.fsdp_extra(layer)["forward_extra_bytes"])
         if not layer_cannot_fit(entry, self.forecast):
             return False
         step = self.recorder()
@@ -230,7 +238,7 @@ class DecisionWindow:
         if estimate is not None:
             part, routed = estimate
             backward = self.layer_room.whole_backward(entry.in_use_bytes, part, int(routed),
-                                                      self.grads_to_come.get(layer, 0))
+                                                      self.grads_to_come.get(layer, 0), layer)
             mb = self.ctx.micro_batch
             # Its backward is a working set later micro-batches must leave room for too.
             self._predicted_backward(mb, backward, entry.in_use_bytes)
