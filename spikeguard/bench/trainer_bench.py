@@ -41,7 +41,7 @@ class _Clock:
     def __init__(self, trainer):
         from transformers import TrainerCallback
         clock = self
-        self.seconds, self.peak = [], 0
+        self.seconds, self.peak, self.reruns = [], 0, 0
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
@@ -72,6 +72,9 @@ def train(policy: str, budget: int, steps: int, batch: int, ep: int, rank: int) 
     clock = _Clock(trainer)
     trainer.add_callback(clock.callback)
     trainer.train()
+    guard = getattr(trainer, "spikeguard", None)
+    if guard is not None:
+        clock.reruns = sum(len(r["safety_net"]) for r in guard.history)
     return clock
 
 
@@ -88,6 +91,7 @@ def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: i
     budget = int(fraction * ceiling_peak)
     ratios = {p: [] for p in POLICIES if p != "ceiling"}
     peaks = {p: 0 for p in ratios}
+    reruns = {p: 0 for p in ratios}
     for _ in range(reps):
         medians = {}
         for policy in POLICIES:
@@ -95,9 +99,11 @@ def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: i
             medians[policy] = statistics.median(clock.seconds[1:])
             if policy in peaks:
                 peaks[policy] = max(peaks[policy], _world_max(clock.peak, ep))
+                reruns[policy] += clock.reruns
         for policy in ratios:
             ratios[policy].append(medians["ceiling"] / medians[policy])
-    return {"ceiling_peak": ceiling_peak, "budget": budget, "ratios": ratios, "peaks": peaks}
+    return {"ceiling_peak": ceiling_peak, "budget": budget, "ratios": ratios, "peaks": peaks,
+            "reruns": reruns}
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -132,7 +138,8 @@ def main() -> None:
             low, high = _quartiles(values)
             print(f"  {policy:9s} / ceiling  median {statistics.median(values):.3f}  "
                   f"(25-75%: {low:.3f}-{high:.3f})  peak {found['peaks'][policy]} B "
-                  f"<= budget: {found['peaks'][policy] <= found['budget']}")
+                  f"<= budget: {found['peaks'][policy] <= found['budget']}  "
+                  f"re-runs {found['reruns'][policy]}")
     if a.ep > 1:
         torch.distributed.destroy_process_group()
 
