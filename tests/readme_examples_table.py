@@ -113,6 +113,13 @@ EXAMPLES: dict = {
     "python -m torch.distributed.run --standalone --nproc-per-node 2 -m spikeguard.bench.hf_bench "
     "--hf qwen3_moe --ep 2 --reps 15": Run(
         cap={"--reps": 1}, timeout_s=180, long=True),
+    "python -m spikeguard.bench.trainer_bench --reps 5":   # 5 rounds: ~3 min here
+        Run(cap={"--reps": 1, "--steps": 2}, expect=("adaptive  / ceiling",), timeout_s=180,
+            long=True),
+    "python -m torch.distributed.run --standalone --nproc-per-node 2 -m "
+    "spikeguard.bench.trainer_bench --reps 3 --ep 2": Run(
+        cap={"--reps": 1, "--steps": 2}, expect=("adaptive  / ceiling",), timeout_s=240,
+        long=True),
     "torchrun --nproc-per-node 2": Listed("the launcher the Python lines above it run under "
                                           "(needs a saved model): a fragment"),
     # ---- docs/pipeline.md ---------------------------------------------------------------

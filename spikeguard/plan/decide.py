@@ -42,13 +42,15 @@ class Evictor(Protocol):
 
 
 class Slopes(Protocol):
-    """The layer's own forward and backward peaks (plan/layer_room.py `LayerRoom`)."""
+    """The layer's own forward and backward peaks (plan/layer_room.py `LayerRoom`);
+    `fixed`: bytes beside the layer's own that the byte model has apart (FSDP2's,
+    plan/fsdp_bytes.py)."""
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int,
-              layer_part: int = 0) -> tuple[int, int]: ...
+              layer_part: int = 0, fixed: tuple[int, int] = (0, 0)) -> tuple[int, int]: ...
 
     def whole_backward(self, entry_in_use: int, layer_part: int, num_routed: int,
-                       grads_to_come: int) -> int: ...
+                       grads_to_come: int, fixed: tuple[int, int] = (0, 0)) -> int: ...
 
 
 # Called with (a predicted backward peak of the layer, the in-use it was predicted at):
@@ -77,12 +79,17 @@ class LayerFacts:
     prefetch: bool = False
     last_layer: bool = False
     resident_backward_bytes: int = 0
+    # FSDP2 (plan/fsdp_bytes.py; 0 without it): what its units add by the forward's last
+    # backward peak, beside this layer's reloads, and beside its backward (`needs`'s fixed)
+    forward_extra_bytes: int = 0
+    backward_extra_bytes: int = 0
+    fixed_backward: tuple[int, int] = (0, 0)
 
 
 def window_state(facts: LayerFacts, in_use: int, evictable: int, slopes: Slopes) -> WindowState:
     """The one constructor of a decision's WindowState: the layer's own peaks at `in_use`."""
     forward_peak, backward_peak = slopes.needs(in_use, facts.num_routed, facts.grads_to_come,
-                                               facts.layer_part_bytes)
+                                               facts.layer_part_bytes, facts.fixed_backward)
     return WindowState(
         layer=facts.layer, budget_bytes=facts.budget_bytes, in_use_bytes=in_use,
         num_routed=facts.num_routed, layer_part_bytes=facts.layer_part_bytes,
@@ -91,7 +98,9 @@ def window_state(facts: LayerFacts, in_use: int, evictable: int, slopes: Slopes)
         transient_bytes_per_routed=facts.transient_bytes_per_routed, prefetch=facts.prefetch,
         last_layer=facts.last_layer, evictable_bytes=evictable,
         layer_forward_peak_bytes=forward_peak, layer_backward_peak_bytes=backward_peak,
-        resident_backward_bytes=facts.resident_backward_bytes)
+        resident_backward_bytes=facts.resident_backward_bytes,
+        forward_extra_bytes=facts.forward_extra_bytes,
+        backward_extra_bytes=facts.backward_extra_bytes)
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,8 @@ def decide_layer(facts: LayerFacts, in_use: int, slopes: Slopes, forecast: ToCom
 
 
 def entry_fallback(entry: EntryState, forecast: ToCome, slopes: Slopes, grads_to_come: int,
-                   evictor: Evictor, note_backward: NoteBackward = _ignore) -> bool:
+                   evictor: Evictor, note_backward: NoteBackward = _ignore,
+                   fixed_backward: tuple[int, int] = (0, 0)) -> bool:
     """Before a layer's forward: would it overflow even with its expert path at the least
     the planner can keep? Then it is recomputed whole (True) rather than discovered
     mid-layer; recomputed whole it still comes back whole in its backward, with its
@@ -137,7 +147,8 @@ def entry_fallback(entry: EntryState, forecast: ToCome, slopes: Slopes, grads_to
     estimate = entry_estimate(entry)
     if estimate is not None:
         part, routed = estimate
-        backward = slopes.whole_backward(entry.in_use_bytes, part, int(routed), grads_to_come)
+        backward = slopes.whole_backward(entry.in_use_bytes, part, int(routed), grads_to_come,
+                                         fixed_backward)
         note_backward(backward, entry.in_use_bytes)
         short = backward + entry.resident_backward_bytes - entry.budget_bytes
         if short > 0:

@@ -73,6 +73,11 @@ class Probe:
     # working set is read net of them, since the forecast reserves them apart (the
     # schedule's `at_backward` forwards, the older ones' pending backward).
     others_added: int = 0
+    # Bytes beside the layer's own in its backward that the byte model has apart, per
+    # layer and not per routed copy (FSDP2's prefetched and unsharded gradients,
+    # plan/fsdp_bytes.py): read off the peak before the slope, so calibration does not
+    # spread a constant over the routed copies of one load.
+    fixed: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,15 @@ class LayerRoom:
                          expert_grad_sum_bytes=expert_grads[1])
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int,
-              layer_part: int = 0) -> tuple[int, int]:
-        """(forward peak, backward peak) of the layer about to run, in device bytes."""
+              layer_part: int = 0, fixed: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+        """(forward peak, backward peak) of the layer about to run, in device bytes.
+        `fixed`: (during the layer's backward compute, at its end) bytes the byte model
+        has apart (FSDP2's, plan/fsdp_bytes.py `layer_backward`); the second is a peak of
+        its own, once the layer's activation gradients are gone."""
         forward = in_use + int(self.forward_per_token * num_routed)
-        backward = (in_use + grads_to_come + layer_part
+        backward = (in_use + grads_to_come + layer_part + fixed[0]
                     + int(self.backward_per_token * num_routed) + self._expert_grads(grads_to_come))
-        return forward, backward
+        return forward, max(backward, in_use + grads_to_come + fixed[1])
 
     def _expert_grads(self, grads_to_come: int) -> int:
         """The experts' weight gradients in the layer's backward (see the module doc),
@@ -116,18 +124,20 @@ class LayerRoom:
         return (0 if grads_to_come > 0 else self.expert_grad_bytes) + self.expert_grad_sum_bytes
 
     def whole_backward(self, entry_in_use: int, layer_part: int, num_routed: int,
-                       grads_to_come: int) -> int:
+                       grads_to_come: int, fixed: tuple[int, int] = (0, 0)) -> int:
         """The backward peak, in device bytes, of a layer recomputed whole from its entry
         (`entry_in_use`: before its attention ran): it comes back as it was at its decision
         (its attention and router part), then its backward runs as any layer's."""
-        return self.needs(entry_in_use + layer_part, num_routed, grads_to_come, layer_part)[1]
+        return self.needs(entry_in_use + layer_part, num_routed, grads_to_come, layer_part,
+                          fixed)[1]
 
     def calibrated(self, peak: PeakAt, probes: Sequence[Probe],
-                   head_probes: Mapping[tuple[int, int], tuple[int, int]]) -> "LayerRoom":
+                   head_probes: Mapping[tuple[int, int], tuple[int, ...]]) -> "LayerRoom":
         """The slopes one step's peaks imply: for each probe, the peak its layer reached
         in forward and in backward against the in-use the window saw (max over layers and
         micro-batches, 5% margin); `head_probes[(head layer, micro-batch)]` = (in use when
-        the head's backward starts, tokens). Unchanged where nothing was seen."""
+        the head's backward starts, tokens[, bytes beside it the byte model has apart]).
+        Unchanged where nothing was seen."""
         fwd = bwd = 0.0
         for p in probes:
             if p.num_routed <= 0:
@@ -138,12 +148,12 @@ class LayerRoom:
                 fwd = max(fwd, (f_peak - p.in_use) / p.num_routed)
             if b_peak:
                 bwd = max(bwd, (b_peak - p.in_use - p.others_added - p.grads_to_come
-                                - p.layer_part) / p.num_routed)
+                                - p.layer_part - p.fixed) / p.num_routed)
         head = 0.0
-        for (layer, mb), (in_use, num_tokens) in head_probes.items():
+        for (layer, mb), (in_use, num_tokens, *fixed) in head_probes.items():
             reached = peak(BACKWARD, layer, mb)
             if reached and num_tokens:
-                head = max(head, (reached - in_use) / num_tokens)
+                head = max(head, (reached - in_use - sum(fixed)) / num_tokens)
         out = self
         if head > 0:
             out = replace(out, head_backward_per_token=head * MARGIN)

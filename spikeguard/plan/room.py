@@ -10,6 +10,7 @@ change nothing.
 
     forward headroom = budget - in use - still to come - forward transient
                        - the resident micro-batches' backward working set (pipeline)
+                       - forward extra (FSDP2's bytes still to come)
     backward room    = budget - in use - prefetch margin - backward reserve - backward extra
                        (the reserve is negative where older residents are freed first)
     layer shortfall  = max(layer's forward peak, layer's backward peak + backward reserve)
@@ -85,6 +86,10 @@ class WindowState:
     # gradients of this layer in backward, bytes recompute rematerialises, gradients not
     # yet allocated): subtracted from the backward room. 0 until the byte model has it.
     backward_extra_bytes: int = 0
+    # Forward: bytes that are not in use now, not the forecast's, and will be by this
+    # micro-batch's last backward peak (FSDP2's units kept gathered, the head's prefetch
+    # and gradients; plan/fsdp_bytes.py `forward_to_come`): subtracted from the headroom.
+    forward_extra_bytes: int = 0
     # The layer's own peaks, which no plan of its own changes (the whole expert path is
     # alive in its forward, and back with its gradients in its backward; see
     # spikeguard/plan/layer_room.py): device bytes, 0 when not modelled.
@@ -153,7 +158,8 @@ def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
             s.num_tokens or s.num_routed)
     to_come = forecast.still_to_come(*args)
     transient = s.num_routed * s.transient_bytes_per_routed
-    headroom = s.budget_bytes - s.in_use_bytes - to_come - transient - s.resident_backward_bytes
+    headroom = (s.budget_bytes - s.in_use_bytes - to_come - transient - s.resident_backward_bytes
+                - s.forward_extra_bytes)
     margin = s.layer_part_bytes if s.prefetch and not s.last_layer else 0
     # Negative when older resident micro-batches, in `in_use` now, are freed by their own
     # backward before this one's starts: this one's backward finds that room free. (Held
@@ -179,6 +185,7 @@ class EntryState:
     min_bytes_per_token: int
     seen: Seen
     resident_backward_bytes: int = 0   # as in WindowState
+    forward_extra_bytes: int = 0       # as in WindowState
 
 
 def entry_estimate(state: EntryState) -> Optional[tuple[int, float]]:
@@ -203,7 +210,7 @@ def layer_cannot_fit(state: EntryState, forecast: ToCome) -> bool:
     to_come = forecast.still_to_come(state.layer, layer_part, routed, state.min_bytes_per_token,
                                      state.num_tokens)
     return (state.in_use_bytes + least + to_come + state.resident_backward_bytes
-            > state.budget_bytes)
+            + state.forward_extra_bytes > state.budget_bytes)
 
 
 def _measure(reps: int = 300) -> None:

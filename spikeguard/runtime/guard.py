@@ -44,6 +44,7 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
+from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_abandoned
 from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES,
                                              PHASE_OPTIMIZER, GradSnapshot, decode_where,
                                              HEAD_LAYER,
@@ -113,7 +114,8 @@ class Guard:
         self.executor = ExpertPathExecutor(self.ledger, self.ctx, self.cost.observe)
         self.layer_room = LayerPeaks(LayerRoom.from_shape(
             self.shape.bytes_per_token(), head_logit_bytes(model),
-            expert_weight_grads(self.moe_blocks)), len(self.moe_blocks))
+            expert_weight_grads(self.moe_blocks)), len(self.moe_blocks),
+            model_fsdp_bytes(model, self.adapter, self.moe_blocks))
         self.window = DecisionWindow(
             policy=policy, budget_bytes=self.budget_bytes, ledger=self.ledger,
             planner=self.planner, shape=self.shape, ctx=self.ctx, tracker=self.tracker,
@@ -271,6 +273,7 @@ class Guard:
         self.ctx.tags.clear()
         for block in self.moe_blocks:
             forget_aux_loss(block)
+        reset_after_abandoned(self.model)   # FSDP2's gathered units and reduce buffers
         gc.collect()   # the failed step's graph (and its saved tensors) go with it
         # torch 2.13 keeps the nodes still queued when a backward raised, and what they
         # saved, until the next backward runs on this thread: one empty backward frees them.

@@ -165,8 +165,10 @@ class HooklessLayers:
         no whole-layer fallback? The window's own procedure (plan/decide.py
         `fits_unaided`), on a prediction."""
         w = self.window
+        extra = w.fsdp_extra(layer)
         entry = EntryState(layer, w.budget_bytes, in_use - layer_part, w.num_tokens,
-                           w.planner.min_bytes_per_token, seen, resident)
+                           w.planner.min_bytes_per_token, seen, resident,
+                           extra["forward_extra_bytes"])
         facts = LayerFacts(
             layer=layer, budget_bytes=w.budget_bytes, num_routed=routed,
             layer_part_bytes=layer_part, max_routed=routed, num_tokens=w.num_tokens,
@@ -174,8 +176,9 @@ class HooklessLayers:
             grads_to_come=w.grads_to_come.get(layer, 0),
             transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape, w.on_cuda),
             prefetch=w.engine.prefetch_enabled, last_layer=layer >= w.num_layers - 1,
-            resident_backward_bytes=resident)
-        return fits_unaided(entry, facts, in_use, w.layer_room, w.forecast, w.planner)
+            resident_backward_bytes=resident,
+            fixed_backward=w.layer_room.fsdp.layer_backward(layer), **extra)
+        return fits_unaided(entry, facts, in_use, w.layer_room.room, w.forecast, w.planner)
 
     def _keep_all_bytes(self, num_routed: int) -> int:
         planner = self.window.planner

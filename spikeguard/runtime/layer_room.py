@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from spikeguard.plan.fsdp_bytes import FsdpBytes
 from spikeguard.plan.layer_room import BACKWARD, FORWARD, LayerRoom, Probe, expert_grads
 from spikeguard.runtime.device_state import HEAD_LAYER, PHASE_BACKWARD, PHASE_FORWARD, where_code
 
@@ -49,20 +50,23 @@ def head_logit_bytes(model: nn.Module) -> float:
 class LayerPeaks:
     """The slopes in use (`room`, a frozen plan.layer_room.LayerRoom) and this step's probes."""
 
-    def __init__(self, room: LayerRoom, num_layers: int):
+    def __init__(self, room: LayerRoom, num_layers: int, fsdp: FsdpBytes = FsdpBytes()):
         self.room = room
         self.num_layers = num_layers
+        self.fsdp = fsdp   # FSDP2's units (empty without FSDP2): their bytes apart
         self._probes: dict[tuple[int, int], Probe] = {}
-        self._head_probes: dict[tuple[int, int], tuple[int, int]] = {}
+        self._head_probes: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._others: dict[tuple[int, int], int] = {}   # (mb, layer) -> at the decision
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int,
-              layer_part: int = 0) -> tuple[int, int]:
-        return self.room.needs(in_use, num_routed, grads_to_come, layer_part)
+              layer_part: int = 0, layer: int = -1) -> tuple[int, int]:
+        return self.room.needs(in_use, num_routed, grads_to_come, layer_part,
+                               self.fsdp.layer_backward(layer))
 
     def whole_backward(self, entry_in_use: int, layer_part: int, num_routed: int,
-                       grads_to_come: int) -> int:
-        return self.room.whole_backward(entry_in_use, layer_part, num_routed, grads_to_come)
+                       grads_to_come: int, layer: int = -1) -> int:
+        return self.room.whole_backward(entry_in_use, layer_part, num_routed, grads_to_come,
+                                        self.fsdp.layer_backward(layer))
 
     @property
     def head_backward_per_token(self) -> float:
@@ -75,8 +79,9 @@ class LayerPeaks:
     def record(self, micro_batch: int, layer: int, in_use: int, num_routed: int,
                grads_to_come: int, layer_part: int = 0, others: int = 0) -> None:
         """`others`: the bytes of the other micro-batches on the device at the decision."""
-        self._probes[(micro_batch, layer)] = Probe(micro_batch, layer, in_use, num_routed,
-                                                   grads_to_come, layer_part)
+        self._probes[(micro_batch, layer)] = Probe(
+            micro_batch, layer, in_use, num_routed, grads_to_come, layer_part,
+            fixed=self.fsdp.layer_backward(layer)[0])
         self._others[(micro_batch, layer)] = others
 
     def backward_starts(self, micro_batch: int, layer: int, others: int) -> None:
@@ -100,7 +105,8 @@ class LayerPeaks:
                 self._probes[key] = replace(probe, in_use=probe.in_use - num_bytes)
 
     def record_head(self, micro_batch: int, in_use: int, num_tokens: int) -> None:
-        self._head_probes[(HEAD_LAYER, micro_batch)] = (in_use, num_tokens)
+        self._head_probes[(HEAD_LAYER, micro_batch)] = (in_use, num_tokens,
+                                                        self.fsdp.head_backward())
 
     def calibrate(self, meter, failed: tuple[int, int] = (0, 0)) -> None:
         """New slopes from this step's peaks, then a fresh step. `failed`: (position code,

@@ -169,9 +169,10 @@ class DecisionWindow:
             transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape,
                                                                           self.on_cuda),
             prefetch=self.engine.prefetch_enabled, last_layer=layer >= self.num_layers - 1,
-            resident_backward_bytes=self._resident_backward())
+            resident_backward_bytes=self._resident_backward(),
+            fixed_backward=self.layer_room.fsdp.layer_backward(layer), **self.fsdp_extra(layer))
         try:
-            return decide_layer(facts, in_use, self.layer_room, self.forecast, self.planner,
+            return decide_layer(facts, in_use, self.layer_room.room, self.forecast, self.planner,
                                 self._evictor(mb, layer),
                                 functools.partial(self._predicted_backward, mb)).decision
         except BudgetInfeasible as err:
@@ -186,6 +187,13 @@ class DecisionWindow:
         return TrackerEvictor(self.tracker, self.forecast.residency, self.ledger,
                               self.layer_room, self.recorder, mb, layer)
 
+    def fsdp_extra(self, layer: int) -> dict[str, int]:
+        """WindowState's FSDP2 terms at a decision in `layer` (plan/fsdp_bytes.py): what its
+        units add by the forward's last backward peak, and beside this layer's reloads."""
+        fsdp = self.layer_room.fsdp
+        return {"forward_extra_bytes": fsdp.forward_to_come(layer),
+                "backward_extra_bytes": fsdp.layer_backward(layer)[0]}
+
     def layer_cannot_fit(self, layer: int) -> bool:
         """Before a layer's forward runs: would it overflow even with its expert path at the
         least the planner can keep? Then recompute the whole layer (attention included)
@@ -197,11 +205,13 @@ class DecisionWindow:
         mb = self.ctx.micro_batch
         entry = EntryState(layer, self.budget_bytes, self.ledger.in_use(), self.num_tokens,
                            self.planner.min_bytes_per_token, self.seen,
-                           self._resident_backward())
+                           self._resident_backward(),
+                           self.fsdp_extra(layer)["forward_extra_bytes"])
         # Its backward is a working set later micro-batches must leave room for too.
-        if not entry_fallback(entry, self.forecast, self.layer_room,
+        if not entry_fallback(entry, self.forecast, self.layer_room.room,
                               self.grads_to_come.get(layer, 0), self._evictor(mb, layer),
-                              functools.partial(self._predicted_backward, mb)):
+                              functools.partial(self._predicted_backward, mb),
+                              self.layer_room.fsdp.layer_backward(layer)):
             return False
         step = self.recorder()
         if step is not None:

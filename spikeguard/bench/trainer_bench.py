@@ -1,0 +1,148 @@
+"""Throughput through transformers' real `Trainer`: adaptive and full against the ceiling.
+
+    .venv/bin/python -m spikeguard.bench.trainer_bench --reps 5
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        -m spikeguard.bench.trainer_bench --reps 5 --ep 2    # under DistributedConfig
+
+Each round trains a fresh Trainer per policy, the policies taking turns (ceiling, full,
+adaptive, ceiling, ...) so that machine noise hits all alike: `--steps` optimizer steps of
+`--batch` sequences of 129 bytes of a Qwen3-MoE at spikeguard's HF sizes (4 layers, 8
+experts top-2, D = F = 128), timed per step by a callback from the second step on (the
+first pays the Trainer's and the guard's setup). The ceiling is the Trainer with no guard;
+full and adaptive run under `guard_trainer` at `--fraction` x the ceiling's peak (the
+device's own peak counter with everything kept, the worst rank's). Each round's ratio is
+the ceiling's median step time over the policy's; printed: the median over rounds and the
+25th-75th percentile, with each policy's largest device peak. On a CPU-only machine the
+device is emulated by the CPU allocator: CPU figures, not GPU ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+POLICIES = ("ceiling", "full", "adaptive")
+HUGE = 1 << 40
+
+
+def _model(ep: int):
+    from spikeguard.integrations.hf_models import HFSizes, build_hf_model, distribute_hf_model
+    sizes = HFSizes(d_model=128, d_expert=128, num_layers=4, seq_len=128)
+    model = build_hf_model("qwen3_moe", sizes, seed=0)
+    return model if ep == 1 else distribute_hf_model(model, ep, ep)
+
+
+class _Clock:
+    """A TrainerCallback: wall seconds of each optimizer step, and the device's peak."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+        clock = self
+        self.seconds, self.peak, self.reruns = [], 0, 0
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                clock.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.seconds.append(time.perf_counter() - clock.start)
+                guard = getattr(trainer, "spikeguard", None)
+                if guard is not None:
+                    clock.peak = max(clock.peak, guard.meter.peak())
+        self.callback = _Callback()
+
+
+def train(policy: str, budget: int, steps: int, batch: int, ep: int, rank: int) -> _Clock:
+    import transformers
+    from spikeguard.integrations.hf_trainer import guard_trainer
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": w, "labels": w}
+            for w in torch.randint(0, 256, (steps * batch * ep, 129), generator=gen)]
+    args = transformers.TrainingArguments(
+        output_dir="/tmp/spikeguard_trainer_bench", max_steps=steps,
+        per_device_train_batch_size=batch, report_to="none", save_strategy="no",
+        logging_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        **({"ddp_backend": "gloo"} if ep > 1 else {}))
+    trainer = transformers.Trainer(model=_model(ep), args=args, train_dataset=data)
+    if policy != "ceiling":
+        guard_trainer(trainer, budget=budget, policy=policy)
+    clock = _Clock(trainer)
+    trainer.add_callback(clock.callback)
+    trainer.train()
+    guard = getattr(trainer, "spikeguard", None)
+    if guard is not None:
+        clock.reruns = sum(len(r["safety_net"]) for r in guard.history)
+    return clock
+
+
+def _world_max(value: int, ep: int) -> int:
+    if ep == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: int) -> dict:
+    ceiling_peak = _world_max(train("none", HUGE, 2, batch, ep, rank).peak, ep)
+    budget = int(fraction * ceiling_peak)
+    ratios = {p: [] for p in POLICIES if p != "ceiling"}
+    peaks = {p: 0 for p in ratios}
+    reruns = {p: 0 for p in ratios}
+    for _ in range(reps):
+        medians = {}
+        for policy in POLICIES:
+            clock = train(policy, budget, steps, batch, ep, rank)
+            medians[policy] = statistics.median(clock.seconds[1:])
+            if policy in peaks:
+                peaks[policy] = max(peaks[policy], _world_max(clock.peak, ep))
+                reruns[policy] += clock.reruns
+        for policy in ratios:
+            ratios[policy].append(medians["ceiling"] / medians[policy])
+    return {"ceiling_peak": ceiling_peak, "budget": budget, "ratios": ratios, "peaks": peaks,
+            "reruns": reruns}
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--fraction", type=float, default=0.85)
+    parser.add_argument("--ep", type=int, default=1)
+    a = parser.parse_args()
+    if a.reps < 1 or a.steps < 2 or a.batch < 1 or not 0 < a.fraction <= 1 or a.ep < 1:
+        parser.error("--reps >= 1, --steps >= 2, --batch >= 1, 0 < --fraction <= 1, --ep >= 1")
+    torch.set_num_threads(1)
+    rank = 0
+    if a.ep > 1:
+        torch.distributed.init_process_group("gloo")
+        rank = torch.distributed.get_rank()
+    found = measure(a.reps, a.steps, a.batch, a.fraction, a.ep, rank)
+    if rank == 0:
+        layout = f", DistributedConfig(fsdp_size={a.ep}, ep_size={a.ep}), rank 0's times" \
+            if a.ep > 1 else ", one process"
+        print(f"transformers Trainer, qwen3_moe 4 layers D=F=128{layout}; CPU, emulated device; "
+              f"budget {a.fraction} x ceiling peak = {found['budget']} B; {a.reps} rounds")
+        for policy, values in found["ratios"].items():
+            low, high = _quartiles(values)
+            print(f"  {policy:9s} / ceiling  median {statistics.median(values):.3f}  "
+                  f"(25-75%: {low:.3f}-{high:.3f})  peak {found['peaks'][policy]} B "
+                  f"<= budget: {found['peaks'][policy] <= found['budget']}  "
+                  f"re-runs {found['reruns'][policy]}")
+    if a.ep > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

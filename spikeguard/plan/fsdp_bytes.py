@@ -1,0 +1,107 @@
+"""FSDP2's bytes in the byte model: when its gathered parameters and reduce buffers are alive.
+
+FSDP2 units run in a fixed order (embedding, blocks, norm and head; spikeguard/runtime/
+fsdp.py reads each one's real sizes). Measured on the emulated device (torch 2.13, gloo,
+one rank and two; tests/runtime/test_runtime_fsdp_bytes.py), a unit's life is:
+
+  * forward: its unsharded parameters are gathered at its entry and freed after its
+    forward, unless it does not reshard after forward (torchtitan's norm and head, and
+    the root): those stay until their backward is done;
+  * backward of unit u: its parameters are gathered again (the in-use the window saw
+    at u's decision had them), the unit before it in forward order is all-gathered too
+    (FSDP2's backward prefetch, issued in u's pre-backward), u's unsharded gradients are
+    made, and the reduce-scatter input of the unit reduced just before (the one after u in
+    forward order) is still kept, until u's own reduce (one buffer in flight, FSDP2's
+    default `reduce_scatter_max_input_buffers`);
+  * u's reduce: its parameters are freed first (resharded), then its unsharded gradients,
+    the padded reduce-scatter input and the sharded output are alive together.
+
+So above the in-use of u's decision, u's backward holds
+    during its compute:  prefetched(before u) + unsharded grads(u) + kept input(after u)
+    at its reduce:       prefetched(before u) + unsharded grads(u) + input(u) + output(u)
+                         - gathered(u)
+and the forward, at a decision in guarded layer L, will still add
+    the gathered parameters of the later units that stay gathered (the head's)
+    + the head's backward during its compute - gathered(L) if L reshards after forward,
+which the forecast adds to what is still to come (the head's backward peak is the last
+one of a forward). The compute term sits beside the layer's per-routed-token slope
+(plan/layer_room.py) and is taken out of the device's peaks before the slope is read,
+so that calibration learns the activations' part alone. Pure numbers, frozen values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One FSDP2 unit (one `fully_shard` call's state), its bytes on this rank."""
+
+    layer: Optional[int]          # the guarded layer it belongs to, None for the others
+    unsharded_bytes: int          # gathered parameters (compute dtype); also their grads
+    reduce_input_bytes: int       # padded unsharded gradients, flat, reduce dtype
+    reduce_output_bytes: int      # the sharded gradients, reduce dtype
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class FsdpBytes:
+    """The units of one model in forward order, and what they add at each point."""
+
+    units: tuple[FsdpUnit, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.units)
+
+    def _index(self, layer: int) -> Optional[int]:
+        """Position of the last unit of guarded `layer` (None: the layer has no unit)."""
+        found = [i for i, u in enumerate(self.units) if u.layer == layer]
+        return found[-1] if found else None
+
+    def _gathered(self, i: Optional[int]) -> int:
+        return self.units[i].unsharded_bytes if i is not None and 0 <= i < len(self.units) else 0
+
+    def _kept_input(self, i: int) -> int:
+        return self.units[i + 1].reduce_input_bytes if i + 1 < len(self.units) else 0
+
+    def unit_backward(self, i: int) -> tuple[int, int]:
+        """(during compute, at its reduce): bytes unit i's backward holds above the in-use
+        that had its parameters gathered (see the module doc)."""
+        u = self.units[i]
+        prefetched = self._gathered(i - 1) if i > 0 else 0
+        compute = prefetched + u.unsharded_bytes + self._kept_input(i)
+        reduce = (prefetched + u.unsharded_bytes + u.reduce_input_bytes
+                  + u.reduce_output_bytes - u.unsharded_bytes)
+        return compute, reduce
+
+    def layer_backward(self, layer: int) -> tuple[int, int]:
+        """`unit_backward` of guarded `layer`'s unit; (0, 0) where it has none."""
+        i = self._index(layer)
+        return self.unit_backward(i) if i is not None else (0, 0)
+
+    def head_backward(self) -> int:
+        """The head's backward, during its compute, above the in-use when it starts (its
+        parameters are still gathered then): the last unit before the root."""
+        i = self._head_index()
+        return self.unit_backward(i)[0] if i is not None else 0
+
+    def _head_index(self) -> Optional[int]:
+        """The last unit that is not the root's (the root is the last, without a layer:
+        it holds what no other unit took, often nothing)."""
+        candidates = [i for i, u in enumerate(self.units) if u.layer is None and u.unsharded_bytes]
+        last_layer = max((i for i, u in enumerate(self.units) if u.layer is not None), default=-1)
+        after = [i for i in candidates if i > last_layer]
+        return after[0] if after else None
+
+    def forward_to_come(self, layer: int) -> int:
+        """What FSDP2 will add, above the in-use at a decision in guarded `layer`, by the
+        head's backward peak (see the module doc). Never negative."""
+        i = self._index(layer)
+        if i is None:
+            return 0
+        kept = sum(u.unsharded_bytes for u in self.units[i + 1:] if not u.reshard_after_forward)
+        freed = self.units[i].unsharded_bytes if self.units[i].reshard_after_forward else 0
+        return max(0, kept + self.head_backward() - freed)

@@ -1,0 +1,135 @@
+"""FSDP2 as the guard sees it: each unit's real sizes, read from its parameter groups, and
+the reset of an attempt that a refusal abandoned mid-flight.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`; torchtitan applies it even on one rank,
+transformers under `DistributedConfig`) keeps each parameter's local shard and all-gathers
+the unsharded parameters around each unit's forward and again in its backward, with the
+next unit's all-gather issued early in backward (prefetch), then reduce-scatters the
+unsharded gradients into the sharded ones. None of those bytes are activations, so the
+saved-tensor ledger never sees them; the device does. This module reads, per unit, what
+its `FSDPParamGroup`s hold (torch 2.13): the unsharded parameters in their compute dtype
+(`FSDPParam._orig_size`, `param_dtype`), the padded reduce-scatter input and the sharded
+output in the reduce dtype; the arithmetic of when they are alive is
+spikeguard/plan/fsdp_bytes.py's.
+
+Detected by type (`FSDPModule`, the class `fully_shard` mixes in), never by name; a
+grouped `fully_shard([norm, lm_head])` is one unit (one state shared by both modules).
+
+    .venv/bin/python -m pytest tests/runtime/test_runtime_fsdp_bytes.py -q
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from spikeguard.plan.fsdp_bytes import FsdpBytes, FsdpUnit
+
+
+def fsdp_module_type():
+    """torch's FSDPModule, or None where this torch has no FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # torch built without distributed
+        return None
+    return FSDPModule
+
+
+def fsdp_states(model: nn.Module) -> list[tuple[nn.Module, object]]:
+    """(first module, FSDP state) of each FSDP2 unit under `model`, in module order (the
+    order a decoder's forward runs them: embedding, blocks, norm and head), the root last."""
+    kind = fsdp_module_type()
+    if kind is None:
+        return []
+    seen: dict[int, tuple[nn.Module, object]] = {}
+    for module in model.modules():
+        if isinstance(module, kind):
+            state = module._get_fsdp_state()
+            seen.setdefault(id(state), (module, state))
+    units = list(seen.values())
+    root = [u for u in units if u[0] is model]
+    return [u for u in units if u[0] is not model] + root
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)   # torch 2.13: one per mesh
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def _itemsize(dtype: Optional[torch.dtype], fallback: torch.dtype) -> int:
+    return (dtype or fallback).itemsize
+
+
+def unit_bytes(state, layer: Optional[int]) -> FsdpUnit:
+    """One unit's sizes from its parameter groups: what its all-gather brings (unsharded
+    parameters, compute dtype), what its reduce-scatter holds (padded unsharded input and
+    the sharded output, reduce dtype), and whether it reshards after forward."""
+    unsharded = rs_in = rs_out = 0
+    reshard = True
+    for group in _param_groups(state):
+        reshard = reshard and bool(getattr(group, "_reshard_after_forward", True))
+        # The mixed-precision dtypes: the group's policy (FSDPParam's own copies are set
+        # only at FSDP2's lazy init, the first forward).
+        policy = group.mp_policy
+        for p in group.fsdp_params:
+            orig = p.sharded_param.dtype
+            unsharded += p._orig_size.numel() * _itemsize(policy.param_dtype, orig)
+            world = p.mesh_info.shard_mesh_size if hasattr(p.mesh_info, "shard_mesh_size") else 1
+            padded_shard = p.padded_sharded_param_size.numel()
+            reduce = policy.reduce_dtype or policy.param_dtype
+            rs_in += padded_shard * world * _itemsize(reduce, orig)
+            rs_out += padded_shard * _itemsize(reduce, orig)
+    return FsdpUnit(layer=layer, unsharded_bytes=unsharded, reduce_input_bytes=rs_in,
+                    reduce_output_bytes=rs_out, reshard_after_forward=reshard)
+
+
+def fsdp_units(model: nn.Module, layer_of: Callable[[nn.Module], Optional[int]]
+               ) -> list[FsdpUnit]:
+    """Every FSDP2 unit of `model`, in forward order, each tagged with the guarded layer
+    it belongs to (`layer_of(module)`: None for the embedding, dense layers, head, root)."""
+    return [unit_bytes(state, layer_of(module)) for module, state in fsdp_states(model)]
+
+
+def reset_after_abandoned(model: nn.Module) -> None:
+    """After an attempt abandoned mid-forward or mid-backward (a refusal), FSDP2's
+    iteration state is left as the exception found it: units still gathered, the kept
+    reduce-scatter input, per-group training states. torch 2.13's
+    `FSDPModule.reset_iter_state()` on the root waits, reshards every group and clears
+    them; without it the re-run found the previous attempt's gathered parameters still on
+    the device and ran out even under full recompute. The attempt's unsharded gradients go
+    too (the step's gradients are restored from the guard's snapshot)."""
+    for module, state in fsdp_states(model):
+        for group in _param_groups(state):
+            for p in group.fsdp_params:
+                p.unsharded_accumulated_grad = None
+                unsharded = getattr(p, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+        if getattr(state, "_is_root", None):
+            module.reset_iter_state()
+
+
+def layer_finder(adapter, blocks) -> Callable[[nn.Module], Optional[int]]:
+    """`fsdp_units`' `layer_of`: the guarded layer of a unit's first module, when that
+    module is a guarded layer (the decoder block holding a MoE block), one of its
+    modules, or inside it; None for a module that holds several (the root) or none."""
+    parents = [(adapter.parent_layer(b), adapter.layer_index(b)) for b in blocks]
+
+    def layer_of(module: nn.Module) -> Optional[int]:
+        inside = [idx for parent, idx in parents if any(m is module for m in parent.modules())]
+        if len(inside) == 1:
+            return inside[0]
+        holds = [idx for parent, idx in parents if any(m is parent for m in module.modules())]
+        return holds[0] if len(holds) == 1 else None
+
+    return layer_of
+
+
+def model_fsdp_bytes(model: nn.Module, adapter, blocks) -> FsdpBytes:
+    """The byte model's FSDP2 part for `model` (empty where it has no FSDP2 unit)."""
+    return FsdpBytes(tuple(fsdp_units(model, layer_finder(adapter, blocks))))
