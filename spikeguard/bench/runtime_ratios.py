@@ -96,6 +96,7 @@ def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, 
             # The last step's, as its decisions: what adaptive keeps by moving earlier
             # layers' saved tensors to host, which the decision counts do not show.
             "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
+            "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
         }
     tps = {p: result["policies"][p]["tokens_per_s"] for p in times}
     result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
@@ -120,7 +121,7 @@ def print_table(result: dict) -> None:
         table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{row['tokens_per_s'] / ceiling:.3f}",
                       format_bytes(row["peak_bytes"]), str(row["overruns"]),
                       str(row["safety_net_reruns"]), _decisions(row["decisions"]),
-                      _evicted(row.get("evicted_bytes")))
+                      _evicted(row.get("evicted_bytes"), row.get("prefetched_bytes")))
     console = Console(width=124)
     console.print(table)
     console.print(f"adaptive/ceiling {result['adaptive_over_ceiling']:.3f} | "
@@ -128,8 +129,14 @@ def print_table(result: dict) -> None:
                   f"gap closed {result['gap_closed']:.0%}")
 
 
-def _evicted(num_bytes) -> str:
-    return "-" if num_bytes is None else format_bytes(num_bytes) if num_bytes else "0"
+def _evicted(num_bytes, back_bytes=None) -> str:
+    """'61.3 MiB (61.3 MiB back)': evicted, and brought back for backward; '0'; '-'."""
+    if num_bytes is None:
+        return "-"
+    if not num_bytes:
+        return "0"
+    back = f" ({format_bytes(back_bytes)} back)" if back_bytes is not None else ""
+    return format_bytes(num_bytes) + back
 
 
 def _decisions(counts: dict) -> str:
