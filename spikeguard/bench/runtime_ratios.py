@@ -11,6 +11,7 @@ CPU allocator (every live storage): the ratios are CPU figures.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -157,6 +158,10 @@ def main(argv=None) -> int:
     parser.add_argument("--fraction", type=float, default=0.85)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: steadier on a shared machine)")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the figures as JSON (scripts/pages.py renders the "
+                             "README's table from it); an existing file needs --overwrite")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json")
     try:
         args = parser.parse_args(argv)   # a mistake is one line (UsageError), no abbreviation
         for name in ("batch_size", "micro_batches", "reps"):
@@ -171,10 +176,18 @@ def main(argv=None) -> int:
         check_trainable_size(cfg.num_params, activation_bytes_floor(   # train's own check
             args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
             f"model {args.preset}")
+        if args.json:
+            from spikeguard.files import check_output
+            check_output("--json", args.json, overwrite=args.overwrite)
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
-        print_table(measure(args.preset, args.batch_size, args.micro_batches, args.reps,
-                            args.fraction))
+        result = measure(args.preset, args.batch_size, args.micro_batches, args.reps,
+                         args.fraction)
+        print_table(result)
+        if args.json:
+            from spikeguard.files import atomic_write
+            atomic_write(args.json, json.dumps({**result, "reps": args.reps}, indent=1) + "\n",
+                         overwrite=args.overwrite, what="--json")
     except UsageError as err:
         print(f"spikeguard: error: {err}", file=sys.stderr)
         return 2
