@@ -183,7 +183,7 @@ def sim_docs(record: dict) -> str:
 
 def _sim_note(record: dict) -> str:
     cal = record["output"]["calibration"]
-    return (f"(`{record['command'].replace('.venv/bin/', '')}`, {record['date']}: simulated, "
+    return (f"(`simulate --preset 1t --calibrate-mfu 0.246`, {record['date']}: simulated, "
             f"deterministic; kernel efficiency {cal['efficiency']:.4f} fitted so that `full` "
             f"gives {cal['target_mfu']:.1%}, the only fitted number)")
 
