@@ -81,6 +81,19 @@ def _stable_train(record: dict) -> str:
                      if line.startswith(("memory: budget auto", "done: ")))
 
 
+def _last_lines(record: dict) -> str:
+    """A run's last step line, its memory summary and its closing line."""
+    lines = _lines(record["stdout"])
+    steps = [line for line in lines if line.startswith("step ")]
+    out = steps[-1:] + [line for line in lines if line.startswith(("memory: peak", "done: "))]
+    return _indented(out) + "\n\n" + _example(record, "the timings vary run to run")
+
+
+def _stable_last(record: dict) -> str:
+    return "\n".join(line for line in _lines(record["stdout"])
+                     if line.startswith(("memory: peak", "done: ")))
+
+
 def _stderr_lines(record: dict) -> str:
     return _indented(_lines(record["stderr"]))
 
@@ -204,6 +217,9 @@ _BLOCKS = [
     Block("demo", ".venv/bin/spikeguard demo",
           lambda r: _train_block(r, VARIES + "; the peaks move by a fraction of a MiB"),
           stable=_stable_train, bytes_tol=0.02, long=True),
+    Block("tiny-4mib", ".venv/bin/spikeguard train --preset tiny --steps 50 --budget 4MiB "
+          "--policy adaptive --log run.jsonl", _last_lines, stable=_stable_last,
+          bytes_tol=0.02, long=True),
     Block("ep-adaptive", EP + " --policy adaptive", lambda r: _train_block(r, VARIES),
           stable=_stable_train, bytes_tol=0.03, long=True),
     # forward or backward of the head, and the allocation's size, run to run
