@@ -55,8 +55,9 @@ def _indented(lines: list[str]) -> str:
 def _example(record: dict, varies: str) -> str:
     """The note under an example run: when and where it ran, and what varies."""
     m = record["machine"]
-    return (f"(an example run, {record['date']}, on {m['cpus']} shared CPU cores at load "
-            f"{m['load'][0]:g}: CPU figures, emulated device; {varies})")
+    return (f"(an example run, {record['date']}, {record['seconds']:g} s, on {m['cpus']} "
+            f"shared CPU cores at load {m['load'][0]:g}: CPU figures, emulated device; "
+            f"{varies})")
 
 
 def _moved(line: str) -> bool:
@@ -201,6 +202,14 @@ def _sim_note(record: dict) -> str:
             f"gives {cal['target_mfu']:.1%}, the only fitted number)")
 
 
+def titan_ratios(record: dict) -> str:
+    """The table titan_ratios prints (markdown already), its budget line above it."""
+    lines = _lines(record["stdout"])
+    return "\n".join([line for line in lines if line.startswith("budget ")] + [""]
+                     + [line for line in lines if line.startswith("|")]) + "\n\n" + \
+        _example(record, "read the ratios as +-0.1")
+
+
 def _from_json(path: str) -> Callable[[dict], str]:
     return lambda record: json.loads((ROOT / path).read_text())
 
@@ -230,6 +239,8 @@ _BLOCKS = [
     Block("bench-pp", "make bench-pp", bench_readme, source="docs/bench_pp.json"),
     Block("sim-1t", SIM, sim_readme, output="sim.json", timeout_s=1200),
     Block("sim-1t-docs", SIM, sim_docs, output="sim.json", record="sim-1t"),
+    Block("titan-ratios", ".venv/bin/python -m spikeguard.bench.titan_ratios --reps 7 --steps 8",
+          titan_ratios, timeout_s=1200),
     Block("runtime-ratios", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset small "
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
 ]
