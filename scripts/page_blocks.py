@@ -202,6 +202,12 @@ def _sim_note(record: dict) -> str:
             f"gives {cal['target_mfu']:.1%}, the only fitted number)")
 
 
+def stdout_block(varies: str) -> Callable[[dict], str]:
+    """The command's whole output, as printed, and when and where it ran."""
+    return lambda record: _indented(record["stdout"].rstrip("\n").split("\n")) + "\n\n" + \
+        _example(record, varies)
+
+
 def titan_ratios(record: dict) -> str:
     """The table titan_ratios prints (markdown already), its budget line above it."""
     lines = _lines(record["stdout"])
@@ -241,6 +247,8 @@ _BLOCKS = [
     Block("sim-1t-docs", SIM, sim_docs, output="sim.json", record="sim-1t"),
     Block("titan-ratios", ".venv/bin/python -m spikeguard.bench.titan_ratios --reps 7 --steps 8",
           titan_ratios, timeout_s=1200),
+    Block("decision-time", ".venv/bin/python -m spikeguard.plan.room",
+          stdout_block("timings, the p90 tail most, follow the machine's load")),
     Block("runtime-ratios", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset small "
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
 ]
