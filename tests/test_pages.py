@@ -1,8 +1,8 @@
 """The pages' generated blocks (scripts/pages.py) are their runs' rendering, and the quick
 runs still give what the pages quote.
 
-    .venv/bin/python -m pytest tests/test_pages.py -q -m "not examples_long"   # ~2 s
-    .venv/bin/python -m pytest tests/test_pages.py -q                            # + re-runs, ~2 min
+    .venv/bin/python -m pytest tests/test_pages.py -q -m "not examples_long"   # ~3 s
+    .venv/bin/python -m pytest tests/test_pages.py -q     # + 4 re-runs: 5 min at load 11 here
 
 `test_every_generated_block_is_its_runs_rendering` is the check mode: it fails on a page
 whose block differs from what the generator would write from the stored record (a typed
