@@ -77,6 +77,14 @@ def _train_block(record: dict, varies: str) -> str:
     return _indented(out) + "\n\n" + _example(record, varies)
 
 
+def _whole_run(record: dict) -> str:
+    """Every line of a short run but the data's path (this machine's): what the model
+    is, the budget, the guard, each step and the net's re-runs, the summary."""
+    out = [line for line in _lines(record["stdout"]) + _lines(record["stderr"])
+           if not line.startswith(("data: ", "memory: CPU run"))]
+    return _indented(out) + "\n\n" + _example(record, VARIES)
+
+
 def _stable_train(record: dict) -> str:
     return "\n".join(line for line in _lines(record["stdout"])
                      if line.startswith(("memory: budget auto", "done: ")))
@@ -235,6 +243,8 @@ _BLOCKS = [
     Block("tiny-4mib", ".venv/bin/spikeguard train --preset tiny --steps 50 --budget 4MiB "
           "--policy adaptive --log run.jsonl", _last_lines, stable=_stable_last,
           bytes_tol=0.02, long=True),
+    Block("hf-qwen3", ".venv/bin/spikeguard train --hf qwen3_moe --steps 10 --eval-every 5 "
+          "--threads 1", _whole_run, stable=_stable_train, bytes_tol=0.02, long=True),
     Block("ep-adaptive", EP + " --policy adaptive", lambda r: _train_block(r, VARIES),
           stable=_stable_train, bytes_tol=0.03, long=True),
     # forward or backward of the head, and the allocation's size, run to run
