@@ -245,6 +245,8 @@ _BLOCKS = [
           bytes_tol=0.02, long=True),
     Block("hf-qwen3", ".venv/bin/spikeguard train --hf qwen3_moe --steps 10 --eval-every 5 "
           "--threads 1", _whole_run, stable=_stable_train, bytes_tol=0.02, long=True),
+    Block("hf-ep", ".venv/bin/spikeguard train --hf qwen3_moe --nproc 2 --ep 2 --steps 10 "
+          "--threads 1", _whole_run, stable=_stable_train, bytes_tol=0.03, long=True),
     Block("ep-adaptive", EP + " --policy adaptive", lambda r: _train_block(r, VARIES),
           stable=_stable_train, bytes_tol=0.03, long=True),
     # forward or backward of the head, and the allocation's size, run to run
