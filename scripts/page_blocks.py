@@ -216,6 +216,13 @@ def stdout_block(varies: str) -> Callable[[dict], str]:
         _example(record, varies)
 
 
+def recovery_table(record: dict) -> str:
+    """The table scripts/recovery_table.py prints (markdown), and when it ran."""
+    return "\n".join(line for line in _lines(record["stdout"]) if line.startswith("|")) + \
+        "\n\n" + _example(record, "the true peaks move by a few KiB, the re-runs and the "
+                               "bitwise gradients do not")
+
+
 def titan_ratios(record: dict) -> str:
     """The table titan_ratios prints (markdown already), its budget line above it."""
     lines = _lines(record["stdout"])
@@ -261,6 +268,8 @@ _BLOCKS = [
           titan_ratios, timeout_s=1200),
     Block("decision-time", ".venv/bin/python -m spikeguard.plan.room",
           stdout_block("timings, the p90 tail most, follow the machine's load")),
+    Block("recovery", ".venv/bin/python scripts/recovery_table.py", recovery_table,
+          timeout_s=1800, links=("scripts", "tests")),
     Block("runtime-ratios", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset small "
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
 ]
