@@ -107,10 +107,11 @@ _QUIET_END = False   # this rank of a torchrun by hand left the job's line to an
 
 
 def _end_quietly_if_told(code: int) -> None:
-    from spikeguard.parallel.launch import by_hand, end_quietly_by_hand
+    from spikeguard.parallel.launch import by_hand, wait_to_be_stopped_by_hand
 
     if _QUIET_END and by_hand():
-        end_quietly_by_hand(code)
+        wait_to_be_stopped_by_hand()
+        _exit_now(code)
 
 
 def _main_stopping(argv, stops: "_StopSignals") -> int:

@@ -45,12 +45,12 @@ def by_hand() -> bool:
 HAND_STOP_WAIT_S = 5.0   # how long a quiet rank of a torchrun by hand waits to be stopped
 
 
-def end_quietly_by_hand(code: int) -> None:
+def wait_to_be_stopped_by_hand() -> None:
     """A rank of a torchrun by hand whose job's line another rank prints: wait for the
     SIGTERM torchrun sends every rank once one has exited (the default action, silent),
     so that the rank that printed is the first torchrun sees fail, its root cause. The
     wait is bounded: a torchrun that never stops it (its peer is on another machine and
-    still running) gets the agreed exit code."""
+    still running) then sees the agreed exit code (the caller's)."""
     import signal
     import time
 
@@ -59,7 +59,6 @@ def end_quietly_by_hand(code: int) -> None:
     deadline = time.monotonic() + HAND_STOP_WAIT_S
     while time.monotonic() < deadline:
         time.sleep(0.05)
-    os._exit(code)
 
 
 def check_layout(nproc: int, ep: int, num_experts: int) -> None:
