@@ -83,6 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             argv = worker_argv()  # a rank relaunched under torchrun reads its arguments here
         except UsageError as exc:
             _usage_line(f"spikeguard: error: {_one_line(exc)}")
+            _end_quietly_if_told(2)
             return 2
     rank_started()  # under torchrun: die with it (a no-op elsewhere)
     from spikeguard.bench.worker import WORKER_COMMAND
@@ -97,8 +98,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         _STOPS = outer
     if "RANK" in os.environ and code:
+        _end_quietly_if_told(code)
         _exit_now(code)
     return code
+
+
+_QUIET_END = False   # this rank of a torchrun by hand left the job's line to another
+
+
+def _end_quietly_if_told(code: int) -> None:
+    from spikeguard.parallel.launch import by_hand, wait_to_be_stopped_by_hand
+
+    if _QUIET_END and by_hand():
+        wait_to_be_stopped_by_hand()
+        _exit_now(code)
 
 
 def _main_stopping(argv, stops: "_StopSignals") -> int:
@@ -192,8 +205,10 @@ def _run(argv: Optional[Sequence[str]]) -> int:
             # final line names the dead rank and why; a line from every survivor would
             # only stand between the cause and it.
             return 1
-        # Under a torchrun started by hand, no launcher speaks for the job: one line, not
-        # a traceback of the broken collective.
+        # Under a torchrun started by hand the failed rank printed the job's line, and
+        # torchrun's SIGTERM for this one follows its exit: stop on it, quietly. Only if
+        # none comes (the peer was on another machine), one line, not a traceback.
+        _await_own_stop()
         print(f"spikeguard: rank {os.environ.get('RANK', '?')} stopped: another rank of "
               f"the group failed ({_one_line(peer).split('. ')[0]})", file=sys.stderr)
         return 1
@@ -211,6 +226,12 @@ def _usage_line(text: str) -> None:
     prints each distinct line once (every rank usually finds the same mistake)."""
     from spikeguard.parallel.launch import rank_usage_file
 
+    global _QUIET_END
+    from spikeguard.parallel.launch import by_hand
+
+    if by_hand() and os.environ.get("LOCAL_RANK", "0") != "0":
+        _QUIET_END = True   # every rank finds the same mistake: the first of each machine says it
+        return
     path = rank_usage_file()
     if path is not None:
         try:
@@ -224,10 +245,14 @@ def _usage_line(text: str) -> None:
 
 def _stopped(signum: int) -> int:
     """SIGINT: 130, SIGTERM: 143. A rank of a launched job says nothing: the launcher
-    prints the job's one line."""
-    from spikeguard.parallel.launch import LAUNCHER_ENV
+    prints the job's one line. Nor does a rank of a torchrun started by hand: torchrun
+    starts its ranks in sessions of their own, so a signal reaches them from torchrun,
+    which sends SIGTERM to all when one rank failed (that rank's line is the job's; seen:
+    "interrupted by SIGTERM" from the survivor after the other's out-of-memory line) or
+    when it was itself stopped (it says so)."""
+    from spikeguard.parallel.launch import LAUNCHER_ENV, by_hand
 
-    if LAUNCHER_ENV not in os.environ:
+    if LAUNCHER_ENV not in os.environ and not by_hand():
         name = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
         print(f"spikeguard: interrupted{name}", file=sys.stderr)
     return 128 + signum

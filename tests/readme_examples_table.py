@@ -68,6 +68,9 @@ EXAMPLES: dict = {
     "--node-rank K --rdzv-backend c10d --rdzv-endpoint HOST:29500 --nproc-per-node 4 -m spikeguard":
         Listed("two machines and a rendezvous host; SPIKEGUARD_ARGV under torchrun by hand is "
                "tests/test_cli_input.py's"),
+    "python -m spikeguard.parallel.quiet_torchrun": Listed(
+        "a launcher named in a sentence, used with the several-machines form above; "
+        "tests/parallel/test_parallel_by_hand.py runs it by hand, failing on purpose"),
     PP: Run(expect=("0 safety-net re-runs",) + DONE, timeout_s=180),
     "spikeguard train --titan deepseek_v3 [--nproc 2 --ep 2]":
         Run(runs=("spikeguard train --titan deepseek_v3",

@@ -139,8 +139,9 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         "- `save/rec/off`: per-layer operator decisions summed over ranks and steps. "
         "`evicted`: bytes of earlier layers' saved tensors the guard moved to host to make "
         "room (a decision too: a layer can save everything because an earlier one left), "
-        "summed over the steps, and the steps that evicted; `(r0)`: rank 0's alone, where "
-        "the logs do not give every rank's.",
+        "summed over the steps, and the steps that evicted, then how much of it was brought "
+        "back to the device for backward (`back`, counted at the copy); `(r0)`: rank 0's "
+        "alone, where the logs do not give every rank's.",
         *_jobs_text(report),
         "",
     ]

@@ -104,6 +104,7 @@ def policy_figures(run: PolicyRun, budget: int, segments: list[tuple[int, int]],
         "evicted_bytes": sum(sum(b) for b, _ in evicted),
         "evicted_steps": sum(1 for b, _ in evicted if sum(b)),
         "evicted_whose": "".join(sorted({w.strip() for _, w in evicted if w})),
+        "prefetched_bytes": sum(sum(evicted_per_rank(r, "prefetched_bytes")[0]) for r in kept),
         "jobs": len(run.jobs),
         "job_wall_seconds": sum(j.wall_s for j in run.jobs),
     }

@@ -11,6 +11,7 @@ CPU allocator (every live storage): the ratios are CPU figures.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -96,6 +97,7 @@ def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, 
             # The last step's, as its decisions: what adaptive keeps by moving earlier
             # layers' saved tensors to host, which the decision counts do not show.
             "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
+            "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
         }
     tps = {p: result["policies"][p]["tokens_per_s"] for p in times}
     result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
@@ -120,7 +122,7 @@ def print_table(result: dict) -> None:
         table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{row['tokens_per_s'] / ceiling:.3f}",
                       format_bytes(row["peak_bytes"]), str(row["overruns"]),
                       str(row["safety_net_reruns"]), _decisions(row["decisions"]),
-                      _evicted(row.get("evicted_bytes")))
+                      _evicted(row.get("evicted_bytes"), row.get("prefetched_bytes")))
     console = Console(width=124)
     console.print(table)
     console.print(f"adaptive/ceiling {result['adaptive_over_ceiling']:.3f} | "
@@ -128,8 +130,14 @@ def print_table(result: dict) -> None:
                   f"gap closed {result['gap_closed']:.0%}")
 
 
-def _evicted(num_bytes) -> str:
-    return "-" if num_bytes is None else format_bytes(num_bytes) if num_bytes else "0"
+def _evicted(num_bytes, back_bytes=None) -> str:
+    """'61.3 MiB (61.3 MiB back)': evicted, and brought back for backward; '0'; '-'."""
+    if num_bytes is None:
+        return "-"
+    if not num_bytes:
+        return "0"
+    back = f" ({format_bytes(back_bytes)} back)" if back_bytes is not None else ""
+    return format_bytes(num_bytes) + back
 
 
 def _decisions(counts: dict) -> str:
@@ -150,6 +158,10 @@ def main(argv=None) -> int:
     parser.add_argument("--fraction", type=float, default=0.85)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: steadier on a shared machine)")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the figures as JSON (scripts/pages.py renders the "
+                             "README's table from it); an existing file needs --overwrite")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json")
     try:
         args = parser.parse_args(argv)   # a mistake is one line (UsageError), no abbreviation
         for name in ("batch_size", "micro_batches", "reps"):
@@ -164,10 +176,18 @@ def main(argv=None) -> int:
         check_trainable_size(cfg.num_params, activation_bytes_floor(   # train's own check
             args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
             f"model {args.preset}")
+        if args.json:
+            from spikeguard.files import check_output
+            check_output("--json", args.json, overwrite=args.overwrite)
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
-        print_table(measure(args.preset, args.batch_size, args.micro_batches, args.reps,
-                            args.fraction))
+        result = measure(args.preset, args.batch_size, args.micro_batches, args.reps,
+                         args.fraction)
+        print_table(result)
+        if args.json:
+            from spikeguard.files import atomic_write
+            atomic_write(args.json, json.dumps({**result, "reps": args.reps}, indent=1) + "\n",
+                         overwrite=args.overwrite, what="--json")
     except UsageError as err:
         print(f"spikeguard: error: {err}", file=sys.stderr)
         return 2

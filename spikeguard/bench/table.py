@@ -31,13 +31,16 @@ def _relative(f: dict, name: str) -> str:
 
 def _evicted(f: dict) -> str:
     """Bytes evicted to host over the run, on how many steps (and whose, when the log had
-    one rank's only): '183 MiB on 3 steps (r0)', '0', '-' for a report without them."""
+    one rank's only), and how much of it came back for backward: '183 MiB on 3 steps,
+    183 MiB back (r0)', '0', '-' for a report without them."""
     if "evicted_bytes" not in f:
         return "-"
     if not f["evicted_bytes"]:
         return "0"
     whose = f" ({f['evicted_whose']})" if f.get("evicted_whose") else ""
-    return f"{format_bytes(f['evicted_bytes'])} on {f.get('evicted_steps', 0)} steps{whose}"
+    back = f", {format_bytes(f['prefetched_bytes'])} back" if "prefetched_bytes" in f else ""
+    return (f"{format_bytes(f['evicted_bytes'])} on {f.get('evicted_steps', 0)} steps"
+            f"{back}{whose}")
 
 
 def table_rows(report: dict) -> list[list[str]]:

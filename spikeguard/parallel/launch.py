@@ -36,6 +36,31 @@ def under_torchrun() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ)
 
 
+def by_hand() -> bool:
+    """A rank of a torchrun the user started (the several-machines form), not one of
+    spikeguard's launcher, which prints the job's final line itself."""
+    return under_torchrun() and LAUNCHER_ENV not in os.environ
+
+
+HAND_STOP_WAIT_S = 5.0   # how long a quiet rank of a torchrun by hand waits to be stopped
+
+
+def wait_to_be_stopped_by_hand() -> None:
+    """A rank of a torchrun by hand whose job's line another rank prints: wait for the
+    SIGTERM torchrun sends every rank once one has exited (the default action, silent),
+    so that the rank that printed is the first torchrun sees fail, its root cause. The
+    wait is bounded: a torchrun that never stops it (its peer is on another machine and
+    still running) then sees the agreed exit code (the caller's)."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    deadline = time.monotonic() + HAND_STOP_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def check_layout(nproc: int, ep: int, num_experts: int) -> None:
     """Every layout mistake, before any process group starts."""
     if nproc < 1 or ep < 1:

@@ -24,7 +24,7 @@ def ep_summary(record: dict, received_per_layer: list[int],
     routed copies per layer against the mean over the ranks (the hot rank and layer), the
     peaks and decisions of every rank, and the skew schedule's `target` of the step."""
     mine = {"peak_bytes": record.get("peak_bytes", 0), "received": received_per_layer,
-            "decisions": record.get("decisions")}
+            "decisions": record.get("decisions"), "moves": _moves([record])}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     num_layers = len(received_per_layer)
@@ -44,6 +44,7 @@ def ep_summary(record: dict, received_per_layer: list[int],
         "peak_rank": max(range(len(peaks)), key=peaks.__getitem__),
         **({"rank_decisions": [r["decisions"] for r in everyone]}
            if mine["decisions"] is not None else {}),
+        **_rank_moves([r["moves"] for r in everyone]),
         **({"skew_spike": target[0], "skew_hot_rank": target[1],
             "skew_target": target[2]} if target is not None else {}),
     }
@@ -143,7 +144,8 @@ def cluster_summary(everyone: list, layout: ParallelLayout) -> dict:
                    peak_stage=everyone[peak_rank]["stages"][0], rank_peak_bytes=peaks,
                    peak_bytes=peaks[peak_rank],
                    budget_bytes=everyone[peak_rank]["guards"][0]["budget_bytes"],
-                   rank_decisions=[_sum_decisions(r["guards"]) for r in everyone])
+                   rank_decisions=[_sum_decisions(r["guards"]) for r in everyone],
+                   **_rank_moves([_moves(r["guards"]) for r in everyone]))
     by_key: dict = {}
     for r in everyone:
         c = r["coords"]
@@ -164,6 +166,20 @@ def cluster_summary(everyone: list, layout: ParallelLayout) -> dict:
         out["spike"] = {"ratio": ratio, "rank": rank, "stage": stage, "layer": layer,
                         "micro_batch": mb, "measure": "rank" if layout.ep > 1 else "expert"}
     return out
+
+
+MOVES = ("evicted_bytes", "prefetched_bytes")
+
+
+def _moves(records: list) -> dict:
+    """Bytes a rank's guards (one per stage) evicted to host and prefetched back."""
+    return {k: sum(int(r.get(k) or 0) for r in records) for k in MOVES}
+
+
+def _rank_moves(per_rank: list) -> dict:
+    """`rank_evicted_bytes` / `rank_prefetched_bytes`: every rank's, so that the step line
+    and the run summary show each rank's evictions, not rank 0's alone."""
+    return {f"rank_{k}": [m[k] for m in per_rank] for k in MOVES}
 
 
 def _sum_decisions(guards: list) -> dict:

@@ -122,6 +122,8 @@ class Guard:
             engine=self.engine, forecast=self.forecast, layer_room=self.layer_room,
             num_layers=len(self.moe_blocks), on_cuda=self.device.type == "cuda",
             recorder=lambda: self._recorder)
+        self.engine.on_reload = (   # a host copy came back: the open step counts it
+            lambda n, where: self._recorder is not None and self._recorder.note_reload(n, where))
         self.hookless = HooklessLayers(self.window, self.tracker, self.ledger, self.shape,
                                        exact_routing=self.group is None)
         agreement = self.adapter.agreement()   # None without a group: a rank decides alone

@@ -28,6 +28,7 @@ class StepRecorder:
         self.full_layers = 0   # layers the adaptive guard recomputed whole, decided at entry
         self.hookless_layers = 0   # expert paths run with no saved-tensor hook (hookless.py)
         self.evicted_bytes = 0
+        self.prefetched_bytes = 0   # of the evicted: brought back to the device for backward
         self.plan_us: list[float] = []
         self.offloaded_bytes_before = offloaded_bytes_before
         self.peak_bytes = 0       # the device's true peak over the step's attempts that stood
@@ -55,9 +56,17 @@ class StepRecorder:
         self.full_layers = 0
         self.hookless_layers = 0
         self.evicted_bytes = 0
+        self.prefetched_bytes = 0
         self.peak_bytes, self.peak_where = 0, 0
         self.safety_net_reruns += 1
         self.reruns.append({"scope": scope, "reason": reason})
+
+    def note_reload(self, num_bytes: int, where: tuple) -> None:
+        """The offload engine brought a host copy back (runtime/offload.py, at the copy):
+        an evicted storage's bytes count as prefetched back, so a step that evicts shows what
+        its backward had to bring back, measured rather than assumed equal."""
+        if len(where) > 2 and where[2] == "evicted":
+            self.prefetched_bytes += int(num_bytes)
 
     def begin_attempt(self) -> None:
         self.attempt = Counter()
@@ -95,7 +104,7 @@ class StepRecorder:
             "received_per_layer": [self.received.get(layer, 0) for layer in layers],
             "micro_batches": self.micro_batches, "safety_net_reruns": self.safety_net_reruns,
             "full_layers": self.full_layers, "hookless_layers": self.hookless_layers,
-            "evicted_bytes": self.evicted_bytes,
+            "evicted_bytes": self.evicted_bytes, "prefetched_bytes": self.prefetched_bytes,
             "offloaded_bytes": offloaded_bytes_now - self.offloaded_bytes_before,
             "plan_us": sum(self.plan_us) / len(self.plan_us) if self.plan_us else 0.0,
             "seconds": time.perf_counter() - self.start,

@@ -80,6 +80,8 @@ class OffloadedStorage:
             self.reloaded, self.reload_event = self.engine.copy_to_device(
                 host, self.device, self.copy_event)
             self.engine.ledger.acquire(self.reload_key(), self.num_bytes, self.where)
+            if self.engine.on_reload is not None:
+                self.engine.on_reload(self.num_bytes, self.where)
 
     def view(self, size, stride, offset) -> torch.Tensor:
         self.prefetch()
@@ -116,6 +118,9 @@ class OffloadEngine:
         self._live: dict[StorageKey, OffloadedStorage] = {}
         self._by_layer: dict[tuple[int, int], list[OffloadedStorage]] = defaultdict(list)
         self.offloaded_bytes_total = 0
+        # (bytes, where) of each host copy brought back, told where the copy is issued, so
+        # that the step's record counts what really came back (runtime/history.py).
+        self.on_reload: Optional[Callable[[int, tuple], None]] = None
 
     def offload(self, t: torch.Tensor, where, tag_serial: int = -1) -> OffloadedStorage:
         """The host copy of `t`'s storage, made now if this storage has none yet.

@@ -3,13 +3,15 @@
 One fixed-width line per step, so columns line up in a terminal and in a log file:
 
     step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | val 2.401
-    step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | peak 1.82 MiB / 2.00 MiB | save 28 rec 3 off 1 | evict 61.3 MiB
+    step   12 | loss 2.314 |  41.2k tok/s | imb 1.9x | peak 1.82 MiB / 2.00 MiB | save 28 rec 3 off 1 | evict 61.3 MiB back 61.3 MiB
 
 The memory fields appear only when a memory guard added them to the step record; under
 expert parallelism the decisions are given per rank, joined by '+' (rank 0 first).
 `evict` (only when nonzero) is the guard's `evicted_bytes`: earlier layers' saved tensors
-moved to host to make room, a decision the save/rec/off counts do not show; per rank
-('0+61.30 MiB') where the record has `rank_evicted_bytes`, else one rank's, named ('r0').
+moved to host to make room, a decision the save/rec/off counts do not show, and `back` its
+`prefetched_bytes`, what of them was brought back to the device for backward (measured at
+the copy); per rank ('0+61.30 MiB') where the record has `rank_evicted_bytes` (the
+cluster summaries gather them), else one rank's, named ('r0').
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
                      f"off {decisions.get('offload', 0)}")
     evicted = _evicted_text(record)
     if evicted:
-        parts.append(f"evict {evicted}")
+        back = _evicted_text(record, "prefetched_bytes") or "0"
+        parts.append(f"evict {evicted} back {back}")
     if record.get("val_loss") is not None:
         parts.append(f"val {record['val_loss']:.3f}")
     spike = record.get("spike")   # a pipeline's: where the step's spike was
@@ -76,23 +79,25 @@ def step_line(record: dict[str, Any], num_steps: int) -> str:
     return " | ".join(parts)
 
 
-def evicted_per_rank(record: dict[str, Any]) -> tuple[list[int], str]:
+def evicted_per_rank(record: dict[str, Any],
+                     field: str = "evicted_bytes") -> tuple[list[int], str]:
     """Bytes the guard evicted in the step (earlier layers' saved tensors moved to host),
-    per rank where the record has them (`rank_evicted_bytes`), else the record's own
-    `evicted_bytes` and, in a cluster record (one with `rank_decisions`), whose they are
-    (' r0'): the cluster summary does not gather evictions, so it is one rank's."""
-    per_rank = record.get("rank_evicted_bytes")
+    or with `field="prefetched_bytes"` brought back of them, per rank where the record has
+    them (`rank_evicted_bytes`), else the record's own figure and, in a cluster record (one
+    with `rank_decisions`), whose it is (' r0'): a log written before the cluster summaries
+    gathered evictions has one rank's."""
+    per_rank = record.get(f"rank_{field}")
     if isinstance(per_rank, list):
         return [int(b or 0) for b in per_rank], ""
-    own = [int(record.get("evicted_bytes") or 0)]
+    own = [int(record.get(field) or 0)]
     if isinstance(record.get("rank_decisions"), list):
         return own, f" r{record.get('rank', 0)}"
     return own, ""
 
 
-def _evicted_text(record: dict[str, Any]) -> str:
-    """'61.3 MiB', per rank '0+61.30 MiB' in one unit; '' when nothing was evicted."""
-    per_rank, whose = evicted_per_rank(record)
+def _evicted_text(record: dict[str, Any], field: str = "evicted_bytes") -> str:
+    """'61.3 MiB', per rank '0+61.30 MiB' in one unit; '' when it is zero."""
+    per_rank, whose = evicted_per_rank(record, field)
     if not any(per_rank):
         return ""
     if len(per_rank) == 1:
@@ -158,8 +163,10 @@ def memory_summary(records: list[dict[str, Any]]) -> str:
     evicted = [evicted_per_rank(r) for r in guarded]
     if any(sum(b) for b, _ in evicted):
         whose = {w for _, w in evicted if w}
+        back = sum(sum(evicted_per_rank(r, "prefetched_bytes")[0]) for r in guarded)
         text += (f" | evicted {format_bytes(sum(sum(b) for b, _ in evicted))}"
-                 f"{''.join(sorted(whose))} on {sum(1 for b, _ in evicted if sum(b))} steps")
+                 f"{''.join(sorted(whose))} on {sum(1 for b, _ in evicted if sum(b))} steps, "
+                 f"{format_bytes(back)} back")
     if any("skew_spike" in r for r in guarded):
         for name, spike in (("spike", True), ("calm", False)):
             chosen = [r for r in guarded if r.get("skew_spike") is spike]

@@ -63,6 +63,9 @@ CASES = {
     "ratios batch of 10**9": ("runtime_ratios", ["--batch-size", "1000000000"],
                               "of one micro-batch's activations"),
     "ratios unknown preset": ("runtime_ratios", ["--preset", "huge"], "unknown preset"),
+    # the README's table is rendered from this file (scripts/pages.py): checked before the run
+    "ratios existing --json": ("runtime_ratios", ["--json", "{tmp}/old.json"],
+                               "exists; pass --overwrite"),
     "hf d-model 10000000": ("hf_bench", ["--d-model", "10000000"], "parameters: training it needs"),
     "hf fraction inf": ("hf_bench", ["--fraction", "inf"], "--fraction must be in (0, 1]"),
     "hf abbreviated --frac": ("hf_bench", ["--frac", "0.5"], "unrecognized arguments"),

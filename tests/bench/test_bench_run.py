@@ -181,24 +181,28 @@ def test_evictions_are_counted_in_the_figures_and_shown_in_the_table(tmp_path):
     dec = {"save": 8, "recompute": 0, "offload": 0}
     run = PolicyRun("adaptive")
     run.jobs.append(Job("adaptive", 1, 3, 5.0, None, [
-        _rec(1, decisions=dec, rank_decisions=[dec, dec], rank=0, evicted_bytes=3 * mib),
+        _rec(1, decisions=dec, rank_decisions=[dec, dec], rank=0, evicted_bytes=3 * mib,
+             prefetched_bytes=3 * mib),
         _rec(2, decisions=dec, rank_decisions=[dec, dec], rank=0, evicted_bytes=0),
         _rec(3, decisions=dec, rank_decisions=[dec, dec], rank=0, evicted_bytes=mib)]))
     f = results.policy_figures(run, budget=1000, segments=[(1, 3)], restart_cost_s=284.0)
     assert f["evicted_bytes"] == 4 * mib and f["evicted_steps"] == 2
     assert f["evicted_whose"] == "r0"   # rank 0's log: the cluster record has no per-rank figure
+    assert f["prefetched_bytes"] == 3 * mib   # step 3's eviction did not come back in its log
     per_rank = PolicyRun("adaptive")
     per_rank.jobs.append(Job("adaptive", 1, 1, 1.0, None, [
-        _rec(1, decisions=dec, rank_decisions=[dec, dec], rank_evicted_bytes=[mib, 2 * mib])]))
+        _rec(1, decisions=dec, rank_decisions=[dec, dec], rank_evicted_bytes=[mib, 2 * mib],
+             rank_prefetched_bytes=[mib, mib])]))
     g = results.policy_figures(per_rank, budget=1000, segments=[(1, 1)], restart_cost_s=284.0)
     assert (g["evicted_bytes"], g["evicted_steps"], g["evicted_whose"]) == (3 * mib, 1, "")
+    assert g["prefetched_bytes"] == 2 * mib
 
     f["tokens_per_s"] = f["effective_tokens_per_s"] = 100.0
     results.add_ratios({"adaptive": f})
     report = {"order": ["adaptive"], "policies": {"adaptive": f},
               "workload": {"restart_cost_s": 284.0}}
     row = dict(zip(table_header(report), table_rows(report)[0]))
-    assert row["evicted"] == "4 MiB on 2 steps (r0)" and row["save/rec/off"] == "48/0/0"
+    assert row["evicted"] == "4 MiB on 2 steps, 3 MiB back (r0)" and row["save/rec/off"] == "48/0/0"
     f.update(segment_tokens_per_s=[100.0], lost_seconds=0.0)
     f2 = {**f, "evicted_bytes": 0}
     assert dict(zip(table_header(report), table_rows(
@@ -214,7 +218,7 @@ def test_runtime_ratios_table_shows_adaptive_evictions(capsys):
 
     def rec(evicted, dec):
         return {"peak_bytes": 80 * mib, "budget_bytes": 97 * mib, "safety_net_reruns": 0,
-                "decisions": dec, "evicted_bytes": evicted}
+                "decisions": dec, "evicted_bytes": evicted, "prefetched_bytes": evicted // 2}
 
     guards = {"full": SimpleNamespace(history=[rec(0, {"save": 0, "recompute": 40, "offload": 0})] * 3),
               "adaptive": SimpleNamespace(history=[rec(int(61.3 * mib), {"save": 40, "recompute": 0,
@@ -222,10 +226,11 @@ def test_runtime_ratios_table_shows_adaptive_evictions(capsys):
     times = {p: [1.0, 1.0] for p in ("ceiling", "full", "adaptive")}
     result = runtime_ratios.summarize_ratios(times, guards, 1000, 115 * mib, 97 * mib, "small")
     assert result["policies"]["adaptive"]["evicted_bytes"] == int(61.3 * mib)
+    assert result["policies"]["adaptive"]["prefetched_bytes"] == int(61.3 * mib) // 2
     assert result["policies"]["full"]["evicted_bytes"] == 0
     assert result["policies"]["ceiling"]["evicted_bytes"] is None
     runtime_ratios.print_table(result)
     out = capsys.readouterr().out
     assert "evicted" in out
     adaptive_row = next(line for line in out.splitlines() if "adaptive" in line and "40 / 0 / 0" in line)
-    assert "61.3 MiB" in adaptive_row
+    assert "61.3 MiB (30.6 MiB back)" in adaptive_row

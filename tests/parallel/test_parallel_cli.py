@@ -46,9 +46,18 @@ def test_none_dies_on_the_spiked_rank_with_a_clear_message():
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_adaptive_finishes_every_step_under_the_same_spikes():
-    proc = _run(TINY8 + SPIKE + ["--policy", "adaptive"])
+def test_adaptive_finishes_every_step_under_the_same_spikes(tmp_path):
+    import json
+
+    log = tmp_path / "run.jsonl"
+    proc = _run(TINY8 + SPIKE + ["--policy", "adaptive", "--log", str(log)])
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # The cluster summary carries every rank's evictions and bytes brought back, rank 0's
+    # as its own guard counted them.
+    for record in map(json.loads, log.read_text().splitlines()):
+        for field in ("evicted_bytes", "prefetched_bytes"):
+            assert len(record[f"rank_{field}"]) == 2 and \
+                record[f"rank_{field}"][0] == record[field], record
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 3
     assert all("rank-imb" in line and "peak" in line for line in steps)

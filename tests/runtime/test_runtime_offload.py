@@ -170,6 +170,8 @@ def test_evicting_earlier_layers_keeps_gradients_bitwise(plain_grads):
     assert len(seen) == 2 and all(0 < evictable <= held for evictable, held in seen)
     assert earlier_after == [held - evictable for evictable, held in seen]
     assert guard.history[-1]["evicted_bytes"] == sum(e for e, _ in seen)
+    # Every evicted storage is read by backward, so all of it came back, counted at the copy.
+    assert guard.history[-1]["prefetched_bytes"] == guard.history[-1]["evicted_bytes"]
     assert guard.ledger.host_bytes == 0
     grads = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
