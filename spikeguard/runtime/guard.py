@@ -45,11 +45,9 @@ from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_abandoned
-from spikeguard.runtime.device_state import (PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES,
-                                             PHASE_OPTIMIZER, GradSnapshot, decode_where,
-                                             HEAD_LAYER,
-                                             move_state_to_device, reset_fsdp_after_failure,
-                                             resolve_budget)
+from spikeguard.runtime.device_state import (
+    HEAD_LAYER, PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES, PHASE_OPTIMIZER, GradSnapshot,
+    decode_where, move_state_to_device, reset_fsdp_after_failure, resolve_budget)
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
@@ -63,9 +61,8 @@ from spikeguard.runtime.offload import OffloadEngine, prefetch_below
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.window import DecisionWindow
-from spikeguard.runtime.guard_arguments import (Optimizers, OptimizerParameters,
-                                                attached_guard, as_optimizers, check_arguments,
-                                                mark_attached)
+from spikeguard.runtime.guard_arguments import (
+    Optimizers, OptimizerParameters, as_optimizers, attached_guard, check_arguments, mark_attached)
 from spikeguard.runtime.wiring import ModelWiring
 
 # Under "full" the whole layer is recomputed; recorded as every operator recomputed.
