@@ -57,6 +57,15 @@ ALLOWED = {
     # (`reset_sharded_param`, what its lazy init runs; no public handle in torch 2.13)
     ("runtime/device_state.py", "_local_tensor"),
     ("runtime/device_state.py", "_get_fsdp_state"),
+    # FSDP2's units in the byte model and after an abandoned attempt (runtime/fsdp.py):
+    # their state, unsharded and padded sizes, whether they reshard after forward, the
+    # root, and the unsharded parameter whose gradient an attempt left; torch 2.13 has
+    # no public accessor for any of them
+    ("runtime/fsdp.py", "_get_fsdp_state"),
+    ("runtime/fsdp.py", "_reshard_after_forward"),
+    ("runtime/fsdp.py", "_orig_size"),
+    ("runtime/fsdp.py", "_is_root"),
+    ("runtime/fsdp.py", "_unsharded_param"),
     # FSDP2's per-iteration state after a step that died inside backward (its root
     # post-backward callback never ran), reset as that callback does: no public reset in
     # torch 2.13 (reset_fsdp_after_failure)

@@ -160,7 +160,7 @@ def _reset_fsdp_shards(model: nn.Module) -> None:
     (`FSDPParam._sharded_param_data`): after the local shards moved to the device, make it
     read the moved ones (its `reset_sharded_param`, which lazy initialisation also runs)."""
     for module in _fsdp_modules(model):
-        for group in _fsdp_param_groups(module._get_fsdp_state()):
+        for group in fsdp_param_groups(module._get_fsdp_state()):
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()
 
@@ -180,7 +180,7 @@ def reset_fsdp_after_failure(model: nn.Module) -> None:
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
         state._modules_to_run_forward.clear()
-        for group in _fsdp_param_groups(state):
+        for group in fsdp_param_groups(state):
             group._training_state = TrainingState.IDLE
             group.finalize_backward()
             group.reshard()
@@ -190,7 +190,7 @@ def reset_fsdp_after_failure(model: nn.Module) -> None:
             state._comm_ctx.reduce_scatter_states.clear()
 
 
-def _fsdp_param_groups(state) -> list:
+def fsdp_param_groups(state) -> list:
     """A module's FSDP2 parameter groups. torch 2.13 gives a module one per mesh when its
     parameters are sharded over several (torchtitan's EP: the experts over its `efsdp`
     mesh, the rest over `fsdp`); its singular `_fsdp_param_group` then raises

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from spikeguard.runtime.device_state import fsdp_param_groups
 from spikeguard.plan.fsdp_bytes import FsdpBytes, FsdpUnit
 
 
@@ -53,14 +54,6 @@ def fsdp_states(model: nn.Module) -> list[tuple[nn.Module, object]]:
     return [u for u in units if u[0] is not model] + root
 
 
-def _param_groups(state) -> list:
-    groups = getattr(state, "_fsdp_param_groups", None)   # torch 2.13: one per mesh
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
-
-
 def _itemsize(dtype: Optional[torch.dtype], fallback: torch.dtype) -> int:
     return (dtype or fallback).itemsize
 
@@ -71,7 +64,7 @@ def unit_bytes(state, layer: Optional[int]) -> FsdpUnit:
     the sharded output, reduce dtype), and whether it reshards after forward."""
     unsharded = rs_in = rs_out = 0
     reshard = True
-    for group in _param_groups(state):
+    for group in fsdp_param_groups(state):
         reshard = reshard and bool(getattr(group, "_reshard_after_forward", True))
         # The mixed-precision dtypes: the group's policy (FSDPParam's own copies are set
         # only at FSDP2's lazy init, the first forward).
@@ -104,7 +97,7 @@ def reset_after_abandoned(model: nn.Module) -> None:
     the device and ran out even under full recompute. The attempt's unsharded gradients go
     too (the step's gradients are restored from the guard's snapshot)."""
     for module, state in fsdp_states(model):
-        for group in _param_groups(state):
+        for group in fsdp_param_groups(state):
             for p in group.fsdp_params:
                 p.unsharded_accumulated_grad = None
                 unsharded = getattr(p, "_unsharded_param", None)

@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
 
 WORKER = Path(__file__).with_name("hf_ep_recovery_worker.py")
 JOB_TIMEOUT_S = 150   # a hung collective fails here (the group's own timeout is longer)

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 WORKER = Path(__file__).with_name("hf_fsdp_worker.py")
 JOB_TIMEOUT_S = 240

@@ -25,7 +25,7 @@ pytest.importorskip("torchtitan")
 
 from spikeguard.parallel.launch_utils import init_gloo, run_spawned  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(200), pytest.mark.filterwarnings("ignore:In CPU autocast")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200), pytest.mark.filterwarnings("ignore:In CPU autocast")]
 
 BUDGET = 64 << 20
 

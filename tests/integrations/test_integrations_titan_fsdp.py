@@ -78,23 +78,6 @@ def _adaptive_runs(model, data, reference, peaks, fractions=FRACTIONS) -> list[d
     return out
 
 
-def _without_fsdp_terms(model, data, reference, peaks) -> dict:
-    """The byte model as it was (no FSDP2 terms) at 0.5: the net re-runs, bitwise."""
-    import spikeguard
-    from spikeguard.plan.fsdp_bytes import FsdpBytes
-    from titan_helpers import bitwise, step
-    budget = int(peaks["full"] + 0.5 * (peaks["none"] - peaks["full"]))
-    guard = spikeguard.attach(model, budget=budget, policy="adaptive")
-    assert guard.layer_room.fsdp.active
-    guard.layer_room.fsdp = FsdpBytes()
-    same, reruns = [], 0
-    for _ in range(3):
-        same.append(bitwise(reference, step(model, data, guard)))
-        reruns += len(guard.history[-1]["safety_net"])
-    guard.detach()
-    return {"bitwise": all(same), "reruns": reruns}
-
-
 def _check(runs: list[dict]) -> None:
     for run in runs:
         assert run["bitwise"], run
@@ -112,8 +95,6 @@ def test_one_rank_adaptive_between_full_and_all_saved(one_rank):
     peaks = _policy_peaks(model, data, reference)
     assert peaks["full"] < peaks["none"]
     _check(_adaptive_runs(model, data, reference, peaks))
-    broken = _without_fsdp_terms(model, data, reference, peaks)
-    assert broken["reruns"] > 0 and broken["bitwise"], broken
 
 
 def _worker(rank, world, store, out_dir, ep):
@@ -133,6 +114,7 @@ def _worker(rank, world, store, out_dir, ep):
 
 
 @pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.multiprocess
 def test_two_ranks_adaptive_between_full_and_all_saved(tmp_path, ep):
     run_spawned(_worker, 2, (tmp_path, ep), tmp_path / "store", timeout_s=280)
     for rank in range(2):

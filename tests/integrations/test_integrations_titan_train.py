@@ -33,7 +33,7 @@ pytest.importorskip("datasets")
 
 from titan_train_job import EP2, make_assets, run_job  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 HUGE = "1GiB"
 OOM_LINE = "spikeguard: out of memory on rank 0: "

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 TYPO = ["train", "--preset", "tiny", "--num-experts", "8", "--ep", "2", "--steps", "2",
         "--batch-size", "8", "--threads", "1", "--budgt", "1MiB"]

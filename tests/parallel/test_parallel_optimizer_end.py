@@ -15,7 +15,7 @@ import pytest
 from test_parallel_agreed_end import _errors, _run
 from test_parallel_signals import _job_pids   # processes of a launcher's job
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 # tiny at EP=2, 2 sequences per step, everything kept: the step's forward and backward
 # peak is 825.5 KiB on rank 0 (the larger), AdamW's first step would reach 857 KiB on both.
