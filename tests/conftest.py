@@ -6,12 +6,13 @@ with other jobs two OpenMP threads stall each other (steps measured 10-100x slow
 Markers (pyproject.toml) make the fast subset, `make test-fast` = `-m "not slow and not
 multiprocess"`; CI runs everything. `multiprocess` is checked, not trusted: a test that
 starts a process (subprocess, multiprocessing, torchrun: all go through
-`_posixsubprocess.fork_exec`, or `os.fork`) without the marker fails, so the fast subset
+`_posixsubprocess.fork_exec`, `os.posix_spawn` or `os.fork`) without the marker fails, so the fast subset
 cannot quietly grow a launch.
 """
 
 import _posixsubprocess
 import os
+import subprocess
 
 import pytest
 import torch
@@ -32,7 +33,12 @@ def _processes_are_marked(request, monkeypatch):
 
     monkeypatch.setattr(_posixsubprocess, "fork_exec", spy(_posixsubprocess.fork_exec,
                                                            "fork_exec"))
+    # subprocess bound its own name for it at import
+    monkeypatch.setattr(subprocess, "_fork_exec", spy(subprocess._fork_exec, "fork_exec"))
     monkeypatch.setattr(os, "fork", spy(os.fork, "fork"))
+    for name in ("posix_spawn", "posix_spawnp"):   # subprocess's other way, where it can
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, spy(getattr(os, name), name))
     yield
     if started:
         pytest.fail(f"this test started {len(started)} process(es) ({started[0]}): mark it "

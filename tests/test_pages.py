@@ -32,6 +32,7 @@ def test_every_generated_block_is_its_runs_rendering():
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.multiprocess
 def test_the_check_mode_runs_from_the_command_line():
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "pages.py"), "check"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -95,6 +96,7 @@ def _reruns():
             for name, b in BLOCKS.items() if b.rerun]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _reruns())
 def test_a_rerun_gives_what_the_page_quotes(name):
     problems = pages.rerun(name)

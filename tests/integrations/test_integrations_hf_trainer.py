@@ -104,6 +104,7 @@ def test_three_steps_bitwise_and_the_guard_is_gone_after(runs, tmp_path):
     assert "forward" not in vars(model)
 
 
+@pytest.mark.slow
 def test_adaptive_under_a_budget_where_none_dies(runs, tmp_path):
     full, kept = runs["full_peak"], runs["none_peak"]
     budget = full + (kept - full) // 2
@@ -134,6 +135,7 @@ class _Blind(transformers.TrainerCallback):
             guard.layer_room.room, expert_grad_bytes=0, expert_grad_sum_bytes=0)
 
 
+@pytest.mark.slow
 def test_the_step_level_net_re_runs_a_training_step_that_ran_out(runs, tmp_path, caplog):
     # Near the all-saved peak the blinded plan keeps everything, and the output head's
     # backward runs out: only a net around the whole training_step can re-run that.

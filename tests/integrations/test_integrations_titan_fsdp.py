@@ -86,6 +86,7 @@ def _check(runs: list[dict]) -> None:
     assert any(r["decisions"]["save"] < 4 for r in runs)   # the low budgets mixed plans
 
 
+@pytest.mark.slow
 def test_one_rank_adaptive_between_full_and_all_saved(one_rank):
     from titan_fsdp_helpers import build_fsdp
     from titan_helpers import batches, step

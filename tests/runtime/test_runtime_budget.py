@@ -210,6 +210,7 @@ def _fail_adaptive(budget: int):
     return guard, attempts, info.value
 
 
+@pytest.mark.slow
 def test_adaptive_tries_full_recompute_then_says_what_budget_would_work(impossible_budget, caplog):
     with caplog.at_level(logging.WARNING, logger="spikeguard"):
         guard, attempts, err = _fail_adaptive(impossible_budget)
@@ -224,6 +225,7 @@ def test_adaptive_tries_full_recompute_then_says_what_budget_would_work(impossib
     assert err.needed_bytes > impossible_budget == err.budget_bytes
 
 
+@pytest.mark.slow
 def test_the_suggested_budget_works(impossible_budget):
     _, _, err = _fail_adaptive(impossible_budget)
     model = build_model(CFG, seed=0)
@@ -239,6 +241,7 @@ def test_the_suggested_budget_works(impossible_budget):
     assert guard.history[-1]["peak_bytes"] <= err.needed_bytes
 
 
+@pytest.mark.slow
 def test_the_printed_budget_is_not_below_the_need(impossible_budget):
     _, _, err = _fail_adaptive(impossible_budget)
     printed = parse_bytes(SUGGESTED.search(str(err)).group(1).replace(" ", ""))

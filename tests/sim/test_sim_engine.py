@@ -33,6 +33,7 @@ def test_same_seed_same_result_other_seed_differs():
         a["policies"]["adaptive"]["peak_bytes"] != c["policies"]["adaptive"]["peak_bytes"]
 
 
+@pytest.mark.slow
 def test_policies_behave_as_the_issue_describes():
     res = simulate(_cfg())
     p = res.policies
@@ -48,6 +49,7 @@ def test_policies_behave_as_the_issue_describes():
     assert safe.tokens_per_s == max(r.tokens_per_s for r in alive)
 
 
+@pytest.mark.slow
 def test_adaptive_step_reruns_are_counted_not_crashes():
     """Where the device runs out under adaptive, the step-level safety net re-runs the step
     fully recomputed (runtime/step.py): counted as `step_rerun`, its time lost, no crash."""
@@ -58,6 +60,7 @@ def test_adaptive_step_reruns_are_counted_not_crashes():
         assert p["adaptive"].total_s > 0 and p["adaptive"].decisions["recompute"] > 0
 
 
+@pytest.mark.slow
 def test_adaptive_beats_full_recompute():
     p = simulate(_cfg(**{"run.policies": ["adaptive", "full"]})).policies
     assert p["adaptive"].decisions["step_rerun"] == 0
@@ -77,6 +80,7 @@ def test_adaptive_keeps_up_with_every_surviving_static_policy_at_scale():
     alive = [p[n] for n in ("experts", "offload", "full") if p[n].crashes == 0]
     assert alive and all(r.mfu <= p["adaptive"].mfu for r in alive)
 
+@pytest.mark.slow
 def test_every_adaptive_decision_comes_from_the_planner(monkeypatch):
     calls = []
     real = Planner.decide
