@@ -61,6 +61,7 @@ EXAMPLES: dict = {
                               "which runs"),
     "spikeguard demo --nproc 1": Run(cap={"--steps": 10}, expect=DONE),   # 30 steps: 23 s
     "make test": Listed("the whole suite, this test among it"),
+    "make test-fast": Listed("a subset of the suite, this test not among it (multiprocess)"),
     "spikeguard train --preset tiny --steps 50 --budget 4MiB --policy adaptive --log run.jsonl":
         Run(cap={"--steps": 20}, expect=("memory: peak ",) + DONE),   # 50 steps: 23 s loaded
     EP: Run(expect=("memory: budget auto = ",) + DONE, timeout_s=180),
@@ -155,6 +156,9 @@ EXAMPLES: dict = {
         Run(cap={"--steps": 3}, expect=DONE),   # 20 steps: 35 s loaded
     "spikeguard train --titan deepseek_v3 --nproc 2 --ep 2 --steps 20 --budget auto":
         Run(cap={"--steps": 5}, expect=DONE, timeout_s=180),
+    # 0.85x of `none`'s peak: the loss outside the model, calm steps with no re-run
+    "spikeguard train --titan deepseek_v3 --steps 6 --policy adaptive --budget 15666016":
+        Run(expect=DONE + ("0 safety-net re-runs",), timeout_s=180),
     "torchrun -m torchtitan.train": Listed("torchtitan's entry point named in a sentence, "
                                            "not a command line"),
     "torchrun --nproc-per-node 8 -m torchtitan.train --module my_pkg --config my_run "

@@ -96,7 +96,7 @@ def _reruns():
             for name, b in BLOCKS.items() if b.rerun]
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", _reruns())
 def test_a_rerun_gives_what_the_page_quotes(name):
     problems = pages.rerun(name)

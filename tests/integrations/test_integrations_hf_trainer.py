@@ -166,7 +166,7 @@ def test_the_trainers_gradient_checkpointing_is_refused(tmp_path):
         trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_docs_example_runs_as_written_under_its_budget(tmp_path):
     page = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text(encoding="utf-8")
     example = [b for b in re.findall(r"```python\n(.*?)```", page, re.S)
