@@ -93,17 +93,24 @@ def test_every_simulated_decision_is_made_on_the_rooms_arguments(monkeypatch):
     assert _decided_on_the_last_room(calls)
 
 
-def test_every_runtime_decision_is_made_on_the_rooms_arguments(monkeypatch):
-    calls = _record(monkeypatch, window)
+def _tiny_adaptive_step(micro_batches: int):
+    """One step of the tiny model under adaptive at 1 GiB (what the plans are does not
+    matter to these tests, only how they are reached); its guard."""
     cfg = model_config("tiny")
     model = build_model(cfg, seed=0)
     gen = torch.Generator().manual_seed(3)
     batch_BT = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
-    # what the plans are does not matter here, only what they are decided on
     guard = spikeguard.attach(model, budget="1GiB", policy="adaptive")
     with guard.step():
-        for _ in range(2):
+        for _ in range(micro_batches):
             model(batch_BT[:, :-1], batch_BT[:, 1:]).loss.backward()
+    return guard
+
+
+def test_every_runtime_decision_is_made_on_the_rooms_arguments(monkeypatch):
+    calls = _record(monkeypatch, window)
+    cfg = model_config("tiny")
+    _tiny_adaptive_step(2)
     assert calls["decides"] and calls["entries"]
     assert calls["calls"].count("decide_layer") == len(calls["decides"])
     assert calls["calls"].count("entry_fallback") == 2 * cfg.num_layers
@@ -165,14 +172,7 @@ def _hookless_layers(monkeypatch, answer) -> tuple[int, list]:
         return real(*args, **kwargs) if answer is None else answer
 
     monkeypatch.setattr(hookless, "fits_unaided", spy)
-    cfg = model_config("tiny")
-    model = build_model(cfg, seed=0)
-    gen = torch.Generator().manual_seed(3)
-    batch_BT = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
-    guard = spikeguard.attach(model, budget="1GiB", policy="adaptive")
-    with guard.step():
-        model(batch_BT[:, :-1], batch_BT[:, 1:]).loss.backward()
-    return guard.history[-1]["hookless_layers"], asked
+    return _tiny_adaptive_step(1).history[-1]["hookless_layers"], asked
 
 
 def test_the_hookless_proof_asks_the_procedure(monkeypatch):
