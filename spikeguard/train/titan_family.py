@@ -120,15 +120,12 @@ class TitanEngine(LocalEngine):
                 for b, before in zip(self._blocks, self._counts_before)]
 
     def _reduce_grads(self) -> None:
-        grads = [p.grad for p in self.model.parameters()
-                 if p.grad is not None and not is_sharded(p)]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
+        """The replicated parameters' gradients summed over the ranks, each in place: no
+        flat copy, which would be device bytes allocated after the step's plan (as in
+        parallel/expert_parallel.py `allreduce_replicated_grads`)."""
+        for p in self.model.parameters():
+            if p.grad is not None and not is_sharded(p):
+                dist.all_reduce(p.grad)
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
