@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from spikeguard.plan.planner import Decision, Planner
-from spikeguard.plan.room import (EntryState, Room, ToCome, WindowState, decision_inputs,
+from spikeguard.plan.room import (EntryState, ToCome, WindowState, decision_inputs,
                                   entry_estimate, layer_cannot_fit)
 
 
@@ -106,9 +106,7 @@ def window_state(facts: LayerFacts, in_use: int, evictable: int, slopes: Slopes)
 @dataclass(frozen=True)
 class LayerDecision:
     decision: Decision
-    room: Room                 # the inputs the planner decided on
     in_use_bytes: int          # the device after the evictions
-    evicted_bytes: int
 
 
 def decide_layer(facts: LayerFacts, in_use: int, slopes: Slopes, forecast: ToCome,
@@ -116,23 +114,20 @@ def decide_layer(facts: LayerFacts, in_use: int, slopes: Slopes, forecast: ToCom
                  note_backward: NoteBackward = _ignore) -> LayerDecision:
     """The layer's plan at the least added time that fits (raises BudgetInfeasible, from
     the planner, when nothing does even after evicting everything evictable)."""
-    evicted = 0
     state = window_state(facts, in_use, evictor.evictable(), slopes)
     note_backward(state.layer_backward_peak_bytes, in_use)
     room = decision_inputs(state, forecast)
     if room.layer_shortfall_bytes > 0:
         # The layer's own peaks do not fit beside the layers below, whatever its plan:
         # move bytes of those to host first, then decide on what is left.
-        freed = evictor.evict(room.layer_shortfall_bytes)
-        evicted, in_use = evicted + freed, in_use - freed
+        in_use -= evictor.evict(room.layer_shortfall_bytes)
         state = window_state(facts, in_use, evictor.evictable(), slopes)
         note_backward(state.layer_backward_peak_bytes, in_use)
         room = decision_inputs(state, forecast)
     decision = planner.decide(*room.planner_args())
     if decision.evict_bytes:
-        freed = evictor.evict(decision.evict_bytes)
-        evicted, in_use = evicted + freed, in_use - freed
-    return LayerDecision(decision, room, in_use, evicted)
+        in_use -= evictor.evict(decision.evict_bytes)
+    return LayerDecision(decision, in_use)
 
 
 def entry_fallback(entry: EntryState, forecast: ToCome, slopes: Slopes, grads_to_come: int,

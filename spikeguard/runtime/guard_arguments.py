@@ -5,7 +5,7 @@ questions about a model and its optimizers the guard and its callers ask
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import nn
