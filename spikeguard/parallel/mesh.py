@@ -12,7 +12,8 @@ neighbours, the stages of one pipeline are NP/PP ranks apart. Groups, all from
     different stages, which run different layers at different times, never mix;
   * `dp_group`: the data-parallel replicas of one (stage, ep) coordinate (expert grads);
   * `replicate_group`: dp x ep flattened, the ranks that hold the same replicated
-    (non-expert) parameters of a stage: DDP reduces over it.
+    (non-expert) parameters of a stage: their gradients are summed over it after the
+    step (PipelineRank._reduce_grads).
 Every (dp, ep) coordinate reads its own data shard (`data_shard`), the same on every stage
 of its pipeline (stage 0 needs the tokens, the last stage the targets).
 """

@@ -12,9 +12,8 @@ schedule: from there on each of its stage actions is a *ghost*:
   token of the next stage to the same experts) and the first one delivers this rank's
   note at the stage's first flag point, where its EP peers learn it (they become ghosts);
 - a backward makes the reverse exchanges its EP peers wait in for that micro-batch (the
-  journal's sizes: spikeguard.parallel.exchange_journal) and gives zero input gradients;
-  the schedule's last backward under DDP runs one backward through zeros that touches
-  every DDP parameter, so the replicas' bucket all-reduces still match;
+  journal's sizes: spikeguard.parallel.exchange_journal) and gives zero input gradients
+  (no replica reduces during the schedule: PipelineRank reduces after the step);
 - the schedule's own sends and receives run unchanged (they are outside the stage's
   forward and backward), with the ghost's tensors.
 
@@ -163,8 +162,6 @@ class PipelineRecovery:
             stage._retrieve_recv_grads(bwd_chunk_id)
         if not settled and self.agreement is not None:
             self._settle(stage, bwd_chunk_id)
-        if last_backward and isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
-            _ddp_zero_backward(stage.submod)
         if stage.is_first:
             grads = (None,) * len(stage._stage_meta.inputs)
         else:
@@ -198,16 +195,3 @@ def device_failure(err: BaseException) -> Optional[BaseException]:
             return err
         err, seen = err.__cause__, seen + 1
     return None
-
-
-def _ddp_zero_backward(ddp) -> None:
-    """One backward through zeros that reaches every parameter DDP reduces: its buckets
-    fire in their order, as on the replicas that ran the real last backward."""
-    ignored = getattr(ddp, "parameters_to_ignore", set())
-    params = [p for n, p in ddp.module.named_parameters()
-              if p.requires_grad and n not in ignored]
-    if not params:
-        return
-    zero = sum(p.reshape(-1)[:1].sum() * 0 for p in params)
-    ddp.reducer.prepare_for_backward([zero])
-    zero.backward()

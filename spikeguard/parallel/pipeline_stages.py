@@ -109,7 +109,7 @@ def pipeline_stage(module: nn.Module, stage: int, num_stages: int, micro_batch_s
                    group=None, device: Optional[torch.device] = None):
     """A PipelineStage with all four shape metadata given (meta tensors), so the first
     `step()` runs no shape-inference forward: every forward the guard sees is a real
-    micro-batch. `module` may be the StageModule itself or a DDP wrapping it."""
+    micro-batch."""
     from torch.distributed.pipelining import PipelineStage
 
     inner = getattr(module, "module", module)

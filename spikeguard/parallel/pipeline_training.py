@@ -1,4 +1,4 @@
-"""One rank of a pipeline x data x expert parallel job: stages, guards, DDP, schedule.
+"""One rank of a pipeline x data x expert parallel job: stages, guards, schedule, reduction.
 
     groups = MeshGroups.build(ParallelLayout(nproc=4, pp=2, ep=2))
     rank = PipelineRank(build_model(cfg), groups, micro_batches=4, batch_size=2)
@@ -6,17 +6,25 @@
     losses = rank.step(idx_BT, targets_BT)     # M*B sequences: this data shard's batch
 
 Order matters and is fixed here: cut the stages, shard their experts (new parameters),
-attach the guards (they count the parameters), wrap in DDP, then build the PipelineStages
-(static shapes: no inference forward) and the schedule, whose action list the guards'
-residency forecast reads. Under DDP the expert parameters are left out (their replicas
-are the dp peers only, not the whole dp x ep group) and reduced here after the step.
+attach the guards (they count the parameters), then build the PipelineStages (static
+shapes: no inference forward) and the schedule, whose action list the guards' residency
+forecast reads.
 
 Gradients, with S = dp x ep data shards of M micro-batches each: every micro-batch's loss
-is a mean over its tokens; the schedule divides the accumulated gradients by M; DDP
-averages the replicated ones over the S shards; an expert's gradient already holds its ep
-peers' contributions (the reverse all-to-all) and is summed over dp here, then divided by
-S. That is the single-process gradient of the mean loss over all S x M micro-batches, up
-to float rounding (tests/parallel/test_parallel_pp.py states the tolerance).
+is a mean over its tokens; the schedule divides the accumulated gradients by M; the
+replicated ones are summed over the S shards (the dp x ep replicate group) and an
+expert's, which already holds its ep peers' contributions (the reverse all-to-all), over
+dp, then each is divided by S. That is the single-process gradient of the mean loss over
+all S x M micro-batches, up to float rounding (tests/parallel/test_parallel_pp.py states
+the tolerance).
+
+The replicas reduce after the step's agreement, not during the schedule's last backward
+as DDP's buckets would: a rank refused in that backward plays the rest of the schedule as
+a ghost (spikeguard.parallel.pipeline_recovery), and a ghost cannot issue the buckets its
+replicas have launched and not yet the rest, in their order (with small buckets torch's
+reducer failed its own assertion in the re-run). Reducing after the step, a failed step
+launches no reduction at all; the cost is the overlap of that one backward with the
+all-reduce.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from spikeguard.errors import DeviceOutOfMemory, UsageError
-from spikeguard.parallel.expert_parallel import expert_parameters, parallelize_experts
+from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, expert_parameters,
+                                                 parallelize_experts)
 from spikeguard.parallel.mesh import SCHEDULES, MeshGroups
 from spikeguard.plan.residency import Residency, attach_residency
 from spikeguard.parallel.pipeline_recovery import PipelineRecovery
@@ -90,33 +99,18 @@ class PipelineRank:
                 guard.layer_room.no_head()
         return self.guards
 
-    def _wrap(self, module: nn.Module) -> nn.Module:
-        group = self.groups.replicate_group
-        if group is None:
-            return module
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if self.groups.ep_group is not None:
-            sharded = {id(p) for p in expert_parameters(module)}
-            names = [n for n, p in module.named_parameters() if id(p) in sharded]
-            DDP._set_params_and_buffers_to_ignore_for_model(module, names)
-        # No buffer sync in forward: the only buffer is the routers' selection bias, which
-        # the skew injector sets per rank on purpose (torch 2.13's name for the switch).
-        return DDP(module, process_group=group, forward_sync_buffers=False)
-
     def _build(self) -> None:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
         shape = (self.batch_size, self.seq_len)
-        # What DDP and the stages allocate here lives on the device from now on (a CUDA
-        # device counts it): made with the guards' devices active, the emulated one does
-        # too (the independent meter saw 56-76 KiB more than the device on PP=2 x EP=2).
+        # What the stages allocate here lives on the device from now on (a CUDA device
+        # counts it): made with the guards' devices active, the emulated one does too (the
+        # independent meter saw 56-76 KiB more than the device on PP=2 x EP=2).
         with contextlib.ExitStack() as active:
             for guard in self.guards:
                 active.enter_context(guard.meter.active())
-            self.wrapped = [self._wrap(m) for m in self.modules.stages]
-            stages = [pipeline_stage(w, s, self.num_stages, shape, group=self.groups.pp_group)
-                      for w, s in zip(self.wrapped, self.stage_ids)]
+            stages = [pipeline_stage(m, s, self.num_stages, shape, group=self.groups.pp_group)
+                      for m, s in zip(self.modules.stages, self.stage_ids)]
             loss_fn = stage_loss
             if self.guards:   # a rank that runs out plays the rest of the step as a ghost
                 self.recovery = PipelineRecovery(
@@ -168,7 +162,7 @@ class PipelineRank:
                       keep_grads=self.keep_grads)
         else:
             micro_batches()
-        self._reduce_expert_grads()
+        self._reduce_grads()
         return losses
 
     @torch.no_grad()
@@ -183,15 +177,21 @@ class PipelineRank:
             self.schedule.eval(*args, **kwargs)
         return losses
 
-    def _reduce_expert_grads(self) -> None:
-        if self.groups.ep_group is None or self.groups.replicate_group is None:
+    def _reduce_grads(self) -> None:
+        """The replicas' gradients, after the step's agreement (see the module's docstring):
+        in place, one collective per parameter, no flat copy on the device."""
+        group = self.groups.replicate_group
+        if group is None:
             return
-        grads = [p.grad for m in self.modules.stages for p in expert_parameters(m)
-                 if p.grad is not None]
-        for g in grads:   # in place, one at a time: no flat copy on the device
+        for module in self.modules.stages:
+            allreduce_replicated_grads(module, group)   # all but the sharded experts
             if self.groups.dp_group is not None:
-                dist.all_reduce(g, group=self.groups.dp_group)
-            g /= self.groups.num_shards
+                for p in expert_parameters(module):
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=self.groups.dp_group)
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad /= self.groups.num_shards
 
     # ---- gradient norm over the whole mesh -------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -216,7 +216,7 @@ class PipelineRank:
     def close(self) -> None:
         for guard in self.guards:
             guard.detach()
-        self.guards, self.residencies, self.schedule, self.wrapped = [], [], None, []
+        self.guards, self.residencies, self.schedule = [], [], None
 
 
 @contextlib.contextmanager

@@ -163,9 +163,9 @@ class Training:
     `torch_buffers`: what torch's own parallel training keeps besides (the runtime's
     `train --pp`): torch.distributed.pipelining's receive buffers, one per micro-batch for
     a stage's input and one for its output's gradient, from its first step on, and the
-    last sent output until the next exchange; DDP's gradient buckets over the replicas of a
-    stage (the replicated parameters' gradients again), from when DDP wraps the stage
-    (it rebuilds them in the first backward, in place of the first ones). False: Megatron-style exchange and gradient buffers (none of these)."""
+    last sent output until the next exchange (the replicas' gradients are reduced in
+    place after the step: no DDP buckets). False: Megatron-style exchange and gradient
+    buffers (none of these)."""
 
     param_bytes: int = 4
     grad_bytes: int = 4

@@ -50,7 +50,6 @@ class StageShape:
     param_bytes: int = 0
     optimizer_bytes: int = 0
     chunk_grad_bytes: tuple[int, ...] = ()   # gradients of each chunk's parameters
-    dense_grad_bytes: int = 0         # the replicated (non-expert) parameters' gradients
     buffer_bytes: int = 0             # torch_buffers: the pipeline's receive buffers
 
 
@@ -78,7 +77,6 @@ class DeviceModel:
     embed_bytes: int = 0              # on the device per micro-batch (the position ids)
     lazy_state: bool = False          # training.lazy_state
     torch_buffers: bool = False       # training.torch_buffers
-    replicated: bool = False          # a stage's dense parameters live on several ranks
     layer_grad_bytes: int = 0         # one layer's parameters' gradients, on one device
     head_grad_bytes: int = 0
 
@@ -127,7 +125,7 @@ def build(cfg: SimConfig) -> DeviceModel:
         num_params=num_params(cfg), stages=tuple(_stages(cfg)), layer=layer,
         head=HeadBytes(d_model=D, vocab_size=V, elem_bytes=b, grad_bytes=g),
         embed_bytes=INDEX * S, lazy_state=cfg.training.lazy_state,
-        torch_buffers=cfg.training.torch_buffers, replicated=lay.dp > 1,
+        torch_buffers=cfg.training.torch_buffers,
         layer_grad_bytes=int(g * (_dense_layer(cfg) + _expert_layer(cfg))),
         head_grad_bytes=int(g * param_counts(cfg)["head"] / tp))
 
@@ -178,6 +176,5 @@ def _stages(cfg: SimConfig) -> list[StageShape]:
                               static_bytes=int(weights + optim),
                               param_bytes=int((dense + experts) * tr.param_bytes),
                               optimizer_bytes=int(optim), chunk_grad_bytes=tuple(grads),
-                              dense_grad_bytes=int(dense * tr.grad_bytes),
                               buffer_bytes=buffers))
     return out

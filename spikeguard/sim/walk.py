@@ -293,14 +293,11 @@ class StageWalker:
 
     def _static(self, state: StepState) -> int:
         """On the device before the step's first forward: weights, the pipeline's receive
-        buffers, DDP's buckets (made when DDP wraps the stage, rebuilt in place of the first
-        ones in the first backward), (persistent, or from the first optimizer step on) the
-        optimizer's state; the gradients too unless the step's backward makes them."""
+        buffers, (persistent, or from the first optimizer step on) the optimizer's state;
+        the gradients too unless the step's backward makes them."""
         st, dm = self.stage, self.dm
         later = state.optimizer or not dm.lazy_state
         out = st.param_bytes + st.buffer_bytes
-        if dm.torch_buffers and dm.replicated:
-            out += st.dense_grad_bytes
         if later:
             out += st.optimizer_bytes
         if not dm.lazy_state:

@@ -61,13 +61,17 @@ PP_EP_SCENARIOS = [
     _s("squeeze1", "adaptive", "range*0.5", squeeze=(1, 1)),
     # Once, in backward on rank 2 (stage 1, the last): the step, on every rank of the job.
     _s("squeeze_bwd", "adaptive", "range*0.5", squeeze_backward=(2, 1)),
+    # In the schedule's last backward (micro-batch 3), where the replicated gradients'
+    # reduction used to be under way in DDP's buckets: it now waits for the step's end.
+    _s("squeeze_last_bwd", "adaptive", "range*0.5", squeeze_backward=(2, 3)),
     # Calm, under a budget keeping everything fits in (1.1x `calm`'s true peak), three
     # steps: the layer peaks are calibrated after each, from a pipeline's device.
     _s("calm_adaptive", "adaptive", "calm*1.25", calm=True, steps=3),
     _s("spike_none", "none", "calm*1.0", spike=0),  # last: rank 0 dies of it
 ]
 PP_DP_SCENARIOS = [_s("plain", "plain"), _s("calm", "none"), _s("full", "full"),
-                   _s("tight", "adaptive", "range*0.5")]
+                   _s("tight", "adaptive", "range*0.5"),
+                   _s("squeeze_last_bwd", "adaptive", "range*0.5", squeeze_backward=(2, 3))]
 
 
 def _spawn(tmp_path_factory, name, world, runs, expect_failure=None):
@@ -264,12 +268,15 @@ def test_pp_ep_each_ranks_device_peak_is_the_meters(pp2ep2, scenario):
     (tests/meter.py) within 2%, calm (none), tight (adaptive cutting) and the warm-up
     spike (adaptive). The device may see more, never less: gloo's and the pipeline's
     allocations on their own threads and scratch inside one op are the meter's blind
-    spots."""
+    spots: on stage 0 when adaptive cuts, the device's peak is a fixed 24.75 KiB above the
+    meter's (25,344 bytes, the same with DDP's buckets and without: a scratch inside one
+    op of the stage's backward), so the bound is 2% or 32 KiB, the larger."""
     world, load = pp2ep2
     for rank in range(world):
         result = load(scenario, rank)
         seen, device = result["meter_peak"], result["records"][0]["peak_bytes"]
-        assert seen <= device <= 1.02 * seen, (rank, device, seen, device / seen)
+        assert seen <= device <= seen + max(0.02 * seen, 32 * 1024), (
+            rank, device, seen, device / seen)
 
 
 # ---- PP=2 x DP=2 -----------------------------------------------------------------------
@@ -305,20 +312,28 @@ def test_pp_ep_safety_net_inside_a_stage_keeps_counts_and_gradients(pp2ep2):
 
 
 
-def test_pp_ep_backward_oom_on_a_stage1_rank_reruns_the_step_on_every_rank(pp2ep2):
-    """Rank 2 (stage 1) alone is refused in the backward of micro-batch 1: it plays the
+@pytest.mark.parametrize("layout, scenario, micro_batch", [
+    ("pp2ep2", "squeeze_bwd", 1), ("pp2ep2", "squeeze_last_bwd", 3),
+    ("pp2dp2", "squeeze_last_bwd", 3)])
+def test_pp_backward_oom_on_a_stage1_rank_reruns_the_step_on_every_rank(
+        request, layout, scenario, micro_batch):
+    """Rank 2 (stage 1) alone is refused in the backward of a micro-batch: it plays the
     rest of the schedule as a ghost, its EP peer learns at its next flag point, the other
     stage runs on; at the step's end every rank of the job holds the same notes and
-    re-runs the step with full recompute, within the budget, bitwise the plain run's."""
-    world, load = pp2ep2
+    re-runs the step with full recompute, within the budget, bitwise the plain run's. In
+    the schedule's last backward too, where a reduction of the replicated gradients
+    launched during backward (DDP's buckets) would be left half issued by the ghost: the
+    replicas reduce only after the step's agreement (PipelineRank._reduce_grads)."""
+    world, load = request.getfixturevalue(layout)
     reasons = set()
     for rank in range(world):
-        record = load("squeeze_bwd", rank)["records"][0]
+        record = load(scenario, rank)["records"][0]
         assert [r["scope"] for r in record["safety_net"]] == ["step"], (rank, record)
         reasons.add(record["safety_net"][0]["reason"])
         assert record["micro_batches"] == MICRO_BATCHES
         assert record["peak_bytes"] <= record["budget_bytes"], (rank, record)
         assert record["decisions"]["save"] == 0, record["decisions"]   # every layer whole
     assert len(reasons) == 1, reasons          # one agreed line on every rank
-    assert next(iter(reasons)).startswith("rank 2 ran out of memory in backward of micro-batch 1")
-    _assert_bitwise(world, load, "plain", "squeeze_bwd")
+    assert next(iter(reasons)).startswith(
+        f"rank 2 ran out of memory in backward of micro-batch {micro_batch}")
+    _assert_bitwise(world, load, "plain", scenario)
