@@ -50,6 +50,7 @@ from spikeguard.model.dispatch import Dispatched
 from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing
 from spikeguard.parallel.exchange_journal import Exchange, ExchangeJournal
+from spikeguard.parallel.gradients import sum_grads
 from spikeguard.runtime.agreement import Note, PeerFailed
 from spikeguard.runtime.guard_arguments import attached_guard
 
@@ -190,7 +191,8 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def allreduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum over the group the gradients of every parameter that is not a sharded expert.
+    """Sum over the group the gradients of every parameter that is not a sharded expert
+    (in place, one all_reduce per parameter: spikeguard.parallel.gradients).
 
     Each rank ran a different shard of the batch through its full copy of the replicated
     parameters (embeddings, attention, norms, routers, shared experts), so the whole
@@ -202,24 +204,6 @@ def allreduce_replicated_grads(model: nn.Module, group: dist.ProcessGroup) -> No
     the reverse all-to-all already brought every rank's (scaled) contribution to the one
     rank that owns each expert. (The load-balancing loss is a product of batch means, so
     per-shard aux losses are not the whole batch's; only the cross-entropy part matches.)
-
-    Each gradient is reduced in place, one all_reduce per parameter: no flat copy, so the
-    reduction holds no device memory beyond the gradients themselves (a flat buffer was
-    2.83 MiB on `small` EP=2, allocated after the step's plan, where the device could refuse
-    it with the step already done). A parameter whose gradient is None on some ranks but
-    not all is reduced with zeros there (a mask is summed first), so every rank issues the
-    same collectives; one with no gradient anywhere stays None.
     """
     sharded = {id(p) for p in expert_parameters(model)}
-    params = [p for p in model.parameters() if p.requires_grad and id(p) not in sharded]
-    if not params:
-        return
-    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
-                            device=params[0].device)
-    dist.all_reduce(has_grad, group=group)
-    params = [p for p, n in zip(params, has_grad.tolist()) if n > 0]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for p in params:
-        dist.all_reduce(p.grad, group=group)
+    sum_grads((p for p in model.parameters() if id(p) not in sharded), group)

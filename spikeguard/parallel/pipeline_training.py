@@ -40,6 +40,7 @@ from torch import nn
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, expert_parameters,
                                                  parallelize_experts)
+from spikeguard.parallel.gradients import clip_grads_, sum_grads
 from spikeguard.parallel.mesh import SCHEDULES, MeshGroups
 from spikeguard.plan.residency import Residency, attach_residency
 from spikeguard.parallel.pipeline_recovery import PipelineRecovery
@@ -186,9 +187,7 @@ class PipelineRank:
         for module in self.modules.stages:
             allreduce_replicated_grads(module, group)   # all but the sharded experts
             if self.groups.dp_group is not None:
-                for p in expert_parameters(module):
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=self.groups.dp_group)
+                sum_grads(expert_parameters(module), self.groups.dp_group)
             for p in module.parameters():
                 if p.grad is not None:
                     p.grad /= self.groups.num_shards
@@ -199,19 +198,9 @@ class PipelineRank:
         equal on its dp x ep replicas (counted once), the experts are summed over the ep
         peers, the stages over the pipeline."""
         experts = {id(p) for m in self.modules.stages for p in expert_parameters(m)}
-        params = [p for p in self.modules.parameters() if p.grad is not None]
-        replicated = sum((p.grad.float() ** 2).sum() for p in params if id(p) not in experts)
-        sharded = sum((p.grad.float() ** 2).sum() for p in params if id(p) in experts)
-        sharded = torch.as_tensor(sharded, dtype=torch.float32).clone()
-        if self.groups.ep_group is not None:
-            dist.all_reduce(sharded, group=self.groups.ep_group)
-        total = torch.as_tensor(replicated, dtype=torch.float32) + sharded
-        dist.all_reduce(total, group=self.groups.pp_group)
-        norm = total.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef)
-        return norm
+        return clip_grads_(self.modules.parameters(), max_norm,
+                           sharded=lambda p: id(p) in experts,
+                           shard_group=self.groups.ep_group, stage_group=self.groups.pp_group)
 
     def close(self) -> None:
         for guard in self.guards:

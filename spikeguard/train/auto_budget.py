@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,17 +31,24 @@ _NO_LIMIT = 1 << 50
 
 def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                     micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    group=None) -> tuple[int, int]:
-    """(peak, static) device bytes of one step over `micro_batches` with everything saved."""
+                    group=None, loss_of: Optional[Callable] = None) -> tuple[int, int]:
+    """(peak, static) device bytes of one step over `micro_batches` with everything saved,
+    the optimizer step's peak included. `loss_of(batch)`: the micro-batch's loss (default
+    the built-in model's `model(idx, targets).loss`; torchtitan's is computed outside its
+    model): the one probe of every family."""
     from spikeguard import attach
+
+    if loss_of is None:
+        def loss_of(batch):
+            return model(*batch).loss
 
     if not micro_batches:
         raise UsageError("calm_peak_bytes needs at least one micro-batch")
     guard = attach(model, budget=_NO_LIMIT, policy="none", optimizer=optimizer)
     try:
         with guard.step():
-            for idx_BT, targets_BT in micro_batches:
-                model(idx_BT, targets_BT).loss.backward()
+            for batch in micro_batches:
+                loss_of(batch).backward()
         record = guard.history[-1]
         # The optimizer's state exists on the device from its first step on; a probe before
         # that step peaks without it, so it is added (it is resident through every later

@@ -118,10 +118,11 @@ def checkpoint_identity(cfg: RunConfig) -> tuple[dict, dict]:
     L = cfg.layout
     layout = {"nproc": L.nproc, "pp": L.pp, "dp": L.dp, "ep": L.ep,
               "schedule": cfg.parallel.schedule}
-    if cfg.model.hf is None:
-        model = {"family": "builtin", **cfg.model.builtin.to_dict()}
-    else:
-        model = {"family": "hf", "hf": cfg.model.hf, **cfg.model.overrides}
+    family = cfg.model.family
+    if family == "builtin":
+        model = {"family": family, **cfg.model.builtin.to_dict()}
+    else:   # hf, titan: the name and the sizes given (a new family is never "builtin")
+        model = {"family": family, family: cfg.model.name, **cfg.model.overrides}
     return layout, json.loads(json.dumps(model))
 
 

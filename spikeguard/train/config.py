@@ -4,8 +4,8 @@
                                "guard": {"budget": "2MiB"}, "train": {"steps": 4}})
     cfg = RunConfig.from_toml("run.toml")          # the same sections, as TOML tables
 
-Sections: `model` (the built-in model's preset and overrides, or `hf` with its sizes),
-`parallel` (spikeguard.parallel.mesh.ParallelLayout plus the pipeline schedule),
+Sections: `model` (a built-in preset, or `hf` / `titan`, with overrides), `parallel`
+(spikeguard.parallel.mesh.ParallelLayout plus the pipeline schedule),
 `train` (spikeguard.train.loop.TrainConfig), `guard` (budget and policy), `skew`
 (spikeguard.routing.skew.SkewConfig, or none) and `files` (data, log, traces,
 checkpoints, skipped steps, threads). Each part validates itself on creation and the run
@@ -36,14 +36,13 @@ _PATHS = {p: "a path (a string)" for p in ("data", "log", "record_trace", "trace
 # What a setting must be, where its annotation does not say it well (check_types).
 DESCRIBED = {"FilesConfig": {**_PATHS, "resume": "true, false or 'auto'"},
              "GuardConfig": {"budget": "a byte count or a string like '24GiB' or 'auto'"}}
-MAX_THREADS = 4096
-MAX_NPROC = 4096   # processes on this machine
+MAX_THREADS = MAX_NPROC = 4096   # threads, processes on this machine
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelChoice:
-    """Which model: a built-in preset with overrides, or a tiny Hugging Face one (`hf`: a
-    model type such as mixtral, or a config JSON) at the same sizes."""
+    """Which model: a built-in preset, a Hugging Face one (`hf`: a model type or a config
+    JSON) or a torchtitan one (`titan`), with size overrides."""
 
     preset: str = "small"
     hf: Optional[str] = None
@@ -80,6 +79,10 @@ class ModelChoice:
     @property
     def name(self) -> str:
         return self.titan or (self.hf if self.hf is not None else self.preset)
+
+    @property
+    def family(self) -> str:   # the `name` of spikeguard.train.families' classes
+        return "titan" if self.titan is not None else "hf" if self.hf is not None else "builtin"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,10 +253,8 @@ class RunConfig:
                              "(--nproc 2 or more without a pipeline)")
         if self.files.trace is not None and self.skew.pattern is not None:
             raise UsageError("--trace replays recorded routing; it cannot be combined with --skew")
-        if self.model.hf is not None:
-            self._check_hf(layout)
-        if self.model.titan is not None:
-            self._check_titan(layout)
+        {"hf": self._check_hf, "titan": self._check_titan}.get(
+            self.model.family, lambda layout: None)(layout)
         skew = self.skew.config(layout.ep)
         if skew is not None:
             from spikeguard.routing.skew import SkewSchedule
@@ -280,9 +281,8 @@ class RunConfig:
                              "parallelism runs without a pipeline here)")
         if layout.nproc > 1 and layout.ep != layout.nproc:
             raise UsageError(f"with --hf, --ep must be the number of processes {layout.nproc} "
-                             f"(transformers' EP with FSDP2 over all of them; experts "
-                             f"replicated over data-parallel ranks are not supported), got "
-                             f"--ep {layout.ep}")
+                             f"(transformers' EP with FSDP2 over all of them; experts replicated"
+                             f" over data-parallel ranks are not supported), got --ep {layout.ep}")
         if layout.nproc > 1 and self.files.checkpoint_dir is not None:
             raise UsageError("--checkpoint-dir is not available with --hf and --nproc "
                              "(sharded transformers checkpoints are not written yet)")

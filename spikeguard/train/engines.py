@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spikeguard.memory.ledger import local_tensor
 from spikeguard.model.dispatch import expert_imbalance
 from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, expert_parameters,
                                                  parallelize_experts)
 from spikeguard.parallel.agreement import job_flag_point
+from spikeguard.parallel.gradients import clip_grads_, sum_grads
 from spikeguard.parallel.summary import RoutingMonitor, ep_summary, pipeline_summary
 from spikeguard.runtime.agreement import ABORT, JobEnds, Note, agreed_text
 from spikeguard.runtime.net import failure_note
@@ -139,40 +139,23 @@ class LocalEngine:
     def _reduce_grads(self) -> None:
         allreduce_replicated_grads(self.model, dist.group.WORLD)
         if self.groups.dp_group is not None:
-            for p in expert_parameters(self.model):   # in place: no flat copy
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.groups.dp_group)
+            sum_grads(expert_parameters(self.model), self.groups.dp_group)
 
     def _clip(self) -> float:
         """The norm of the whole model's gradient, the same on every rank: replicated
         parameters once, the sharded experts summed over their ep peers."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_clip = self.grad_clip
         if self.groups is None or self.groups.ep_group is None:
-            return torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
+            return clip_grads_(self.model.parameters(), self.grad_clip).item()
         experts = {id(p) for p in expert_parameters(self.model)}
-        replicated = sum((p.grad.float() ** 2).sum() for p in params if id(p) not in experts)
-        sharded = torch.as_tensor(sum((p.grad.float() ** 2).sum() for p in params
-                                      if id(p) in experts), dtype=torch.float32).clone()
-        dist.all_reduce(sharded, group=self.groups.ep_group)
-        norm = (torch.as_tensor(replicated, dtype=torch.float32) + sharded).sqrt()
-        coef = (grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coef)
-        return norm.item()
+        return clip_grads_(self.model.parameters(), self.grad_clip,
+                           sharded=lambda p: id(p) in experts,
+                           shard_group=self.groups.ep_group).item()
 
     def _clip_sharded(self) -> float:
         """The whole model's gradient norm when every rank holds disjoint shards of it
         (FSDP2 over all ranks, experts whole on their EP rank): one sum over the world."""
-        grads = [local_tensor(p.grad) for p in self.model.parameters()
-                 if p.grad is not None]
-        total = torch.stack([(g.float() ** 2).sum() for g in grads]).sum().reshape(1)
-        dist.all_reduce(total)
-        norm = total.sqrt()
-        coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return norm.item()
+        return clip_grads_(self.model.parameters(), self.grad_clip, sharded=lambda p: True,
+                           shard_group=dist.group.WORLD).item()
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple]) -> float:

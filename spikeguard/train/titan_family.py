@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spikeguard.integrations.titan_models import TitanSizes, build_titan_model, lm_loss
+from spikeguard.parallel.gradients import clip_grads_, sum_grads
 from spikeguard.train.engines import LocalEngine
 
 # torchtitan's router asks CPU autocast for float32, which CPU autocast does not do; the
@@ -62,11 +63,12 @@ class TitanFamily:
         return TitanEngine(model, self, groups, grad_clip=self.cfg.train.grad_clip)
 
     def auto_budget(self, engine, batches: list, groups, held: str = "") -> tuple[int, str]:
-        from spikeguard.train.auto_budget import auto_budget
-        from spikeguard.train.auto_budget import auto_budget_line
+        from spikeguard.train.auto_budget import auto_budget, auto_budget_line, calm_peak_bytes
 
-        peak, static = calm_peak_bytes(engine.model, engine.optimizers[0], batches,
-                                       groups is not None)
+        model = engine.model
+        peak, static = calm_peak_bytes(model, engine.optimizers[0], batches,
+                                       group=dist.group.WORLD if groups is not None else None,
+                                       loss_of=lambda batch: TitanFamily.losses(model, batch)[0])
         budget = auto_budget(peak, static)
         return budget, auto_budget_line(peak, None, budget)
 
@@ -120,56 +122,18 @@ class TitanEngine(LocalEngine):
                 for b, before in zip(self._blocks, self._counts_before)]
 
     def _reduce_grads(self) -> None:
-        """The replicated parameters' gradients summed over the ranks, each in place: no
-        flat copy, which would be device bytes allocated after the step's plan (as in
-        parallel/expert_parallel.py `allreduce_replicated_grads`)."""
-        for p in self.model.parameters():
-            if p.grad is not None and not is_sharded(p):
-                dist.all_reduce(p.grad)
+        """The replicated parameters' gradients summed over the ranks, in place
+        (spikeguard.parallel.gradients)."""
+        sum_grads((p for p in self.model.parameters() if not is_sharded(p)), dist.group.WORLD)
 
     def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.groups is None:
-            return torch.nn.utils.clip_grad_norm_(params, self.grad_clip).item()
-        local = [p.grad.to_local() if is_sharded(p) else p.grad for p in params]
-        replicated = sum((g.float() ** 2).sum() for p, g in zip(params, local) if not is_sharded(p))
-        sharded = torch.as_tensor(sum((g.float() ** 2).sum() for p, g in zip(params, local)
-                                      if is_sharded(p)), dtype=torch.float32).clone()
-        dist.all_reduce(sharded)
-        norm = (torch.as_tensor(replicated, dtype=torch.float32) + sharded).sqrt()
-        coef = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        for g in local:
-            g.mul_(coef)
-        return norm.item()
+            return clip_grads_(self.model.parameters(), self.grad_clip).item()
+        return clip_grads_(self.model.parameters(), self.grad_clip, sharded=is_sharded,
+                           shard_group=dist.group.WORLD).item()
 
     def summarize(self, record: dict, step: int) -> dict:
         return {}
 
 
-def calm_peak_bytes(model: nn.Module, optimizer, batches, distributed: bool) -> tuple[int, int]:
-    """(peak, static) device bytes of one step with everything saved (worst rank), the
-    optimizer step's peak included, then undone (gradients dropped, state reset)."""
-    from spikeguard import attach
-    guard = attach(model, budget="1TiB", policy="none", optimizer=optimizer)
-    state = {k: v for k, v in optimizer.state_dict().items()}
-    try:
-        def body():
-            for batch in batches:
-                TitanFamily.losses(model, batch)[0].backward()
-        guard.run_step(body)
-        record = guard.history[-1]
-    finally:
-        guard.detach()
-        model.zero_grad(set_to_none=True)
-        optimizer.load_state_dict(state)
-    from spikeguard.memory.static import optimizer_state_bytes
-    expected, present = optimizer_state_bytes(model, optimizer)
-    both = torch.tensor([record["peak_bytes"] + expected - present, record["static_bytes"]
-                         + expected - present], dtype=torch.int64)
-    if distributed:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    peak, static = both.tolist()
-    return int(peak), int(min(static, peak))
-
-
-__all__ = ["TitanFamily", "TitanEngine", "calm_peak_bytes"]
+__all__ = ["TitanFamily", "TitanEngine"]
