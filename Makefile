@@ -2,26 +2,28 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# Every install pins exactly what CI tests (constraints.txt: the lock); pyproject.toml
+# holds only the supported ranges.
+PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints.txt
 # torchtitan for spikeguard.integrations.titan_* and its tests: installed without its
 # declared dependencies (datasets, wandb, tensorboard, ...: its trainer's, not its MoE
 # model's), with only what `import torchtitan.models` needs. triton is imported at module
-# level by its token dispatcher (a 286 MB wheel; never run on CPU). Same pins as the
-# `titan` extra in pyproject.toml.
-TITAN_PKGS := torchtitan==0.3.0 spmd_types==0.2.3 triton==3.9.0 tyro==1.0.17 \
-	docstring_parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0
+# level by its token dispatcher (a 286 MB wheel; never run on CPU). Their versions, as every
+# other's, come from constraints.txt (the `titan` extra in pyproject.toml holds the ranges).
+TITAN_PKGS := torchtitan spmd_types triton tyro docstring_parser typeguard torchdata
 # What torchtitan's Trainer imports at module level (`-m torchtitan.train`, its tests in
 # tests/integrations/test_integrations_titan_train.py): its metrics' tensorboard, its data
 # loader's datasets (torchdata above, --no-deps: it would pull another torch); with their
 # own dependencies. About 25 s on a fresh install here.
-TITAN_TRAINER_PKGS := tensorboard==2.21.0 datasets==4.7.0
+TITAN_TRAINER_PKGS := tensorboard datasets
 
 .PHONY: demo test test-fast bench bench-pp clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps $(TITAN_PKGS)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(TITAN_TRAINER_PKGS)
+	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps $(TITAN_PKGS)
+	$(PIP) $(TITAN_TRAINER_PKGS)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -21,7 +21,21 @@ import time
 from typing import Optional, Sequence
 
 from spikeguard.errors import ArgumentParser, DeviceOutOfMemory, OutputError, UsageError
-from spikeguard.runtime.interrupts import in_finalizer
+
+
+def _quiet_absent_numpy() -> None:
+    """numpy is optional for torch and for spikeguard's core (spikeguard.extras), yet
+    torch 2.13 warns "Failed to initialize NumPy" at its import when numpy is absent: the
+    CLI's output is its own lines, so that warning is dropped there, and only there."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("numpy") is None:
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+
+_quiet_absent_numpy()   # before torch's first import (runtime.interrupts imports it)
+from spikeguard.runtime.interrupts import in_finalizer  # noqa: E402
 
 
 def package_version() -> str:

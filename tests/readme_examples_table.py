@@ -84,6 +84,16 @@ EXAMPLES: dict = {
         Run(cap={"--steps": 2}, files={"run.toml": ("README.md", 'preset = "tiny"')},
             expect=DONE, timeout_s=180, long=True),
     "spikeguard train": Listed(NAME),
+    # "Installing into your own environment": pip into the user's environment; what they
+    # do is tested by tests/test_packaging.py (wheel into a fresh venv beside torch) and
+    # tests/test_extras.py (the extras' one-line messages)
+    "pip install .": Listed("installs into an environment: tests/test_packaging.py installs "
+                            "the wheel it builds into a fresh venv"),
+    "pip install '.[plots,sim,hf]'": Listed("installs into an environment: the venv has these "
+                                            "extras' pins already (`.[dev]`)"),
+    "pip install -c constraints.txt '.[dev]'": Listed("what `make` runs to build .venv"),
+    "spikeguard report": Listed(NAME),
+    "spikeguard bench": Listed(NAME),
     "make bench": Run(cap={"--steps": 4, "--segments": 1, "--checkpoint-every": 2},
                       expect=("adaptive", "evicted"), timeout_s=300, long=True),   # 200: 5.9 min
     BENCH: Listed("`make bench`'s recipe (test_make_targets_run_what_the_pages_say), run capped"),

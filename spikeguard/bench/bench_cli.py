@@ -226,7 +226,12 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from spikeguard.bench.worker import WorkerPool
+    from spikeguard.extras import require
 
+    # numpy: the replayed trace every policy sees; matplotlib: --plots. Said before any job.
+    require("numpy", "bench", "spikeguard bench")
+    if args.plots:
+        require("matplotlib", "bench", "spikeguard bench --plots")
     policies = _validate(args)
     console = Console()
     if not console.is_terminal:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Optional
 
-import numpy as np
-from matplotlib.colors import Normalize, TwoSlopeNorm
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from spikeguard.extras import require
+
+# matplotlib and numpy are the `plots` extra: a missing one is one line naming it.
+np = require("numpy", "plots", "the plots")
+_colors = require("matplotlib.colors", "plots", "the plots")
+Normalize, TwoSlopeNorm = _colors.Normalize, _colors.TwoSlopeNorm
+Figure = require("matplotlib.figure", "plots", "the plots").Figure
+MaxNLocator = require("matplotlib.ticker", "plots", "the plots").MaxNLocator
 
 from spikeguard.bench.plot_records import (
     NothingToPlot, Records, Runs, SPIKE_COLOR, canvas, check_runs, completed, spike_steps)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-import numpy as np
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from spikeguard.extras import require
+
+# matplotlib and numpy are the `plots` extra: a missing one is one line naming it.
+np = require("numpy", "plots", "the plots")
+Figure = require("matplotlib.figure", "plots", "the plots").Figure
+Line2D = require("matplotlib.lines", "plots", "the plots").Line2D
+Patch = require("matplotlib.patches", "plots", "the plots").Patch
+MaxNLocator = require("matplotlib.ticker", "plots", "the plots").MaxNLocator
 
 from spikeguard.bench.plot_records import (
     OFFLOAD_COLOR, RECOMPUTE_COLOR, SPIKE_COLOR, NothingToPlot, Records, Runs, canvas,

@@ -9,8 +9,11 @@ import math
 from collections import Counter
 from typing import Any, Mapping, Optional, Sequence
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from spikeguard.extras import require
+
+# matplotlib and numpy are the `plots` extra: a missing one is one line naming it.
+FigureCanvasAgg = require("matplotlib.backends.backend_agg", "plots", "the plots").FigureCanvasAgg
+Figure = require("matplotlib.figure", "plots", "the plots").Figure
 
 from spikeguard.errors import UsageError
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 from statistics import median
 from typing import Any, Mapping, Optional
 
-import numpy as np
-from matplotlib.figure import Figure
+from spikeguard.extras import require
+
+# matplotlib and numpy are the `plots` extra: a missing one is one line naming it.
+np = require("numpy", "plots", "the plots")
+Figure = require("matplotlib.figure", "plots", "the plots").Figure
 
 from spikeguard.bench.plot_records import (
     CEILING, NothingToPlot, Records, Runs, canvas, check_runs, completed, num)

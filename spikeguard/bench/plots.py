@@ -25,7 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Optional
 
-from matplotlib.figure import Figure
+from spikeguard.extras import require
+
+# matplotlib and numpy are the `plots` extra: a missing one is one line naming it.
+Figure = require("matplotlib.figure", "plots", "the plots").Figure
 
 from spikeguard.bench.plot_imbalance import MAX_STEP_SPAN, imbalance_heatmap, imbalance_matrix
 from spikeguard.bench.plot_memory import memory_timeline

@@ -38,6 +38,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    from spikeguard.extras import require
+
+    require("matplotlib", "plots", "spikeguard report")
     from spikeguard.bench.plots import PLOT_FILES, make_figures, save_figures
 
     paths = [Path(p) for p in args.logs]

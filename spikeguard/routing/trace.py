@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
 from spikeguard.errors import UsageError
+from spikeguard.extras import require
 from spikeguard.model.router import Routing, TopKRouter, load_balancing_loss
 from spikeguard.runtime.guard_arguments import attached_guard
 
@@ -102,7 +102,9 @@ def _check_header(header: dict, where: str) -> None:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read and check a trace file; every defect is one UsageError naming the line."""
+    """Read and check a trace file; every defect is one UsageError naming the line.
+    Replay holds the counts in numpy (the `trace` extra); recording needs none."""
+    np = require("numpy", "trace", "replaying a routing trace (--trace)")
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"--trace {path} is a folder, not a trace file")
@@ -308,6 +310,7 @@ def forced_topk(counts_E: np.ndarray, rank: int, ep: int, num_tokens: int,
     positions r, r+R, ...), so each rank routes T*K copies and each expert's share is
     within one of counts/R. Token t of a rank takes its positions t, t+T, ..., t+(K-1)T:
     a run of one expert is at most T long (checked at load), so they are distinct."""
+    np = require("numpy", "trace", "replaying a routing trace (--trace)")
     experts = np.repeat(np.arange(len(counts_E)), counts_E)[rank::ep]
     if len(experts) != num_tokens * top_k:
         raise UsageError(f"trace counts route {len(experts)} copies on rank {rank}, this run "

@@ -21,7 +21,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
+from spikeguard.extras import require
+
+np = require("numpy", "sim", "spikeguard simulate")   # the `sim` extra
 
 from spikeguard.errors import UsageError
 from spikeguard.memory.budget import format_bytes

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import Union
 
-import numpy as np
+from spikeguard.extras import require
+
+np = require("numpy", "sim", "spikeguard simulate")   # the `sim` extra
 
 from spikeguard.routing.skew import SkewSchedule
 from spikeguard.errors import UsageError

@@ -25,9 +25,10 @@ def plot_paths(folder: str, scaling: bool, prefix: str = "sim_") -> list[Path]:
 
 def write_plots(result: SimResult, folder: str, scaling_rows: Optional[list[dict]] = None,
                 prefix: str = "sim_") -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from spikeguard.extras import require
+
+    require("matplotlib", "plots", "simulate --plots").use("Agg")
+    plt = require("matplotlib.pyplot", "plots", "simulate --plots")
 
     out = Path(folder)
     if not out.is_dir():

@@ -34,7 +34,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import numpy as np
+from spikeguard.extras import require
+
+np = require("numpy", "sim", "spikeguard simulate")   # the `sim` extra
 
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.planner import Planner

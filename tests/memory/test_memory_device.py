@@ -142,5 +142,47 @@ def test_no_compiler_is_one_line_not_a_traceback(tmp_path):
                            "--steps", "1", "--budget", "4MiB"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "cannot build the emulated device's allocator" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"spikeguard: error: cannot build the emulated device's allocator: no C++ compiler: "
+        f"CXX={env['CXX']} is not a program; the CPU device is compiled at first use: "
+        f"install g++ (apt-get install g++) or clang++, or set CXX to one"], proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_no_compiler_on_path_names_the_default_one(tmp_path):
+    """No CXX and a PATH with no compiler: the line names torch.utils.cpp_extension's
+    default (c++). The interpreter is run by its full path, so it needs no PATH."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env.update(PATH=str(tmp_path / "empty-bin"), SPIKEGUARD_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "spikeguard", "train", "--preset", "tiny",
+                           "--steps", "1", "--budget", "4MiB"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        "spikeguard: error: cannot build the emulated device's allocator: no C++ compiler: "
+        "'c++' (torch.utils.cpp_extension's default) is not on PATH; the CPU device is "
+        "compiled at first use: install g++ (apt-get install g++) or clang++, or set CXX to "
+        "one"], proc.stderr
+    assert list(tmp_path.glob("*.so")) == []   # no half-built file left in the cache
+
+
+@pytest.mark.multiprocess
+def test_builds_with_cpp_extensions_paths(tmp_path, monkeypatch):
+    """A fresh cache builds with torch.utils.cpp_extension's compiler and paths (the rest
+    of the suite finds the build cached)."""
+    from torch.utils import cpp_extension
+
+    from spikeguard.memory import device as device_module
+
+    cmd = device_module._compile_command(1, str(tmp_path / "x.so"))
+    assert cmd[0] == cpp_extension.get_cxx_compiler()
+    for path in cpp_extension.include_paths():
+        assert f"-I{path}" in cmd
+    for path in cpp_extension.library_paths():
+        assert f"-L{path}" in cmd and f"-Wl,-rpath,{path}" in cmd
+    monkeypatch.setenv("SPIKEGUARD_CACHE", str(tmp_path))
+    built = device_module._build()
+    assert built.parent == tmp_path and built.stat().st_size > 0
