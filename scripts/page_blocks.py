@@ -231,6 +231,8 @@ _BLOCKS = [
           timeout_s=1800, links=("scripts", "tests")),
     Block("runtime-ratios", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset small "
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
+    Block("titan-loss-outside", ".venv/bin/spikeguard train --titan deepseek_v3 --steps 6 "
+          "--policy adaptive --budget 15666016", _last_lines, timeout_s=600),
     Block("runtime-ratios-medium", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset "
           "medium --batch-size 4 --reps 7 --json ratios.json", runtime_ratios, output="ratios.json",
           timeout_s=3000),

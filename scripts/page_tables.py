@@ -427,7 +427,7 @@ def trainer_bench(record: dict) -> str:
 
 def calm_overhead(record: dict) -> str:
     return _indented(_lines(record["stdout"])) + "\n\n" + _example(
-        record, "the ratios move with the load: read them as +-0.03")
+        record, "in brackets the fastest and slowest round; the medians move with the load")
 
 
 def snippet(record: dict) -> str:

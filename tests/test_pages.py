@@ -101,3 +101,33 @@ def _reruns():
 def test_a_rerun_gives_what_the_page_quotes(name):
     problems = pages.rerun(name)
     assert not problems, "\n".join(problems)
+
+
+def test_a_rerun_record_that_moved_fails_the_check_of_the_page(monkeypatch):
+    """A stale page seen from the other side: the stored run changed (a new `run NAME`
+    whose page was not written), so the page's figure is no longer its record's."""
+    readme = (ROOT / "README.md").read_text()
+    _, before = pages.check_page("README.md", readme)
+    real = pages.load
+
+    def moved(name):
+        record = real(name)
+        if name == "runtime-ratios":
+            record = {**record, "output": {**record["output"], "gap_closed": 0.01}}
+        return record
+
+    monkeypatch.setattr(pages, "load", moved)
+    _, after = pages.check_page("README.md", readme)
+    assert [p for p in after if p not in before] == [
+        p for p in after if ": runtime-ratios differs from the rendering of "
+        "docs/generated/runtime-ratios.json" in p] != []
+
+
+def test_every_marker_in_the_pages_has_a_binding_and_every_binding_a_page():
+    """The two ends of a binding, over the real pages: an unbound marker (a block typed by
+    hand between markers, or a binding renamed) and a binding no page shows both fail."""
+    shown = set()
+    for page in pages.pages():
+        shown |= {name for name, _, _ in pages.blocks_of(page.read_text(encoding="utf-8"))}
+    assert shown - set(BLOCKS) == set(), "markers without a binding"
+    assert set(BLOCKS) - shown == set(), "bindings no page shows"
