@@ -353,22 +353,47 @@ def sim_validate(record: dict) -> str:
 # ---- the Hugging Face benches (docs/hf.md) -----------------------------------------------
 
 def _rich_tables(text: str) -> list[dict]:
-    """The rich tables runtime_ratios.print_table prints: each one's title and rows (a
-    dict per row, by the header's cells)."""
-    tables, title, header = [], "", None
+    """The rich tables runtime_ratios.print_table prints: each one's title (rich may wrap
+    it over lines), its rows (a dict per row, by the header's cells) and the summary lines
+    printed after it."""
+    tables, title, header = [], [], None
     for line in text.splitlines():
         if "┃" in line:
             header = [c.strip() for c in line.strip().strip("┃").split("┃")]
         elif "│" in line and header:
             cells = [c.strip() for c in line.strip().strip("│").split("│")]
-            tables[-1]["rows"].append(dict(zip(header, cells)))
+            rows = tables[-1]["rows"]
+            if rows and not cells[0]:   # a cell rich wrapped onto the next line
+                rows[-1] = {k: (v + " " + c).strip() for (k, v), c in zip(rows[-1].items(), cells)}
+            else:
+                rows.append(dict(zip(header, cells)))
         elif line.startswith("┏"):
-            tables.append({"title": title, "rows": []})
+            tables.append({"title": " ".join(title), "rows": [], "after": []})
+            title = []
+        elif line.startswith(("adaptive/ceiling", "spread", "worst rank")) and tables:
+            tables[-1]["after"].append(line.strip())
         elif line.strip() and not line.startswith(("┡", "└")):
-            title = line.strip()
-            if tables and line.startswith(("adaptive/ceiling", "spread", "worst rank")):
-                tables[-1].setdefault("after", []).append(line.strip())
+            title.append(line.strip())
     return tables
+
+
+def _spreads(table: dict) -> dict:
+    """{policy: (low, high)} from the `spread (25-75th pct ...)` line under a table."""
+    line = next((a for a in table.get("after", []) if a.startswith("spread")), "")
+    return {k: (float(lo), float(hi)) for k, lo, hi in
+            re.findall(r"(\w[\w-]*) (\d\.\d+)-(\d\.\d+)", line.split(":", 1)[-1])}
+
+
+def _ratio_cell(row: dict, spread: dict) -> str:
+    lo_hi = spread.get(row["policy"])
+    return row["vs ceiling"] + (f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi else "")
+
+
+def _order(rows: dict, spread: dict, a: str, b: str) -> str:
+    """'`a` above `b`', '`a` below `b`', or 'within the spreads', from the medians and the
+    25th-75th percentiles of the per-round ratios."""
+    x, y = float(rows[a]["vs ceiling"]), float(rows[b]["vs ceiling"])
+    return f"`{a}` is {_than(x, y, spread.get(a), spread.get(b))} `{b}`"
 
 
 def hf_bench(record: dict) -> str:
@@ -376,53 +401,72 @@ def hf_bench(record: dict) -> str:
            "limit) / ceiling | gap closed | adaptive's peak / budget | save / rec / off (last "
            "step) | evicted (last step) | overruns / re-runs |",
            "|---|---|---|---|---|---|---|---|---|---|"]
+    orders = []
     for model, table in zip(HF_MODELS, _rich_tables(record["stdout"])):
         rows = {r["policy"]: r for r in table["rows"]}
+        spread = _spreads(table)
         a = rows["adaptive"]
         budget = re.search(r"budget (.*?) =", table["title"]).group(1)
         gap = re.search(r"gap closed (\S+)", " ".join(table.get("after", [])))
-        out.append(f"| {model} | {a['vs ceiling']} | {rows['full']['vs ceiling']} | "
-                   f"{rows['experts']['vs ceiling']} | {rows['none']['vs ceiling']} | "
+        out.append(f"| {model} | {_ratio_cell(a, spread)} | {_ratio_cell(rows['full'], spread)} | "
+                   f"{_ratio_cell(rows['experts'], spread)} | {_ratio_cell(rows['none'], spread)} | "
                    f"{gap.group(1) if gap else '-'} | {a['peak']} / {budget} | "
                    f"{a['save / recompute / offload']} | {a['evicted']} | "
                    f"{a['overruns']} / {a['reruns']} |")
-    return "\n".join(out) + "\n\n" + _example(record, "read the ratios as +-0.05 at least; "
-                                                      "the peaks and decisions do not vary")
+        orders.append(f"{model}: {_order(rows, spread, 'adaptive', 'full')}, "
+                      f"{_order(rows, spread, 'adaptive', 'experts')}")
+    return "\n".join(out) + "\n\nIn brackets the 25th-75th percentile of the per-round ratio. " \
+        "In this run " + "; ".join(orders) + " (\"within the spread\": the percentiles " \
+        "overlap). " + _example(record, "the decisions and evictions follow the cost model's "
+                                "timings")
 
 
 def hf_bench_ep(record: dict) -> str:
     table = _rich_tables(record["stdout"])[0]
-    after = " ".join(table.get("after", []))
-    spread = dict(re.findall(r"(\w[\w-]*) (\d\.\d+-\d\.\d+)", after.split("spread", 1)[-1]))
-    world = dict(re.findall(r"(\w[\w-]*) (\d[\d.]* MiB)", after.split("worst rank's peak:", 1)[-1]))
+    rows = {r["policy"]: r for r in table["rows"]}
+    spread = _spreads(table)
+    worst = next((a for a in table.get("after", []) if a.startswith("worst rank")), "")
+    world = dict(re.findall(r"(\w[\w-]*) (\d[\d.]* MiB)", worst.split(":", 1)[-1]))
     budget = re.search(r"budget (.*?) =", table["title"]).group(1)
     out = [f"| policy | / ceiling (median) | 25th-75th pct of the per-round ratio | worst "
            f"rank's peak (budget {budget}) | save / rec / off (rank 0, last step) | evicted "
            f"(rank 0) | overruns / re-runs |", "|---|---|---|---|---|---|---|"]
-    for r in table["rows"]:
-        name = r["policy"]
+    for name, r in rows.items():
+        lo_hi = spread.get(name)
         out.append(f"| {name + (' (bookkeeping only, no limit)' if name == 'none' else '')} | "
-                   f"{r['vs ceiling']} | {spread.get(name, '-')} | {world.get(name, r['peak'])} "
-                   f"| {r['save / recompute / offload']} | {r['evicted']} | "
-                   f"{r['overruns']} / {r['reruns']} |")
-    return "\n".join(out) + "\n\n" + _example(record, "on a loaded machine read the ratios "
-                                                      "as +-0.15; peaks and decisions move little")
+                   f"{r['vs ceiling']} | {f'{lo_hi[0]:.2f}-{lo_hi[1]:.2f}' if lo_hi else '-'} | "
+                   f"{world.get(name, r['peak'])} | {r['save / recompute / offload']} | "
+                   f"{r['evicted']} | {r['overruns']} / {r['reruns']} |")
+    orders = [_order(rows, spread, "adaptive", b) for b in ("full", "experts") if b in rows]
+    return "\n".join(out) + "\n\nIn this run " + ", ".join(orders) + \
+        " (\"within the spread\": the percentiles overlap). " + _example(
+            record, "rank 0's times; the decisions follow each rank's cost model")
 
 
 def trainer_bench(record: dict) -> str:
-    lines = _lines(record["stdout"])
-    head = lines[0]
-    budget = re.search(r"= (\d+) B", head).group(1)
+    lines = _lines(record["stdout"])   # the Trainer's own dicts come first
+    head = next(i for i, line in enumerate(lines) if line.startswith("transformers Trainer"))
+    lines = lines[head:]
+    budget = int(re.search(r"= (\d+) B", lines[0]).group(1))
     out = [f"| policy / ceiling | median | 25th-75th pct | largest device peak (worst rank) | "
-           f"under the budget ({int(budget):,} B) | re-runs |", "|---|---|---|---|---|---|"]
+           f"under the budget ({budget:,} B) | re-runs |", "|---|---|---|---|---|---|"]
+    found = {}
     for line in lines[1:]:
-        m = re.match(r"\s*(\S+)\s+/ ceiling\s+median (\S+)\s+\(25-75%: (\S+)\)\s+peak (\d+) B "
-                     r"<= budget: (\w+)\s+re-runs (\d+)", line)
+        m = re.match(r"\s*(\S+)\s+/ ceiling\s+median (\S+)\s+\(25-75%: (\S+)-(\S+)\)\s+peak "
+                     r"(\d+) B <= budget: (\w+)\s+re-runs (\d+)", line)
         if m:
-            out.append(f"| {m.group(1)} | {m.group(2)} | {m.group(3)} | {int(m.group(4)):,} B | "
-                       f"{'yes' if m.group(5) == 'True' else 'no'} | {m.group(6)} |")
-    return "\n".join(out) + "\n\n" + _example(record, "on a loaded machine read the ratios "
-                                                      "as +-0.15")
+            name, med, lo, hi, peak, under, reruns = m.groups()
+            found[name] = (float(med), (float(lo), float(hi)))
+            out.append(f"| {name} | {med} | {lo}-{hi} | {int(peak):,} B | "
+                       f"{'yes' if under == 'True' else 'no'} | {reruns} |")
+    words = ""
+    if {"adaptive", "full"} <= set(found):
+        (a, sa), (f, sf) = found["adaptive"], found["full"]
+        words = (f"\n\nIn this run adaptive is {_than(a, f, sa, sf)} full, and "
+                 f"{'above' if a > 1 else 'below' if a < 1 else 'level with'} the unguarded "
+                 f"Trainer by its median.")
+    return "\n".join(out) + words + "\n\n" + _example(record, "on a loaded machine the "
+                                                        "rounds spread widely")
 
 
 def calm_overhead(record: dict) -> str:
