@@ -233,9 +233,6 @@ _BLOCKS = [
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
     Block("titan-loss-outside", ".venv/bin/spikeguard train --titan deepseek_v3 --steps 6 "
           "--policy adaptive --budget 15666016", _last_lines, timeout_s=600),
-    Block("runtime-ratios-medium", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset "
-          "medium --batch-size 4 --reps 7 --json ratios.json", runtime_ratios, output="ratios.json",
-          timeout_s=3000),
 ]
 from page_tables import MORE  # noqa: E402  (its renderers use the helpers above)
 

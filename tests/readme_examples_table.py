@@ -98,8 +98,6 @@ EXAMPLES: dict = {
     "--overwrite": Run(cap={"--steps": 10}, expect=("adaptive",), long=True),   # 100 steps: 42 s
     "python -m spikeguard.bench.runtime_ratios --preset small --reps 15":
         Run(cap={"--reps": 1}, expect=("evicted", "adaptive"), long=True),
-    "python -m spikeguard.bench.runtime_ratios --preset medium --batch-size 4 --reps 7":
-        Run(cap={"--reps": 1}, expect=("evicted", "adaptive"), long=True, timeout_s=600),
     "make bench-pp": Run(cap={"--steps": 2, "--segments": 1, "--checkpoint-every": 1},
                          expect=("adaptive",), timeout_s=300, long=True),   # 48 steps: 2.2 min
     "python -m spikeguard.plan.room": Run(expect=("per decision",)),
