@@ -113,10 +113,15 @@ def bench_pp_prose(report: dict) -> str:
     spikes = report["workload"]["spike_steps"]
     crashed = sum(p["oom_events"] for k, p in pol.items() if k != "ceiling")
     sa, sn = _spread(a), _spread(n)
+    setting = pol.get("safe-static", {}).get("is")
     out = [f"This trace has {len(spikes)} spike steps ({', '.join(map(str, spikes))}); "
            + (f"static policies ran out of memory {crashed} time(s) in all."
-              if crashed else "none of them overflowed the budget, so nothing crashed and "
-              "`none` is the fastest setting that survived."),
+              if crashed else "none of them overflowed the budget, so nothing crashed.")
+           + (f" The fastest static setting over the whole trace was `{setting}`"
+              + (" (the machine's load moved between segments: every static setting "
+                 "survived, and on a quiet machine `none`, which saves everything, is "
+                 "the fastest of them)." if setting != "none" and not crashed else ".")
+              if setting else ""),
            f"Adaptive made {save} saves, {rec} recomputes and {off} offloads of {total} "
            f"decisions, with {a['overruns']} overruns and {a['safety_net_reruns']} safety-net "
            f"re-runs. Its {a['relative_to_ceiling']:.3f} of the ceiling is "
@@ -180,9 +185,10 @@ def sim_scaling(record: dict) -> str:
         a, f = first["policies"]["adaptive"]["mfu"], first["policies"]["full"]["mfu"]
         words = (f"\n\nAt {first['devices']:,} devices, the fewest this layout takes, adaptive "
                  f"runs at {_pct(a)}, {_than(a, f)} full recompute's {_pct(f)}.")
+    per_row = re.search(r"--scaling-steps (\d+)", record["command"])
     return "\n".join(table) + words + "\n\n" + _sim_run_note(
-        record, f"`simulate --preset 1t --calibrate-mfu 0.246 --scaling --scaling-steps "
-                f"{steps}`, MFU, {steps} steps a row")
+        record, f"`{record['command'].removeprefix('.venv/bin/spikeguard ')}`, MFU, "
+                f"{int(per_row.group(1)) if per_row else steps:,} steps a row")
 
 
 def sim_188b(record: dict) -> str:
@@ -317,7 +323,7 @@ def sim_validate(record: dict) -> str:
                        f"{m.group(5)} / {m.group(6)} |")
     plans = [line.strip() for line in lines if line.strip().startswith(("plans per step", "sim "))]
     if plans:
-        out += ["", "Adaptive's plans per step: " + "; ".join(plans) + "."]
+        out += ["", "Adaptive's " + "; ".join(re.sub(r"\s+", " ", p) for p in plans) + "."]
     ratios = [line.strip() for line in lines if re.match(r"\s+(full|adaptive)_over_ceiling", line)]
     out += ["", "Throughput ratios (" + re.search(r"measured as the device: (.*)\):",
                                                   next(l for l in lines if l.startswith(
@@ -331,20 +337,22 @@ def sim_validate(record: dict) -> str:
     if diag:
         out += ["", diag.replace("diagnostics (not simulated): ", "Not simulated, measured in "
                                  "the same rounds: ") + "."]
-    pp = [l for l in lines if re.match(r"\s+\S+\s+budget \d+: measured", l)]
+    pp = [l for l in lines if re.match(r"\s+\S+\s+budget \S+: measured", l)]
     if pp:
         out += ["", "PP=2 x EP=2, 4 processes, worst rank of each stage:", "",
-                "| policy (budget) | stage | the device's peaks per step | simulated | worst "
-                "error of the policy |", "|---|---|---|---|---|"]
+                "| policy (budget) | stage | the device's peaks, step by step | simulated | "
+                "worst error of the policy |", "|---|---|---|---|---|"]
         for line in pp:
-            m = re.match(r"\s+(\S+)\s+budget (\d+): measured (.*) predicted (.*) worst error "
+            m = re.match(r"\s+(\S+)\s+budget (\S+): measured (.*) predicted (.*) worst error "
                          r"(\S+)", line)
             meas, pred = ast.literal_eval(m.group(3)), ast.literal_eval(m.group(4))
-            for stage, (ms, ps) in enumerate(zip(meas, pred)):
+            budget = m.group(2)
+            budget = f"{int(budget):,} B" if budget.isdigit() else budget
+            for stage in range(len(meas[0])):   # measured[step][stage]
                 first = stage == 0
-                out.append(f"| {f'`{m.group(1)}` ({int(m.group(2)):,})' if first else ''} | "
-                           f"{stage} | {' / '.join(f'{v:,}' for v in ms)} | "
-                           f"{' / '.join(f'{v:,}' for v in ps)} | "
+                out.append(f"| {f'`{m.group(1)}` ({budget})' if first else ''} | {stage} | "
+                           f"{' / '.join(f'{step[stage]:,}' for step in meas)} | "
+                           f"{' / '.join(f'{step[stage]:,}' for step in pred)} | "
                            f"{m.group(5) if first else ''} |")
     return "\n".join(out) + "\n\n" + _example(
         record, "the peaks move by gloo's held rows under EP and the ratios with the load")
@@ -477,7 +485,8 @@ def calm_overhead(record: dict) -> str:
 def snippet(record: dict) -> str:
     """What the page's example printed, as printed."""
     return _indented(_lines(record["stdout"])) + "\n\n" + _example(
-        record, "bytes and decisions are the same run to run (one process, seeded)")
+        record, "one process, seeded: which experts call moves follows the cost model's "
+        "timings, and a step the net re-runs shows `recompute`")
 
 
 def one_line(record: dict) -> str:
