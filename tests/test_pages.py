@@ -131,3 +131,15 @@ def test_every_marker_in_the_pages_has_a_binding_and_every_binding_a_page():
         shown |= {name for name, _, _ in pages.blocks_of(page.read_text(encoding="utf-8"))}
     assert shown - set(BLOCKS) == set(), "markers without a binding"
     assert set(BLOCKS) - shown == set(), "bindings no page shows"
+
+
+def test_the_runtime_ratios_cells_are_the_commands_own_formatting():
+    """page_blocks renders the README's runtime_ratios table with the command's public
+    formatter (no private names read across modules): decisions, then evictions."""
+    from spikeguard.bench.runtime_ratios import decision_cells
+
+    assert decision_cells({"decisions": {}}) == ("-", "-")
+    assert decision_cells({"decisions": {"save": 40}, "evicted_bytes": 0}) == ("40 / 0 / 0", "0")
+    cells = decision_cells({"decisions": {"save": 1, "recompute": 2, "offload": 3},
+                            "evicted_bytes": 3 << 20, "prefetched_bytes": 3 << 20})
+    assert cells == ("1 / 2 / 3", "3 MiB (3 MiB back)")
