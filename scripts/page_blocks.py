@@ -16,48 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMINGS = (r"\d[\d.]*[kMG]? tok/s", r"in \d[\d.]* s\b")
-
-
-@dataclass(frozen=True)
-class Block:
-    """One generated block: `command` (run from the repo root, as the page shows it),
-    `render(record) -> text`, `stable(record) -> text` compared by a re-run (None: not
-    re-run by the suite; its figures vary, or it takes minutes), its expected exit code."""
-    name: str
-    command: str
-    render: Callable[[dict], str]
-    stable: Optional[Callable[[dict], str]] = None
-    exits: int = 0
-    output: str = ""          # a JSON file the command writes, stored in the record
-    source: str = ""          # a tracked JSON the command writes itself (not re-run here)
-    masks: tuple = TIMINGS
-    bytes_tol: float = 0.0    # relative tolerance of figures in B/KiB/MiB/GiB in a re-run
-    timeout_s: int = 900
-    long: bool = False        # its re-run takes most of a minute or more on this machine
-    links: tuple = ()         # repo paths the command reads, linked into its scratch folder
-    record: str = ""          # another block's stored run, rendered differently here
-
-    @property
-    def rerun(self) -> bool:
-        return self.stable is not None
-
-
-def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
-
-
-def _indented(lines: list[str]) -> str:
-    return "\n".join("    " + line for line in lines)
-
-
-def _example(record: dict, varies: str) -> str:
-    """The note under an example run: when and where it ran, and what varies."""
-    m = record["machine"]
-    return (f"(an example run, {record['date']}, {record['seconds']:g} s, on {m['cpus']} "
-            f"shared CPU cores at load {m['load'][0]:g}: CPU figures, emulated device; "
-            f"{varies})")
+from page_common import (EP, PP, ROOT, TIMINGS, Block, _example, _indented,  # noqa: F401
+                         _lines)
 
 
 def _moved(line: str) -> bool:
@@ -140,7 +100,7 @@ def bench_readme(record: dict) -> str:
 
 
 def runtime_ratios(record: dict) -> str:
-    from spikeguard.bench.runtime_ratios import _decisions, _evicted
+    from spikeguard.bench.runtime_ratios import decision_cells
     from spikeguard.memory.budget import format_bytes
 
     r = record["output"]
@@ -152,8 +112,7 @@ def runtime_ratios(record: dict) -> str:
         budget = "none" if name == "ceiling" else format_bytes(r["budget_bytes"])
         rows.append(f"| {name} | {p['tokens_per_s']:.0f} | {p['tokens_per_s'] / ceiling:.3f} | "
                     f"{format_bytes(p['peak_bytes'])} / {budget} | {p['overruns']} | "
-                    f"{_decisions(p['decisions'])} | "
-                    f"{_evicted(p.get('evicted_bytes'), p.get('prefetched_bytes'))} |")
+                    f"{' | '.join(decision_cells(p))} |")
     return ("\n".join(rows) + f"\n\nadaptive/ceiling {r['adaptive_over_ceiling']:.3f}, "
             f"full/ceiling {r['full_over_ceiling']:.3f}: adaptive closes "
             f"{r['gap_closed']:.0%} of the gap; medians of {r['reps']}, budget "
@@ -205,9 +164,12 @@ def sim_docs(record: dict) -> str:
 
 def _sim_note(record: dict) -> str:
     cal = record["output"]["calibration"]
-    return (f"(`simulate --preset 1t --calibrate-mfu 0.246`, {record['date']}: simulated, "
-            f"deterministic; kernel efficiency {cal['efficiency']:.4f} fitted so that `full` "
-            f"gives {cal['target_mfu']:.1%}, the only fitted number)")
+    out = record["output"]
+    return (f"(`{record['command'].removeprefix('.venv/bin/spikeguard ')}`, {record['date']}: "
+            f"simulated, deterministic; {out['config']['workload']['steps']:,} steps, "
+            f"{out['spike_steps']} of them spike steps; kernel efficiency "
+            f"{cal['efficiency']:.4f} fitted so that `full` gives {cal['target_mfu']:.1%}, the "
+            f"only fitted number)")
 
 
 def stdout_block(varies: str) -> Callable[[dict], str]:
@@ -235,12 +197,9 @@ def _from_json(path: str) -> Callable[[dict], str]:
     return lambda record: json.loads((ROOT / path).read_text())
 
 
-EP = (".venv/bin/spikeguard train --preset tiny --num-experts 8 --nproc 2 --steps 6 "
-      "--batch-size 8 --skew one-hot-rank --spike-prob 0.5 --spike-max 2 --budget auto")
-PP = (".venv/bin/spikeguard train --preset tiny --num-layers 4 --num-experts 8 --nproc 4 "
-      "--pp 2 --ep 2 --micro-batches 4 --batch-size 2 --steps 3 --threads 1 --skew one-hot-rank "
-      "--spike-prob 1 --spike-max 2 --budget 1.5MiB --policy adaptive")
 SIM = ".venv/bin/spikeguard simulate --preset 1t --calibrate-mfu 0.246 --json sim.json"
+SIM_DOCS = (".venv/bin/spikeguard simulate --preset 1t --calibrate-mfu 0.246 --scaling "
+            "--scaling-steps 300 --json sim.json")   # docs/simulator.md's command, its run
 VARIES = "which operator moves, and how much is evicted, follow the cost model's timings"
 
 _BLOCKS = [
@@ -263,7 +222,7 @@ _BLOCKS = [
     Block("bench", "make bench", bench_readme, source="docs/bench.json"),
     Block("bench-pp", "make bench-pp", bench_readme, source="docs/bench_pp.json"),
     Block("sim-1t", SIM, sim_readme, output="sim.json", timeout_s=1200),
-    Block("sim-1t-docs", SIM, sim_docs, output="sim.json", record="sim-1t"),
+    Block("sim-1t-docs", SIM_DOCS, sim_docs, output="sim.json", record="sim-scaling"),
     Block("titan-ratios", ".venv/bin/python -m spikeguard.bench.titan_ratios --reps 7 --steps 8",
           titan_ratios, timeout_s=1200),
     Block("decision-time", ".venv/bin/python -m spikeguard.plan.room",
@@ -272,8 +231,12 @@ _BLOCKS = [
           timeout_s=1800, links=("scripts", "tests")),
     Block("runtime-ratios", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset small "
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
+    Block("titan-loss-outside", ".venv/bin/spikeguard train --titan deepseek_v3 --steps 6 "
+          "--policy adaptive --budget 15666016", _last_lines, timeout_s=600),
 ]
-BLOCKS = {b.name: b for b in _BLOCKS}
+from page_tables import MORE  # noqa: E402  (its renderers use the helpers above)
+
+BLOCKS = {b.name: b for b in _BLOCKS + MORE}
 
 
 def load_record(block: Block, load: Callable[[str], dict]) -> dict:

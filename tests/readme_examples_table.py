@@ -97,9 +97,6 @@ EXAMPLES: dict = {
     "make bench": Run(cap={"--steps": 4, "--segments": 1, "--checkpoint-every": 2},
                       expect=("adaptive", "evicted"), timeout_s=300, long=True),   # 200: 5.9 min
     BENCH: Listed("`make bench`'s recipe (test_make_targets_run_what_the_pages_say), run capped"),
-    "spikeguard bench --preset tiny --steps 40":
-        Run(cap={"--steps": 4, "--segments": 1, "--checkpoint-every": 2}, expect=("adaptive",),
-            timeout_s=300, long=True),   # 42-52 s quiet
     "spikeguard bench --help": Run(expect=("--restart-cost",)),
     "spikeguard report RUN.jsonl --plots DIR":
         Run(before=(".venv/bin/spikeguard train --preset tiny --steps 3 "

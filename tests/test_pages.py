@@ -101,3 +101,45 @@ def _reruns():
 def test_a_rerun_gives_what_the_page_quotes(name):
     problems = pages.rerun(name)
     assert not problems, "\n".join(problems)
+
+
+def test_a_rerun_record_that_moved_fails_the_check_of_the_page(monkeypatch):
+    """A stale page seen from the other side: the stored run changed (a new `run NAME`
+    whose page was not written), so the page's figure is no longer its record's."""
+    readme = (ROOT / "README.md").read_text()
+    _, before = pages.check_page("README.md", readme)
+    real = pages.load
+
+    def moved(name):
+        record = real(name)
+        if name == "runtime-ratios":
+            record = {**record, "output": {**record["output"], "gap_closed": 0.01}}
+        return record
+
+    monkeypatch.setattr(pages, "load", moved)
+    _, after = pages.check_page("README.md", readme)
+    assert [p for p in after if p not in before] == [
+        p for p in after if ": runtime-ratios differs from the rendering of "
+        "docs/generated/runtime-ratios.json" in p] != []
+
+
+def test_every_marker_in_the_pages_has_a_binding_and_every_binding_a_page():
+    """The two ends of a binding, over the real pages: an unbound marker (a block typed by
+    hand between markers, or a binding renamed) and a binding no page shows both fail."""
+    shown = set()
+    for page in pages.pages():
+        shown |= {name for name, _, _ in pages.blocks_of(page.read_text(encoding="utf-8"))}
+    assert shown - set(BLOCKS) == set(), "markers without a binding"
+    assert set(BLOCKS) - shown == set(), "bindings no page shows"
+
+
+def test_the_runtime_ratios_cells_are_the_commands_own_formatting():
+    """page_blocks renders the README's runtime_ratios table with the command's public
+    formatter (no private names read across modules): decisions, then evictions."""
+    from spikeguard.bench.runtime_ratios import decision_cells
+
+    assert decision_cells({"decisions": {}}) == ("-", "-")
+    assert decision_cells({"decisions": {"save": 40}, "evicted_bytes": 0}) == ("40 / 0 / 0", "0")
+    cells = decision_cells({"decisions": {"save": 1, "recompute": 2, "offload": 3},
+                            "evicted_bytes": 3 << 20, "prefetched_bytes": 3 << 20})
+    assert cells == ("1 / 2 / 3", "3 MiB (3 MiB back)")

@@ -56,15 +56,6 @@ def _siblings(docs_dir: Path, own: str) -> list[str]:
     return sorted(p.name for p in Path(docs_dir).glob("bench*.md") if p.name != own)
 
 
-# The reused worker (spikeguard.bench.worker), measured once on this machine (2 shared CPU
-# cores, emulated device) with the same command before and after it.
-REUSE_MEASURED = ("`spikeguard bench --preset tiny --steps 40` took 376 s when every job "
-                  "was a new process tree (49 start-ups of launcher, torchrun and 2 ranks; "
-                  "load average 3.7 at its start) and 42 s and 52 s in two runs on the "
-                  "reused worker (1 start-up of 4.1 and 4.7 s; load 3.6 at the second's "
-                  "start), 2026-12-01")
-
-
 def _load_text(machine: dict) -> str:
     start, end = (machine.get("load_average") or [None, None])
     if start is None or end is None:
@@ -81,8 +72,7 @@ def _jobs_text(report: dict) -> list[str]:
     return [f"- Jobs: {report.get('jobs', '?')} `spikeguard train` jobs on "
             f"{len(startups)} worker start-up(s), {sum(startups):.1f} s in all: the ranks "
             f"are real processes reused from job to job until one dies (a crash kills its "
-            f"worker; the restart's fresh worker start-up is counted in `lost s`). "
-            f"{REUSE_MEASURED}."]
+            f"worker; the restart's fresh worker start-up is counted in `lost s`)."]
 
 
 def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md") -> str:
