@@ -506,8 +506,8 @@ MORE = [
     # Re-run by the suite: the one line must stay; phase and sizes move with gloo's rows.
     Block("pp-none", PP.replace("--policy adaptive", "--policy none"), one_line, exits=3,
           stable=_dies, masks=DIES_MASKS, bytes_tol=0.1, long=True),
-    Block("pp-full-1.3", PP.replace("--budget 1.5MiB --policy adaptive",
-                                    "--budget 1.3MiB --policy full"), one_line, exits=3,
+    Block("pp-full-1.2", PP.replace("--budget 1.5MiB --policy adaptive",
+                                    "--budget 1.2MiB --policy full"), one_line, exits=3,
           stable=_dies, masks=DIES_MASKS, bytes_tol=0.1, long=True),
     Block("hf-none", HF + " --policy none", one_line, exits=3, stable=_dies,
           masks=DIES_MASKS, bytes_tol=0.1, long=True),
