@@ -11,7 +11,7 @@ from pathlib import Path
 import spikeguard
 
 PACKAGE = Path(spikeguard.__file__).parent
-ROOMS = ["errors", "extras", "files", "model", "memory", "plan", "runtime", "parallel", "integrations",
+ROOMS = ["errors", "extras", "names", "files", "model", "memory", "plan", "runtime", "parallel", "integrations",
          "routing", "data", "train", "sim", "bench", "cli", "__main__"]
 FACADE_FROM = ROOMS.index("train")
 

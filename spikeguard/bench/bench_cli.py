@@ -28,9 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from spikeguard.errors import UsageError
+from spikeguard.names import PATTERNS, SCHEDULES
+from spikeguard.runtime.policies import POLICIES as GUARD_POLICIES
 
-POLICIES = ("ceiling", "none", "offload", "experts", "full", "adaptive")
-PATTERNS = ("production", "one-hot-rank", "rotating", "burst")
+# The run order: the ceiling (no guard), then the guard's policies from the most kept to
+# the least (a policy added to spikeguard.runtime.policies and not placed here fails at
+# import, loudly).
+POLICIES = ("ceiling", *sorted(GUARD_POLICIES, key=("none", "offload", "experts", "full",
+                                                    "adaptive").index))
 NO_LIMIT = "1TiB"
 
 
@@ -43,7 +48,7 @@ def add_parser(commands) -> None:
     work.add_argument("--pp", type=int, default=1,
                       help="pipeline stages (default 1: none); processes = pp x ep x dp")
     work.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    work.add_argument("--schedule", default="1f1b", choices=("1f1b", "interleaved"),
+    work.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                       help="pipeline schedule (default 1f1b)")
     work.add_argument("--num-layers", type=int, default=None, help="override the preset's")
     work.add_argument("--num-experts", type=int, default=None, help="override the preset's")

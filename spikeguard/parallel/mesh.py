@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from spikeguard.errors import UsageError
-
-SCHEDULES = ("1f1b", "interleaved")   # the pipeline schedules (PipelineRank builds them)
+from spikeguard.names import SCHEDULES  # noqa: F401  (the pipeline schedules, re-exported)
 
 # Meshes built on a process group that outlives the runs (the bench's reusable worker,
 # spikeguard.bench.worker), per (layout, device type): every run would otherwise create

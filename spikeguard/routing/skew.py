@@ -43,8 +43,7 @@ from torch import nn
 
 from spikeguard.errors import UsageError
 from spikeguard.model.router import Routing, TopKRouter
-
-PATTERNS = ("production", "one-hot-rank", "rotating", "burst")
+from spikeguard.names import PATTERNS  # re-exported: the skew patterns' names
 
 
 @dataclass(kw_only=True)

@@ -28,11 +28,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from spikeguard.errors import UsageError
-from spikeguard.runtime.executor import base_policy
-
 # What shared experts and dense (non-MoE) layers do, whatever the routing: they are not
 # planned per micro-batch (their bytes do not move with the counts), only set once.
-SHARED_POLICIES = ("keep", "recompute")
+from spikeguard.names import SHARED_POLICIES  # re-exported
+from spikeguard.runtime.executor import base_policy
 
 
 _ADAPTERS: list[type] = []   # in the order they are tried

@@ -45,6 +45,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
 
 
 def add_train_parser(commands) -> None:
+    from spikeguard.names import PATTERNS, SCHEDULES, SHARED_POLICIES
     from spikeguard.runtime.policies import POLICIES
 
     train = commands.add_parser("train", help="train the built-in MoE transformer (or --hf)")
@@ -83,10 +84,10 @@ def add_train_parser(commands) -> None:
                           "parallel is --nproc / (--pp x --ep)")
     par.add_argument("--pp", type=int, default=None,
                      help="pipeline stages (torch.distributed.pipelining; default 1)")
-    par.add_argument("--schedule", default=None, choices=("1f1b", "interleaved"),
+    par.add_argument("--schedule", default=None, choices=SCHEDULES,
                      help="pipeline schedule (default 1f1b; interleaved: 2 stages per rank)")
     par.add_argument("--skew", default=None,
-                     choices=("production", "one-hot-rank", "rotating", "burst"),
+                     choices=PATTERNS,
                      help="inject routing skew (spikeguard.routing.skew); default none")
     par.add_argument("--skew-seed", type=int, default=None)
     par.add_argument("--spike-prob", type=float, default=None,
@@ -99,7 +100,7 @@ def add_train_parser(commands) -> None:
                              "(what a calm step needs with everything saved, plus 10%%)")
     memory.add_argument("--policy", default=None, choices=POLICIES,
                         help="activation policy (default adaptive when --budget is given)")
-    memory.add_argument("--shared-policy", default=None, choices=("keep", "recompute"),
+    memory.add_argument("--shared-policy", default=None, choices=SHARED_POLICIES,
                         help="shared experts and dense layers: keep (default) or recompute")
     runs = train.add_argument_group("traces and checkpoints (what spikeguard bench drives)")
     runs.add_argument("--record-trace", metavar="FILE", default=None,
