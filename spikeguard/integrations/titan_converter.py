@@ -32,8 +32,7 @@ from typing import Optional
 
 from spikeguard.errors import UsageError
 from spikeguard.integrations.titan_models import torchtitan_modules
-from spikeguard.runtime.adapter import SHARED_POLICIES
-from spikeguard.runtime.policies import POLICIES
+from spikeguard.runtime.policies import POLICIES, check_policies
 
 torchtitan_modules()   # the one clear line when torchtitan is missing
 from torchtitan.protocols.model import ModelConfigConverter  # noqa: E402
@@ -50,11 +49,9 @@ class GuardSettings:
     shared_policy: str = "keep"
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise UsageError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.shared_policy not in SHARED_POLICIES:
-            raise UsageError(f"unknown shared_policy {self.shared_policy!r}; choose one of "
-                             f"{', '.join(SHARED_POLICIES)}")
+        if self.policy is None:
+            raise UsageError(f"spikeguard.policy must be set; choose one of {', '.join(POLICIES)}")
+        check_policies(self.policy, self.shared_policy)
 
 
 class SpikeGuardConverter(ModelConfigConverter):

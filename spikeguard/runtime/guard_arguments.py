@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from spikeguard.errors import UsageError
-from spikeguard.runtime.adapter import SHARED_POLICIES
-from spikeguard.runtime.policies import POLICIES
+from spikeguard.runtime.policies import POLICIES, check_policies
 from spikeguard.runtime.wiring import OptimizerScope
 
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
@@ -46,11 +45,9 @@ def check_arguments(model, optimizer, policy: str, shared_policy: str) -> None:
         raise UsageError(f"optimizer must be a torch.optim.Optimizer, a list of them, or "
                          f"None, got {type(bad[0]).__name__}")
     OptimizerScope.check_free(as_optimizers(optimizer))
-    if policy not in POLICIES:
-        raise UsageError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if shared_policy not in SHARED_POLICIES:
-        raise UsageError(f"unknown shared_policy {shared_policy!r}; choose one of "
-                         f"{', '.join(SHARED_POLICIES)}")
+    if policy is None:
+        raise UsageError(f"attach() needs a policy; choose one of {', '.join(POLICIES)}")
+    check_policies(policy, shared_policy)
     if attached_guard(model) is not None:
         raise UsageError("this model already has a spikeguard attached; detach() it first")
 

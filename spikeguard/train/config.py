@@ -26,8 +26,7 @@ from spikeguard.memory.budget import parse_bytes
 from spikeguard.model.config import PRESETS, ModelConfig, model_config
 from spikeguard.parallel.mesh import SCHEDULES, ParallelLayout
 from spikeguard.routing.skew import PATTERNS, SkewConfig
-from spikeguard.runtime.adapter import SHARED_POLICIES
-from spikeguard.runtime.policies import POLICIES
+from spikeguard.runtime.policies import check_policies
 from spikeguard.train.train_config import MAX_SEED, TrainConfig
 from spikeguard.train.typed_settings import check_sections, check_types, is_real, read_toml
 
@@ -137,11 +136,7 @@ class GuardConfig:
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget != "auto":
             object.__setattr__(self, "budget", parse_bytes(self.budget))
-        if self.policy is not None and self.policy not in POLICIES:
-            raise UsageError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.shared_policy not in SHARED_POLICIES:
-            raise UsageError(f"unknown shared policy {self.shared_policy!r}; choose one of "
-                             f"{', '.join(SHARED_POLICIES)}")
+        check_policies(self.policy, self.shared_policy)
 
     @property
     def enabled(self) -> bool:
