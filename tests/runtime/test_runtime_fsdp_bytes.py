@@ -16,7 +16,7 @@ from torch import nn
 from spikeguard.memory.device import EmulatedDevice
 from spikeguard.plan.fsdp_bytes import FsdpBytes, FsdpUnit
 from spikeguard.runtime.device_state import move_state_to_device
-from spikeguard.runtime.fsdp import fsdp_units, reset_after_abandoned
+from spikeguard.runtime.fsdp import fsdp_units, reset_after_failed_attempt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,7 +97,7 @@ def test_the_backward_of_a_unit_stays_within_what_the_model_says(one_rank):
         meter.close()
 
 
-def test_reset_after_abandoned_frees_what_a_failed_attempt_left(one_rank):
+def test_reset_after_failed_attempt_frees_what_a_failed_attempt_left(one_rank):
     model = _model(head_kept=True)
     meter = EmulatedDevice(1 << 30)
     try:
@@ -107,7 +107,7 @@ def test_reset_after_abandoned_frees_what_a_failed_attempt_left(one_rank):
             y = model(torch.randn(8, D)).sum()
             del y   # abandoned before backward: the last block stays gathered
             assert meter.allocated() - before == W
-            reset_after_abandoned(model)
+            reset_after_failed_attempt(model)
             assert meter.allocated() == before
     finally:
         meter.close()
