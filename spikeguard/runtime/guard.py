@@ -112,7 +112,7 @@ class Guard:
         self.layer_room = LayerPeaks(LayerRoom.from_shape(
             self.shape.bytes_per_token(), head_logit_bytes(model),
             expert_weight_grads(self.moe_blocks)), len(self.moe_blocks),
-            model_fsdp_bytes(model, self.adapter, self.moe_blocks))
+            model_fsdp_bytes(model, self.adapter, self.moe_blocks), head_logit_bytes(model))
         self.window = DecisionWindow(
             policy=policy, budget_bytes=self.budget_bytes, ledger=self.ledger,
             planner=self.planner, shape=self.shape, ctx=self.ctx, tracker=self.tracker,

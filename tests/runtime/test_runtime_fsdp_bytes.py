@@ -71,6 +71,24 @@ def test_the_arithmetic_of_a_units_backward_and_the_forward_to_come():
     assert FsdpBytes().layer_backward(0) == (0, 0) and not FsdpBytes().active
 
 
+def test_the_heads_fsdp_phase_counts_only_beyond_its_loss_phase():
+    """The head's backward peaks in its loss phase (the head's reserve, two logits) or in
+    its FSDP2 phase (one logit's gradient + prefetch and gradients), never both at once:
+    FSDP2 adds only the second's excess (plan/fsdp_bytes.py; it was added whole)."""
+    head = FsdpUnit(layer=None, unsharded_bytes=30, reduce_input_bytes=30,
+                    reduce_output_bytes=15, reshard_after_forward=False)
+    fsdp = FsdpBytes((FsdpUnit(0, 100, 100, 50), FsdpUnit(1, 100, 100, 50), head))
+    # no reserve: the FSDP2 phase whole (the head gathered, layer 1 prefetched and the
+    # head's gradients, layer 0's parameters freed)
+    assert fsdp.forward_to_come(0) == 30 + 130 - 100 + 0
+    # the loss phase (reserve 400) covers the FSDP2 phase (a logit's gradient 200 + 130):
+    # nothing of FSDP2's beyond the head's gathered parameters, which layer 0's freeing covers
+    assert fsdp.forward_to_come(0, head_reserve_bytes=400, logit_grad_bytes=200) == 0
+    # a smaller reserve: only the FSDP2 phase's excess over it
+    assert fsdp.forward_to_come(0, head_reserve_bytes=250, logit_grad_bytes=200) == (
+        30 + (200 + 130 - 250) - 100)
+
+
 def test_the_backward_of_a_unit_stays_within_what_the_model_says(one_rank):
     """The step's backward peak on the device, gradients already there (the second step),
     above the in-use when block 3's backward starts, is covered by block 3's term plus
