@@ -102,15 +102,14 @@ def test_one_rank_adaptive_between_full_and_all_saved(one_rank):
     _check(_adaptive_runs(model, data, reference, peaks))
 
 
-@pytest.mark.slow
-def test_one_rank_the_fsdp2_terms_are_what_keeps_short_sequences_calm(one_rank):
-    """Where the FSDP2 terms matter: at 16 tokens a sequence the units' gathered parameters
-    and gradients are large beside the activations, so the shapes' per-routed slopes of the
-    first step do not cover them. At 0.9 of the way from full's peak to the all-saved one,
-    3 steps with no re-run; the same budget with the FSDP2 part of the byte model emptied
-    (as before it existed) re-runs the first step in backward. (At 64 tokens, the sweep
-    above, the shapes' slopes cover them: emptied, no step re-ran at 0.0-0.3, measured.)"""
+def _short_sequences(rank, world, store, out_dir):
+    """One spawned rank: the re-runs of 3 adaptive steps at 16 tokens a sequence, 0.9 of
+    the range, with the FSDP2 terms and with them emptied."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    init_gloo(rank, world, store)
     import spikeguard
+    from spikeguard.plan.cost import CostModel
     from spikeguard.plan.fsdp_bytes import FsdpBytes
     from titan_fsdp_helpers import build_fsdp
     from titan_helpers import batches, bitwise, step
@@ -119,18 +118,44 @@ def test_one_rank_the_fsdp2_terms_are_what_keeps_short_sequences_calm(one_rank):
     reference = step(model, data)
     peaks = _policy_peaks(model, data, reference)
     budget = int(peaks["full"] + 0.9 * (peaks["none"] - peaks["full"]))
-    reruns = {}
+    found = {"peaks": peaks, "budget": budget}
     for terms in (True, False):
         guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+        pinned = CostModel()   # timed on a loaded machine, the rates (and plans) moved
+        guard.cost.stage_s_per_token = dict(pinned.stage_s_per_token)
+        guard.cost.d2h_s_per_byte = guard.cost.h2d_s_per_byte = pinned.d2h_s_per_byte
+        guard.cost.freeze()
+        guard.planner.refresh()
         if not terms:
             guard.layer_room.fsdp = FsdpBytes()
+        steps = []
         for _ in range(3):
-            assert bitwise(reference, step(model, data, guard))
-            assert guard.meter.peak() <= budget
-        reruns[terms] = [len(r["safety_net"]) for r in guard.history]
+            same = bitwise(reference, step(model, data, guard))
+            steps.append({"bitwise": same, "under": guard.meter.peak() <= budget,
+                          "reruns": len(guard.history[-1]["safety_net"])})
+        found[str(terms)] = steps
         guard.detach()
-    assert reruns[True] == [0, 0, 0], reruns
-    assert sum(reruns[False]) > 0, reruns
+    (out_dir / "short.json").write_text(json.dumps(found))
+    close_gloo()
+
+
+@pytest.mark.multiprocess
+def test_one_rank_the_fsdp2_terms_are_what_keeps_short_sequences_calm(tmp_path):
+    """Where the FSDP2 terms matter: at 16 tokens a sequence the units' gathered parameters
+    and gradients are large beside the activations, so the shapes' per-routed slopes of the
+    first step do not cover them. At 0.9 of the way from full's peak to the all-saved one,
+    3 steps with no re-run; the same budget with the FSDP2 part of the byte model emptied
+    (as before it existed) re-runs the first step in backward. (At 64 tokens, the sweep
+    above, the shapes' slopes cover them: emptied, no step re-ran at 0.0-0.3, measured.)
+    In a fresh process with the cost model pinned (CostModel's defaults, frozen): run in
+    the test process after another test, full recompute's own peak came out 79 KB higher
+    (1,318,384 against 1,239,196 B) and the check measured something else (not explained)."""
+    run_spawned(_short_sequences, 1, (tmp_path,), tmp_path / "store", timeout_s=200)
+    found = json.loads((tmp_path / "short.json").read_text())
+    for terms in ("True", "False"):
+        assert all(s["bitwise"] and s["under"] for s in found[terms]), found
+    assert [s["reruns"] for s in found["True"]] == [0, 0, 0], found
+    assert sum(s["reruns"] for s in found["False"]) > 0, found
 
 
 def _worker(rank, world, store, out_dir, ep):
