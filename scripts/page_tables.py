@@ -456,16 +456,19 @@ def trainer_bench(record: dict) -> str:
     head = next(i for i, line in enumerate(lines) if line.startswith("transformers Trainer"))
     lines = lines[head:]
     budget = int(re.search(r"= (\d+) B", lines[0]).group(1))
-    out = [f"| policy / ceiling | median | 25th-75th pct | largest device peak (worst rank) | "
-           f"under the budget ({budget:,} B) | re-runs |", "|---|---|---|---|---|---|"]
+    out = [f"| policy / ceiling | median | 25th-75th pct | CPU median (25th-75th) | largest "
+           f"device peak (worst rank) | under the budget ({budget:,} B) | re-runs |",
+           "|---|---|---|---|---|---|---|"]
     found = {}
     for line in lines[1:]:
-        m = re.match(r"\s*(\S+)\s+/ ceiling\s+median (\S+)\s+\(25-75%: (\S+)-(\S+)\)\s+peak "
-                     r"(\d+) B <= budget: (\w+)\s+re-runs (\d+)", line)
+        m = re.match(r"\s*(\S+)\s+/ ceiling\s+median (\S+)\s+\(25-75%: (\S+)-(\S+)\)\s+"
+                     r"(?:cpu (\S+) \((\S+)-(\S+)\)\s+)?peak (\d+) B <= budget: (\w+)\s+"
+                     r"re-runs (\d+)", line)
         if m:
-            name, med, lo, hi, peak, under, reruns = m.groups()
+            name, med, lo, hi, cpu, cpu_lo, cpu_hi, peak, under, reruns = m.groups()
             found[name] = (float(med), (float(lo), float(hi)))
-            out.append(f"| {name} | {med} | {lo}-{hi} | {int(peak):,} B | "
+            cpu_cell = f"{cpu} ({cpu_lo}-{cpu_hi})" if cpu else "-"
+            out.append(f"| {name} | {med} | {lo}-{hi} | {cpu_cell} | {int(peak):,} B | "
                        f"{'yes' if under == 'True' else 'no'} | {reruns} |")
     words = ""
     if {"adaptive", "full"} <= set(found):

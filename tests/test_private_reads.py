@@ -66,15 +66,11 @@ ALLOWED = {
     ("runtime/fsdp.py", "_orig_size"),
     ("runtime/fsdp.py", "_is_root"),
     ("runtime/fsdp.py", "_unsharded_param"),
-    # FSDP2's per-iteration state after a step that died inside backward (its root
-    # post-backward callback never ran), reset as that callback does: no public reset in
-    # torch 2.13 (reset_fsdp_after_failure)
-    ("runtime/device_state.py", "_fully_shard"),
-    ("runtime/device_state.py", "_fsdp_common"),
-    ("runtime/device_state.py", "_state_ctx"),
-    ("runtime/device_state.py", "_modules_to_run_forward"),
-    ("runtime/device_state.py", "_training_state"),
-    ("runtime/device_state.py", "_comm_ctx"),
+    # ... and, after a failed attempt, the root among the state context every unit shares
+    # (reset_after_failed_attempt: the root may lie above the guarded model)
+    ("runtime/fsdp.py", "_state_ctx"),
+    ("runtime/fsdp.py", "_modules"),
+    # FSDP2's parameter groups of a unit (fsdp_param_groups: no public accessor in torch 2.13)
     ("runtime/device_state.py", "_fsdp_param_group"),
     # ... and its per-mesh groups (torch 2.13: the singular one raises when there are several)
     ("runtime/device_state.py", "_fsdp_param_groups"),

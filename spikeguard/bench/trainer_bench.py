@@ -14,6 +14,16 @@ device's own peak counter with everything kept, the worst rank's). Each round's 
 the ceiling's median step time over the policy's; printed: the median over rounds and the
 25th-75th percentile, with each policy's largest device peak. On a CPU-only machine the
 device is emulated by the CPU allocator: CPU figures, not GPU ones.
+
+Under `--ep` a step's time is the group's: per step the slowest rank's wall seconds.
+Beside it, the CPU seconds of the busiest rank's process per step (`time.process_time`),
+which the seconds a process waits (for its peer in a collective, for a core on a shared
+machine) do not count. Why: rank 0's wall ratio alone put adaptive at 1.2-1.5x the
+ceiling in two runs at load 11-16; re-measured at load 6-10 the two ranks' walls agree
+within 2% (0.367 / 0.372 s a ceiling step), so rank 0's clock was not biased, but only
+half of a step's wall is the process's own CPU (0.17-0.19 s of 0.25-0.40 s, the rest
+waits that the machine's load decides), and a median of 3 steps over 3 rounds moved by
+half. The CPU ratio is the steady one there: adaptive 0.75-0.80 of the ceiling's.
 """
 
 from __future__ import annotations
@@ -41,14 +51,15 @@ class _Clock:
     def __init__(self, trainer):
         from transformers import TrainerCallback
         clock = self
-        self.seconds, self.peak, self.reruns = [], 0, 0
+        self.seconds, self.cpu_seconds, self.peak, self.reruns = [], [], 0, 0
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
-                clock.start = time.perf_counter()
+                clock.start, clock.cpu_start = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args, state, control, **kwargs):
                 clock.seconds.append(time.perf_counter() - clock.start)
+                clock.cpu_seconds.append(time.process_time() - clock.cpu_start)
                 guard = getattr(trainer, "spikeguard", None)
                 if guard is not None:
                     clock.peak = max(clock.peak, guard.meter.peak())
@@ -86,24 +97,36 @@ def _world_max(value: int, ep: int) -> int:
     return int(t.item())
 
 
+def _group_steps(seconds: list[float], ep: int) -> list[float]:
+    """Per step, the largest over the group's ranks (the group's step: see the doc)."""
+    if ep == 1:
+        return seconds
+    t = torch.tensor(seconds, dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
 def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: int) -> dict:
     ceiling_peak = _world_max(train("none", HUGE, 2, batch, ep, rank).peak, ep)
     budget = int(fraction * ceiling_peak)
     ratios = {p: [] for p in POLICIES if p != "ceiling"}
+    cpu_ratios = {p: [] for p in ratios}
     peaks = {p: 0 for p in ratios}
     reruns = {p: 0 for p in ratios}
     for _ in range(reps):
-        medians = {}
+        medians, cpu = {}, {}
         for policy in POLICIES:
             clock = train(policy, budget, steps, batch, ep, rank)
-            medians[policy] = statistics.median(clock.seconds[1:])
+            medians[policy] = statistics.median(_group_steps(clock.seconds, ep)[1:])
+            cpu[policy] = statistics.median(_group_steps(clock.cpu_seconds, ep)[1:])
             if policy in peaks:
                 peaks[policy] = max(peaks[policy], _world_max(clock.peak, ep))
                 reruns[policy] += clock.reruns
         for policy in ratios:
             ratios[policy].append(medians["ceiling"] / medians[policy])
-    return {"ceiling_peak": ceiling_peak, "budget": budget, "ratios": ratios, "peaks": peaks,
-            "reruns": reruns}
+            cpu_ratios[policy].append(cpu["ceiling"] / cpu[policy])
+    return {"ceiling_peak": ceiling_peak, "budget": budget, "ratios": ratios,
+            "cpu_ratios": cpu_ratios, "peaks": peaks, "reruns": reruns}
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -130,14 +153,17 @@ def main() -> None:
         rank = torch.distributed.get_rank()
     found = measure(a.reps, a.steps, a.batch, a.fraction, a.ep, rank)
     if rank == 0:
-        layout = f", DistributedConfig(fsdp_size={a.ep}, ep_size={a.ep}), rank 0's times" \
+        layout = f", DistributedConfig(fsdp_size={a.ep}, ep_size={a.ep}), the group's steps" \
             if a.ep > 1 else ", one process"
         print(f"transformers Trainer, qwen3_moe 4 layers D=F=128{layout}; CPU, emulated device; "
               f"budget {a.fraction} x ceiling peak = {found['budget']} B; {a.reps} rounds")
         for policy, values in found["ratios"].items():
             low, high = _quartiles(values)
+            cpu = found["cpu_ratios"][policy]
+            cpu_low, cpu_high = _quartiles(cpu)
             print(f"  {policy:9s} / ceiling  median {statistics.median(values):.3f}  "
-                  f"(25-75%: {low:.3f}-{high:.3f})  peak {found['peaks'][policy]} B "
+                  f"(25-75%: {low:.3f}-{high:.3f})  cpu {statistics.median(cpu):.3f} "
+                  f"({cpu_low:.3f}-{cpu_high:.3f})  peak {found['peaks'][policy]} B "
                   f"<= budget: {found['peaks'][policy] <= found['budget']}  "
                   f"re-runs {found['reruns'][policy]}")
     if a.ep > 1:

@@ -22,11 +22,25 @@ So above the in-use of u's decision, u's backward holds
                          - gathered(u)
 and the forward, at a decision in guarded layer L, will still add
     the gathered parameters of the later units that stay gathered (the head's)
-    + the head's backward during its compute - gathered(L) if L reshards after forward,
-which the forecast adds to what is still to come (the head's backward peak is the last
-one of a forward). The compute term sits beside the layer's per-routed-token slope
-(plan/layer_room.py) and is taken out of the device's peaks before the slope is read,
-so that calibration learns the activations' part alone. Pure numbers, frozen values.
+    + what the head's FSDP2 phase adds beyond the head's own backward reserve
+    - gathered(L) if L reshards after forward.
+The head's backward has two phases that are not alive at once (traced op by op on
+torchtitan's deepseek_v3 debug model, one rank, torch 2.13): first the loss's backward,
+where the log-probabilities' gradient and the logits' gradient are made (two logits per
+token above the head's start: its peak there), before FSDP2's pre-backward of the head
+has run; then the head's own backward, where the previous unit is prefetched and the
+head's unsharded gradients are made, while only the logits' gradient is left of the
+first phase. So the head's peak is the larger of the two, never their sum: the first is
+the head's per-token reserve (plan/layer_room.py `head_backward_per_token`, which the
+forecast counts), the second is one logit per token + `head_backward()`, and only its
+excess over the first is FSDP2's (`forward_to_come`). Added to the reserve instead, the
+uncalibrated first step counted the head's prefetch and gradients twice (113 KiB on that
+model) and found no plan at layer 0 under torchtitan's EP at 0.05 of the way from full
+recompute's peak to the all-saved one; the calibration then read the head's slope net of
+a term that was not in its peak. The compute term of a layer's backward sits beside the
+layer's per-routed-token slope (plan/layer_room.py) and is taken out of the device's
+peaks before the slope is read, so that calibration learns the activations' part alone.
+Pure numbers, frozen values.
 """
 
 from __future__ import annotations
@@ -96,12 +110,16 @@ class FsdpBytes:
         after = [i for i in candidates if i > last_layer]
         return after[0] if after else None
 
-    def forward_to_come(self, layer: int) -> int:
+    def forward_to_come(self, layer: int, head_reserve_bytes: int = 0,
+                        logit_grad_bytes: int = 0) -> int:
         """What FSDP2 will add, above the in-use at a decision in guarded `layer`, by the
-        head's backward peak (see the module doc). Never negative."""
+        head's backward peak (see the module doc): `head_reserve_bytes`, the head's own
+        backward reserve the forecast already counts; `logit_grad_bytes`, the logits'
+        gradient still alive in the head's FSDP2 phase. Never negative."""
         i = self._index(layer)
         if i is None:
             return 0
         kept = sum(u.unsharded_bytes for u in self.units[i + 1:] if not u.reshard_after_forward)
         freed = self.units[i].unsharded_bytes if self.units[i].reshard_after_forward else 0
-        return max(0, kept + self.head_backward() - freed)
+        head = max(0, self.head_backward() + logit_grad_bytes - head_reserve_bytes)
+        return max(0, kept + head - freed)

@@ -165,31 +165,6 @@ def _reset_fsdp_shards(model: nn.Module) -> None:
                 fsdp_param.reset_sharded_param()
 
 
-def reset_fsdp_after_failure(model: nn.Module) -> None:
-    """FSDP2 as after a finished backward, for an attempt that died inside one (torch
-    2.13): its root-post-backward callback never ran, so the modules' training states, the
-    queued-callback flag and the forward order are the dead attempt's, and a module whose
-    backward had begun holds its parameters unsharded (their storage the attempt's, freed
-    with it: the re-run then reads "data is not allocated"). Reset them as the callback
-    would, minus its post-backward reduce-scatters (collectives: the re-run makes them),
-    and reshard every parameter group. Local only: every rank of the group re-runs."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    for module in _fsdp_modules(model):
-        state = module._get_fsdp_state()
-        ctx = state._state_ctx
-        ctx.iter_forward_root = None
-        ctx.post_backward_final_callback_queued = False
-        state._modules_to_run_forward.clear()
-        for group in fsdp_param_groups(state):
-            group._training_state = TrainingState.IDLE
-            group.finalize_backward()
-            group.reshard()
-        state._training_state = TrainingState.IDLE
-        if state._comm_ctx is not None:
-            state._comm_ctx.post_forward_order.clear()
-            state._comm_ctx.reduce_scatter_states.clear()
-
-
 def fsdp_param_groups(state) -> list:
     """A module's FSDP2 parameter groups. torch 2.13 gives a module one per mesh when its
     parameters are sharded over several (torchtitan's EP: the experts over its `efsdp`

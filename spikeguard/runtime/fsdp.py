@@ -1,5 +1,5 @@
 """FSDP2 as the guard sees it: each unit's real sizes, read from its parameter groups, and
-the reset of an attempt that a refusal abandoned mid-flight.
+the reset of an attempt that a refusal abandoned mid-flight (`reset_after_failed_attempt`).
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`; torchtitan applies it even on one rank,
 transformers under `DistributedConfig`) keeps each parameter's local shard and all-gathers
@@ -88,23 +88,42 @@ def fsdp_units(model: nn.Module, layer_of: Callable[[nn.Module], Optional[int]]
     return [unit_bytes(state, layer_of(module)) for module, state in fsdp_states(model)]
 
 
-def reset_after_abandoned(model: nn.Module) -> None:
-    """After an attempt abandoned mid-forward or mid-backward (a refusal), FSDP2's
-    iteration state is left as the exception found it: units still gathered, the kept
-    reduce-scatter input, per-group training states. torch 2.13's
-    `FSDPModule.reset_iter_state()` on the root waits, reshards every group and clears
-    them; without it the re-run found the previous attempt's gathered parameters still on
-    the device and ran out even under full recompute. The attempt's unsharded gradients go
-    too (the step's gradients are restored from the guard's snapshot)."""
-    for module, state in fsdp_states(model):
+def reset_after_failed_attempt(model: nn.Module) -> None:
+    """FSDP2 as between two iterations, after an attempt that a refusal ended mid-forward or
+    mid-backward (torch 2.13): the one reset of the guard's free-attempt path
+    (runtime/guard.py `free_attempt`), run after the attempt's graph and autograd's queued
+    nodes are gone, before the re-run. Local only: every rank of the group re-runs, and
+    the re-run makes the collectives. Its two steps, each needed:
+
+    * the attempt's unsharded gradients are dropped (`unsharded_accumulated_grad`, the
+      unsharded parameter's `.grad`): FSDP2's reset discards in-flight reductions but
+      keeps these tensors; left, they stay on the device and the re-run's backward
+      accumulates into them (the step's gradients are restored from the guard's snapshot);
+    * the root's `reset_iter_state()` (public since torch 2.13): it waits on the in-flight
+      all-gathers and reduce-scatters, reshards every parameter group and clears the
+      iteration's trackers of every unit (training states, the queued post-backward
+      callback flag, the forward root and order, the kept reduce-scatter states). The
+      attempt died before FSDP2's root post-backward callback ran, so without it a module
+      whose backward had begun kept its parameters unsharded (their storage the attempt's,
+      freed with it: the re-run read "data is not allocated"), and a unit kept gathered
+      after forward (a head) stayed on the device: the re-run ran out even under full
+      recompute (32,896 bytes stayed on torchtitan's deepseek_v3 debug model; test:
+      tests/integrations/test_integrations_titan_fsdp.py). The root is found through the
+      state context every unit shares with it, so a root above `model` is reset too;
+      before FSDP2's lazy initialisation (no forward ran) there is nothing to reset."""
+    roots: dict[int, nn.Module] = {}
+    for _module, state in fsdp_states(model):
         for group in fsdp_param_groups(state):
             for p in group.fsdp_params:
                 p.unsharded_accumulated_grad = None
                 unsharded = getattr(p, "_unsharded_param", None)
                 if unsharded is not None:
                     unsharded.grad = None
-        if getattr(state, "_is_root", None):
-            module.reset_iter_state()
+        for other in state._state_ctx.all_states:
+            if other._is_root:
+                roots[id(other)] = other._modules[0]
+    for root in roots.values():
+        root.reset_iter_state()
 
 
 def layer_finder(adapter, blocks) -> Callable[[nn.Module], Optional[int]]:

@@ -44,10 +44,10 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
-from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_abandoned
+from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
 from spikeguard.runtime.device_state import (
     HEAD_LAYER, PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES, PHASE_OPTIMIZER, GradSnapshot,
-    decode_where, move_state_to_device, reset_fsdp_after_failure, resolve_budget)
+    decode_where, move_state_to_device, resolve_budget)
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
@@ -112,7 +112,7 @@ class Guard:
         self.layer_room = LayerPeaks(LayerRoom.from_shape(
             self.shape.bytes_per_token(), head_logit_bytes(model),
             expert_weight_grads(self.moe_blocks)), len(self.moe_blocks),
-            model_fsdp_bytes(model, self.adapter, self.moe_blocks))
+            model_fsdp_bytes(model, self.adapter, self.moe_blocks), head_logit_bytes(model))
         self.window = DecisionWindow(
             policy=policy, budget_bytes=self.budget_bytes, ledger=self.ledger,
             planner=self.planner, shape=self.shape, ctx=self.ctx, tracker=self.tracker,
@@ -272,13 +272,12 @@ class Guard:
         self.ctx.tags.clear()
         for block in self.moe_blocks:
             forget_aux_loss(block)
-        reset_after_abandoned(self.model)   # FSDP2's gathered units and reduce buffers
         gc.collect()   # the failed step's graph (and its saved tensors) go with it
         # torch 2.13 keeps the nodes still queued when a backward raised, and what they
         # saved, until the next backward runs on this thread: one empty backward frees them.
         with self.meter.unlimited():   # 4 bytes of bookkeeping, below any budget's notice
             (torch.ones((), requires_grad=True) * 1).backward()
-        reset_fsdp_after_failure(self.model)
+        reset_after_failed_attempt(self.model)   # FSDP2: gathered units, iteration state
         self.ledger.clear()
         self.tracker.holders.clear()
         self.engine.end_forward()

@@ -50,12 +50,14 @@ def head_logit_bytes(model: nn.Module) -> float:
 class LayerPeaks:
     """The slopes in use (`room`, a frozen plan.layer_room.LayerRoom) and this step's probes."""
 
-    def __init__(self, room: LayerRoom, num_layers: int, fsdp: FsdpBytes = FsdpBytes()):
+    def __init__(self, room: LayerRoom, num_layers: int, fsdp: FsdpBytes = FsdpBytes(),
+                 logit_bytes: float = 0.0):
         self.room = room
         self.num_layers = num_layers
         self.fsdp = fsdp   # FSDP2's units (empty without FSDP2): their bytes apart
+        self.logit_bytes = logit_bytes   # one token's logits (`head_logit_bytes`)
         self._probes: dict[tuple[int, int], Probe] = {}
-        self._head_probes: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._head_probes: dict[tuple[int, int], tuple[int, int]] = {}
         self._others: dict[tuple[int, int], int] = {}   # (mb, layer) -> at the decision
 
     def needs(self, in_use: int, num_routed: int, grads_to_come: int,
@@ -105,8 +107,16 @@ class LayerPeaks:
                 self._probes[key] = replace(probe, in_use=probe.in_use - num_bytes)
 
     def record_head(self, micro_batch: int, in_use: int, num_tokens: int) -> None:
-        self._head_probes[(HEAD_LAYER, micro_batch)] = (in_use, num_tokens,
-                                                        self.fsdp.head_backward())
+        """The head's backward starts at `in_use`: its slope is read off the whole peak,
+        FSDP2's phase included (plan/fsdp_bytes.py: the two phases are not alive at once,
+        so no constant is taken out of it)."""
+        self._head_probes[(HEAD_LAYER, micro_batch)] = (in_use, num_tokens)
+
+    def fsdp_forward_to_come(self, layer: int, num_tokens: int) -> int:
+        """FSDP2's bytes still to come at a decision in `layer` (plan/fsdp_bytes.py
+        `forward_to_come`), beside the head's backward reserve for `num_tokens`."""
+        return self.fsdp.forward_to_come(layer, int(self.room.head_backward_per_token * num_tokens),
+                                         int(self.logit_bytes * num_tokens))
 
     def calibrate(self, meter, failed: tuple[int, int] = (0, 0)) -> None:
         """New slopes from this step's peaks, then a fresh step. `failed`: (position code,

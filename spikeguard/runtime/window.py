@@ -190,9 +190,9 @@ class DecisionWindow:
     def fsdp_extra(self, layer: int) -> dict[str, int]:
         """WindowState's FSDP2 terms at a decision in `layer` (plan/fsdp_bytes.py): what its
         units add by the forward's last backward peak, and beside this layer's reloads."""
-        fsdp = self.layer_room.fsdp
-        return {"forward_extra_bytes": fsdp.forward_to_come(layer),
-                "backward_extra_bytes": fsdp.layer_backward(layer)[0]}
+        return {"forward_extra_bytes": self.layer_room.fsdp_forward_to_come(layer,
+                                                                            self.num_tokens),
+                "backward_extra_bytes": self.layer_room.fsdp.layer_backward(layer)[0]}
 
     def layer_cannot_fit(self, layer: int) -> bool:
         """Before a layer's forward runs: would it overflow even with its expert path at the

@@ -101,9 +101,12 @@ def test_none_dies_at_that_budget_in_one_line(runs):
 
 
 @pytest.mark.xfail(reason="under transformers' EP with FSDP2 a backward refusal cannot be "
-                          "settled (FSDP's own gathers and reductions are under way): every "
-                          "rank ends with the agreed line instead of re-running "
-                          "(tests/integrations/test_integrations_hf_ep_recovery.py)",
+                          "settled: the peer's backward has no flag point (autograd and FSDP2's "
+                          "hooks drive it), so it is already inside the combine's or dispatch's "
+                          "backward all-to-all or FSDP2's reduce-scatter/prefetch all-gather, and "
+                          "would go on through every unit's below; the refused rank's engine "
+                          "dropped its graph, so it cannot issue them: every rank ends with the "
+                          "agreed line (tests/integrations/test_integrations_hf_ep_recovery.py)",
                    strict=True)
 def test_a_forced_backward_oom_re_runs_the_step_on_every_rank(runs):
     out, found, _, peak = runs

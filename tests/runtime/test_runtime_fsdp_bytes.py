@@ -16,7 +16,7 @@ from torch import nn
 from spikeguard.memory.device import EmulatedDevice
 from spikeguard.plan.fsdp_bytes import FsdpBytes, FsdpUnit
 from spikeguard.runtime.device_state import move_state_to_device
-from spikeguard.runtime.fsdp import fsdp_units, reset_after_abandoned
+from spikeguard.runtime.fsdp import fsdp_units, reset_after_failed_attempt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,6 +71,24 @@ def test_the_arithmetic_of_a_units_backward_and_the_forward_to_come():
     assert FsdpBytes().layer_backward(0) == (0, 0) and not FsdpBytes().active
 
 
+def test_the_heads_fsdp_phase_counts_only_beyond_its_loss_phase():
+    """The head's backward peaks in its loss phase (the head's reserve, two logits) or in
+    its FSDP2 phase (one logit's gradient + prefetch and gradients), never both at once:
+    FSDP2 adds only the second's excess (plan/fsdp_bytes.py; it was added whole)."""
+    head = FsdpUnit(layer=None, unsharded_bytes=30, reduce_input_bytes=30,
+                    reduce_output_bytes=15, reshard_after_forward=False)
+    fsdp = FsdpBytes((FsdpUnit(0, 100, 100, 50), FsdpUnit(1, 100, 100, 50), head))
+    # no reserve: the FSDP2 phase whole (the head gathered, layer 1 prefetched and the
+    # head's gradients, layer 0's parameters freed)
+    assert fsdp.forward_to_come(0) == 30 + 130 - 100 + 0
+    # the loss phase (reserve 400) covers the FSDP2 phase (a logit's gradient 200 + 130):
+    # nothing of FSDP2's beyond the head's gathered parameters, which layer 0's freeing covers
+    assert fsdp.forward_to_come(0, head_reserve_bytes=400, logit_grad_bytes=200) == 0
+    # a smaller reserve: only the FSDP2 phase's excess over it
+    assert fsdp.forward_to_come(0, head_reserve_bytes=250, logit_grad_bytes=200) == (
+        30 + (200 + 130 - 250) - 100)
+
+
 def test_the_backward_of_a_unit_stays_within_what_the_model_says(one_rank):
     """The step's backward peak on the device, gradients already there (the second step),
     above the in-use when block 3's backward starts, is covered by block 3's term plus
@@ -97,7 +115,7 @@ def test_the_backward_of_a_unit_stays_within_what_the_model_says(one_rank):
         meter.close()
 
 
-def test_reset_after_abandoned_frees_what_a_failed_attempt_left(one_rank):
+def test_reset_after_failed_attempt_frees_what_a_failed_attempt_left(one_rank):
     model = _model(head_kept=True)
     meter = EmulatedDevice(1 << 30)
     try:
@@ -107,7 +125,7 @@ def test_reset_after_abandoned_frees_what_a_failed_attempt_left(one_rank):
             y = model(torch.randn(8, D)).sum()
             del y   # abandoned before backward: the last block stays gathered
             assert meter.allocated() - before == W
-            reset_after_abandoned(model)
+            reset_after_failed_attempt(model)
             assert meter.allocated() == before
     finally:
         meter.close()
