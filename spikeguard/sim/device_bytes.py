@@ -42,12 +42,14 @@ The output head's bytes are sim/head_bytes.py's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 from spikeguard.plan.catalogue import OPS, Action, ExpertShape, LayerPlan
 
 INDEX = 8
+_MEMO = 1 << 16   # remembered backward peaks per LayerBytes (a bound on the memory)
 EVICTABLE_MIN_BYTES = 16 << 10   # runtime/hooks.py: smaller saved tensors are never evicted
 REGION_BYTES = 5056              # a recompute region's own bookkeeping (checkpoint, SAC)
 
@@ -194,8 +196,24 @@ class LayerBytes:
                       on_host: Optional[dict[str, int]] = None) -> int:
         """The peak of the layer's backward above the in-use when it starts. `first`: the
         first backward of the step (the gradients are allocated as it goes); `on_host`:
-        bytes per op of this layer's saved tensors evicted to host (come back at use)."""
-        return _Backward(self, plan, tokens, num_routed, first, on_host or {}).run()
+        bytes per op of this layer's saved tensors evicted to host (come back at use).
+
+        A pure function of its arguments, and the simulator's adaptive walk asks it again
+        and again for the same ones (a layer's plan, its tokens and its routed rows repeat
+        over devices and steps): it is remembered per LayerBytes (at most _MEMO entries)."""
+        key = (plan, tokens, num_routed, first, tuple(sorted(on_host.items())) if on_host else ())
+        memo = self._backward_memo
+        over = memo.get(key)
+        if over is None:
+            if len(memo) >= _MEMO:
+                memo.clear()
+            over = memo[key] = _Backward(self, plan, tokens, num_routed, first,
+                                         on_host or {}).run()
+        return over
+
+    @functools.cached_property
+    def _backward_memo(self) -> dict:
+        return {}   # cached_property writes the instance's __dict__: allowed when frozen
 
     def weight_grads(self) -> tuple[int, int, int, int]:
         """(shared down, shared gate_up, experts' down, experts' gate_up) gradient bytes."""
