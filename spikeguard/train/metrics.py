@@ -6,8 +6,9 @@
 The loop (spikeguard.train.loop.run_loop) hands every finished step's record to
 `step_scalars`, and what it returns to each `MetricsSink`: the same record the step line
 and the JSONL log (`--log`) are made of, so a TensorBoard curve and a log line of one step
-never disagree. Only rank 0 writes (it is the rank that prints); the per-rank figures of
-a cluster stay in the per-rank JSONL logs. A dropped step (`--skip-steps`) writes nothing.
+never disagree. Only rank 0 writes (it is the rank that prints): its own figures, plus
+the cluster's worst peak (`max_peak_bytes`) where the run has several ranks; every
+rank's figures stay in the per-rank JSONL logs. A dropped step (`--skip-steps`) writes nothing.
 
 A sink is anything with `write(step, scalars)` and `close()` (a Protocol, so a caller's
 own logger plugs in without subclassing): `TensorBoardSink` writes event files through
@@ -26,6 +27,7 @@ SCALARS: dict[str, str] = {
     "train/val_loss": "val_loss",
     "train/imbalance": "imbalance",
     "memory/peak_bytes": "peak_bytes",
+    "memory/max_peak_bytes": "max_peak_bytes",   # the cluster's worst rank (EP / PP runs)
     "memory/budget_bytes": "budget_bytes",
     "memory/reserved_bytes": "reserved_bytes",
     "memory/evicted_bytes": "evicted_bytes",
