@@ -20,7 +20,7 @@ from spikeguard.errors import UsageError
 
 # The extra of pyproject.toml that installs each feature's packages.
 EXTRAS = {"sim": ("numpy",), "trace": ("numpy",), "plots": ("numpy", "matplotlib"),
-          "bench": ("numpy", "matplotlib")}
+          "bench": ("numpy", "matplotlib"), "tensorboard": ("tensorboard",)}
 
 
 class MissingExtra(UsageError, ImportError):

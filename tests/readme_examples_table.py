@@ -64,6 +64,10 @@ EXAMPLES: dict = {
     "make test-fast": Listed("a subset of the suite, this test not among it (multiprocess)"),
     "spikeguard train --preset tiny --steps 50 --budget 4MiB --policy adaptive --log run.jsonl":
         Run(cap={"--steps": 20}, expect=("memory: peak ",) + DONE),   # 50 steps: 23 s loaded
+    "pip install 'spikeguard[tensorboard]'": Listed("installs into an environment: the venv "
+                                                    "has tensorboard's pin already (Makefile)"),
+    "spikeguard train --preset tiny --steps 3 --budget 4MiB --tensorboard runs/tb":
+        Run(expect=("memory: peak ",) + DONE),   # ~5 s; its scalars: tests/train/test_train_metrics.py
     EP: Run(expect=("memory: budget auto = ",) + DONE, timeout_s=180),
     "SPIKEGUARD_ARGV='[\"train\", \"--ep\", \"8\", \"--budget\", \"60GiB\"]' torchrun --nnodes 2 "
     "--node-rank K --rdzv-backend c10d --rdzv-endpoint HOST:29500 --nproc-per-node 4 -m spikeguard":

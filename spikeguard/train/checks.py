@@ -30,6 +30,8 @@ def check_files(cfg: RunConfig) -> None:
     files = cfg.files
     if files.checkpoint_dir is not None:
         check_checkpoint_dir(files.checkpoint_dir)
+    if files.tensorboard is not None:
+        check_tensorboard(cfg)
     if files.resume is True and not Path(files.checkpoint_dir).is_dir():
         raise UsageError(f"cannot resume: --checkpoint-dir {files.checkpoint_dir} does not exist")
     if files.record_trace is not None:
@@ -44,21 +46,38 @@ def check_files(cfg: RunConfig) -> None:
     check_resume(cfg)
 
 
-def check_checkpoint_dir(path: str) -> None:
+def check_checkpoint_dir(path: str, what: str = "--checkpoint-dir") -> None:
     """The folder exists and can be written, or can be created (its nearest existing
     ancestor is a writable folder): a save that fails after the first step is found now."""
     folder = Path(path)
-    if folder.is_file():
-        raise UsageError(f"--checkpoint-dir {path} is a file")
+    if not path:
+        raise UsageError(f"{what} needs a folder, got an empty path")
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{what} {path} is a file")
     existing = folder.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"--checkpoint-dir {path} cannot be created: {existing} is a file")
+        raise UsageError(f"{what} {path} cannot be created: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == folder.absolute() else \
+        why = "is not writable" if existing == folder.absolute() else \
             f"cannot be created: {existing} is not writable"
-        raise UsageError(f"--checkpoint-dir {path} {what}")
+        raise UsageError(f"{what} {path} {why}")
+
+
+def check_tensorboard(cfg: RunConfig) -> None:
+    """--tensorboard: the package is there, and the folder can be written and is not
+    inside --data (the next run would read the event files as training data)."""
+    from spikeguard.extras import require
+
+    files = cfg.files
+    check_checkpoint_dir(files.tensorboard, "--tensorboard")
+    require("tensorboard", "tensorboard", "--tensorboard")
+    if files.data is not None and Path(files.data).is_dir() and Path(os.path.realpath(
+            files.tensorboard)).is_relative_to(os.path.realpath(files.data)):
+        raise UsageError(f"--tensorboard {files.tensorboard} is inside the --data folder "
+                         f"{files.data} (the next run would read the event files as "
+                         f"training data); write it elsewhere")
 
 
 def check_outputs_of(cfg: RunConfig, exist: bool = True) -> None:

@@ -38,7 +38,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "shared_policy": ("guard", "shared_policy"),
     "data": ("files", "data"), "log": ("files", "log"), "threads": ("files", "threads"),
     "record_trace": ("files", "record_trace"), "trace": ("files", "trace"),
-    "checkpoint_dir": ("files", "checkpoint_dir"),
+    "checkpoint_dir": ("files", "checkpoint_dir"), "tensorboard": ("files", "tensorboard"),
     "checkpoint_every": ("files", "checkpoint_every"), "resume": ("files", "resume"),
     "skip_steps": ("files", "skip_steps"), "overwrite": ("files", "overwrite"),
 }
@@ -110,6 +110,10 @@ def add_train_parser(commands) -> None:
                       help="replay a recorded trace: the routers reproduce its counts exactly")
     runs.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                       help="save a checkpoint per rank here (atomically: write, then rename)")
+    runs.add_argument("--tensorboard", metavar="DIR", default=None,
+                      help="write each step's scalars (loss, tok/s, peak / budget / reserved "
+                           "bytes, decisions, evictions, re-runs) as TensorBoard event files "
+                           "here (rank 0; needs spikeguard[tensorboard])")
     runs.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                       help="steps between checkpoints (default 50; also after the last step)")
     runs.add_argument("--resume", nargs="?", const=True, default=None, choices=(True, "auto"),

@@ -8,7 +8,7 @@ Sections: `model` (a built-in preset, or `hf` / `titan`, with overrides), `paral
 (spikeguard.parallel.mesh.ParallelLayout plus the pipeline schedule),
 `train` (spikeguard.train.loop.TrainConfig), `guard` (budget and policy), `skew`
 (spikeguard.routing.skew.SkewConfig, or none) and `files` (data, log, traces,
-checkpoints, skipped steps, threads). Each part validates itself on creation and the run
+checkpoints, TensorBoard, skipped steps, threads). Each part validates itself on creation and the run
 checks what the parts cannot see alone (what does not combine), so every mistake is one
 UsageError before any process starts. Library entry points take these objects; the
 command line only fills them.
@@ -31,7 +31,8 @@ from spikeguard.train.train_config import MAX_SEED, TrainConfig
 from spikeguard.train.typed_settings import check_sections, check_types, is_real, read_toml
 
 SECTIONS = ("model", "parallel", "train", "guard", "skew", "files")
-_PATHS = {p: "a path (a string)" for p in ("data", "log", "record_trace", "trace", "checkpoint_dir")}
+_PATHS = {p: "a path (a string)" for p in ("data", "log", "record_trace", "trace",
+                                           "checkpoint_dir", "tensorboard")}
 # What a setting must be, where its annotation does not say it well (check_types).
 DESCRIBED = {"FilesConfig": {**_PATHS, "resume": "true, false or 'auto'"},
              "GuardConfig": {"budget": "a byte count or a string like '24GiB' or 'auto'"}}
@@ -195,6 +196,7 @@ class FilesConfig:
     record_trace: Optional[str] = None
     trace: Optional[str] = None
     checkpoint_dir: Optional[str] = None
+    tensorboard: Optional[str] = None  # event files' folder (spikeguard.train.metrics)
     checkpoint_every: int = 50
     resume: Union[bool, str] = False   # True, or "auto": start afresh when nothing is saved
     skip_steps: frozenset = frozenset()

@@ -29,6 +29,7 @@ from spikeguard.errors import UsageError
 from spikeguard.model.config import ModelConfig
 from spikeguard.model.dispatch import expert_imbalance  # noqa: F401  (exported by spikeguard.train)
 from spikeguard.train.log import open_log, step_line, write_record
+from spikeguard.train.metrics import write_step
 from spikeguard.train.train_config import TrainConfig, make_optimizer  # noqa: F401  (exported)
 
 # (model, optimizer) -> guard; the guard offers `step()` (a context manager) and `history`.
@@ -81,7 +82,7 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
           guard: Any = None, guard_factory: Optional[GuardFactory] = None,
           log_path: Optional[str | Path] = None, console: Optional[Console] = None,
           observers: Sequence[Any] = (), checkpoint: Any = None,
-          skip_steps: Collection[int] = ()) -> list[dict[str, Any]]:
+          skip_steps: Collection[int] = (), metrics: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """Train one built-in `model` in place on this process; returns one record per step.
 
     Records hold step, loss (the objective: cross-entropy + aux), ce_loss, aux_loss,
@@ -100,7 +101,8 @@ def train(model: nn.Module, model_cfg: ModelConfig, train_cfg: TrainConfig, corp
         engine.guards = [guard]
     return run_loop(engine, train_cfg, corpus, seq_len=model_cfg.seq_len,
                     guard_maker=guard_factory, log_path=log_path, console=console,
-                    observers=observers, checkpoint=checkpoint, skip_steps=skip_steps)
+                    observers=observers, checkpoint=checkpoint, skip_steps=skip_steps,
+                    metrics=metrics)
 
 
 def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
@@ -108,7 +110,7 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
              console: Optional[Console] = None, observers: Sequence[Any] = (),
              checkpoint: Any = None, skip_steps: Collection[int] = (), shard: int = 0,
              quiet: bool = False, before_step: Optional[Callable[[int], None]] = None,
-             log_mode: str = "new") -> list[dict[str, Any]]:
+             log_mode: str = "new", metrics: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """The one training loop, whatever the layout: `engine` (spikeguard.train.engines) is
     what this process holds and how it runs a step.
 
@@ -122,7 +124,9 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
     its last save and saves on its interval; `skip_steps` are dropped (their data drawn,
     nothing trained), as a job restarted after a crash drops the batch that killed it.
     `log_mode` (spikeguard.files.LineFile): "new" refuses an existing log, "append" (a
-    resumed run) adds to it, "overwrite" replaces it.
+    resumed run) adds to it, "overwrite" replaces it. `metrics`
+    (spikeguard.train.metrics.MetricsSink): each finished step's scalars, written where the
+    log is (the caller opens and closes them; give them to the rank that prints).
     """
     corpus.check_seq_len(seq_len)
     console = console or Console()
@@ -159,6 +163,7 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
             records.append(record)
             if log_file is not None:
                 write_record(log_file, record)
+            write_step(metrics, record)
             if reporter is not None:
                 reporter.line(step_line(record, train_cfg.steps))
                 reporter.advance()

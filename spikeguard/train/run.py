@@ -95,6 +95,7 @@ class RankRun:
         self.engine = self.family.engine(model, self.groups)
         self.injector = self._injector()
         self.observers: list = []
+        self.metrics: list = []
 
     # ---- building ---------------------------------------------------------------------
     def _groups(self):
@@ -214,18 +215,27 @@ class RankRun:
         cfg = self.cfg
         self._say_model()
         self.observers = self._trace_observers()
+        self.metrics = self._metrics()
         records = run_loop(
             self.engine, cfg.train, self.corpus, seq_len=self.seq_len,
             guard_maker=self._guard_maker(), log_path=rank_log(cfg.files.log, self.rank),
             console=self.console, observers=self.observers, checkpoint=self._checkpointer(),
             skip_steps=cfg.files.skip_steps, log_mode=self._log_mode(),
             shard=self.groups.data_shard if self.groups is not None else 0,
-            quiet=self.rank != 0,
+            quiet=self.rank != 0, metrics=self.metrics,
             before_step=self.injector.set_step if self.injector is not None else None)
         if self.engine.guards:
             self._say(memory_summary(records))
         self._say_done(summarize(records), records)
         return 0
+
+    def _metrics(self) -> list:
+        """Rank 0's metrics sinks (the rank that prints; each rank's JSONL log keeps its
+        own figures)."""
+        if self.rank != 0 or self.cfg.files.tensorboard is None:
+            return []
+        from spikeguard.train.metrics import TensorBoardSink
+        return [TensorBoardSink(self.cfg.files.tensorboard)]
 
     def _log_mode(self) -> str:
         files = self.cfg.files
@@ -267,8 +277,10 @@ class RankRun:
             if not clean and writer is not None:
                 writer.abort()   # a failed run replaces no --record-trace (files.py)
             observer.detach()
+        for sink in self.metrics:
+            sink.close()
         if self.injector is not None:
             self.injector.detach()
         self.engine.close()
-        self.observers, self.injector, self.engine = [], None, None
+        self.observers, self.injector, self.engine, self.metrics = [], None, None, []
 
