@@ -49,8 +49,10 @@ def _errors(err: str) -> list[str]:
             and "Warning" not in line and "return func(" not in line]
 
 
+# PP=2 x EP=2 at 1.2 MiB: full recompute's spike step does not fit (at 1.3 MiB it has since
+# the pipeline stopped holding DDP's buckets, 76 KiB a rank).
 @pytest.mark.parametrize("argv,world", [(EP2 + ["--budget", "1.5MiB"], 2),
-                                        (PP2EP2 + ["--budget", "1.3MiB"], 4)], ids=["ep2", "pp2ep2"])
+                                        (PP2EP2 + ["--budget", "1.2MiB"], 4)], ids=["ep2", "pp2ep2"])
 def test_where_nothing_fits_every_rank_ends_with_one_agreed_line(argv, world):
     proc, out, err = _run(argv)
     assert proc.returncode == 3, err[-3000:]
