@@ -112,11 +112,10 @@ def pipeline_stage(module: nn.Module, stage: int, num_stages: int, micro_batch_s
     micro-batch."""
     from torch.distributed.pipelining import PipelineStage
 
-    inner = getattr(module, "module", module)
-    cfg = inner.cfg
+    cfg = module.cfg
     B, T = micro_batch_shape
     meta = torch.device("meta")
-    if inner.is_first:
+    if module.is_first:
         inputs = torch.empty(B, T, dtype=torch.long, device=meta)
         input_grads = (None,)
     else:
@@ -124,10 +123,10 @@ def pipeline_stage(module: nn.Module, stage: int, num_stages: int, micro_batch_s
         # buffer that does not require grad sends no gradient back to the stage before.
         inputs = torch.empty(B, T, cfg.d_model, device=meta, requires_grad=True)
         input_grads = torch.empty(B, T, cfg.d_model, device=meta)
-    width = cfg.vocab_size if inner.is_last else cfg.d_model
+    width = cfg.vocab_size if module.is_last else cfg.d_model
     outputs = torch.empty(B, T, width, device=meta, requires_grad=True)
-    output_grads = (None,) if inner.is_last else torch.empty(B, T, width, device=meta)
-    device = device or next(inner.parameters()).device
+    output_grads = (None,) if module.is_last else torch.empty(B, T, width, device=meta)
+    device = device or next(module.parameters()).device
     return PipelineStage(module, stage, num_stages, device, input_args=inputs,
                          output_args=outputs, input_grads=input_grads,
                          output_grads=output_grads, group=group)
