@@ -76,8 +76,8 @@ EXAMPLES: dict = {
     "python -m spikeguard.parallel.quiet_torchrun": Listed(
         "a launcher named in a sentence, used with the several-machines form above; "
         "tests/parallel/test_parallel_by_hand.py runs it by hand, failing on purpose"),
-    # The plan follows the cost model's timings: on a loaded machine about 1 run in 6 takes
-    # one safety-net re-run (3 of 16 and 1 of 16 here, load ~3; the README says why), and
+    # The plan follows the cost model's timings: on a loaded machine about 1 run in 8 takes
+    # one safety-net re-run (4 of 32 here, beside one busy core; the README says why), and
     # never a step over its budget.
     PP: Run(expect=("0 steps over",) + DONE, timeout_s=180),
     "spikeguard train --titan deepseek_v3 [--nproc 2 --ep 2]":
