@@ -5,9 +5,8 @@ The runtime's decision window (spikeguard/runtime/window.py), its hookless proof
 each collect their numbers (the device's in-use, the layer's measured attention part, its
 routed count) and call these functions; none of them repeats the steps:
 
-    at a layer's entry   entry_fallback: would even its least plan overflow, or would
-                         decide_layer on the layer's expected counts find no plan? then
-                         it is recomputed whole, and room is made now for its whole backward
+    at a layer's entry   entry_fallback: would even its least plan overflow? then it is
+                         recomputed whole, and room is made now for its whole backward
     after routing        decide_layer: window state -> planner inputs (plan/room.py) ->
                          evict first if the layer's own peaks do not fit -> the planner's
                          least-cost plan -> evict what that plan still needs
@@ -22,9 +21,8 @@ which the runtime's saved-tensor tracker and the simulator's layers both impleme
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Protocol
 
-from spikeguard.errors import BudgetInfeasible
 from spikeguard.plan.planner import Decision, Planner
 from spikeguard.plan.room import (EntryState, ToCome, WindowState, decision_inputs,
                                   entry_estimate, layer_cannot_fit)
@@ -132,58 +130,16 @@ def decide_layer(facts: LayerFacts, in_use: int, slopes: Slopes, forecast: ToCom
     return LayerDecision(decision, in_use)
 
 
-# The facts a layer's decision will have, given the attention part and routed count its
-# entry expects (plan/room.py `entry_estimate`): the caller fills in the rest as it will
-# at the decision.
-FactsAt = Callable[[int, int], LayerFacts]
-
-
-class _Counted:
-    """An Evictor of plain numbers: what `decision_fails` lets decide_layer move."""
-
-    def __init__(self, evictable: int):
-        self.left = max(0, evictable)
-
-    def evictable(self) -> int:
-        return self.left
-
-    def evict(self, num_bytes: int) -> int:
-        moved = min(self.left, max(0, num_bytes))
-        self.left -= moved
-        return moved
-
-
-def decision_fails(facts: LayerFacts, in_use: int, evictable: int, slopes: Slopes,
-                   forecast: ToCome, planner: Planner) -> bool:
-    """Would decide_layer, at `in_use` with `evictable` bytes that could leave, find no plan
-    (its layer's own peaks and the least plan beyond what eviction frees)? The same
-    procedure, on numbers: nothing is evicted and nothing recorded."""
-    try:
-        decide_layer(facts, in_use, slopes, forecast, planner, _Counted(evictable))
-    except BudgetInfeasible:
-        return True
-    return False
-
-
 def entry_fallback(entry: EntryState, forecast: ToCome, slopes: Slopes, grads_to_come: int,
                    evictor: Evictor, note_backward: NoteBackward = _ignore,
-                   fixed_backward: tuple[int, int] = (0, 0),
-                   planner: Optional[Planner] = None,
-                   facts_at: Optional[FactsAt] = None) -> bool:
+                   fixed_backward: tuple[int, int] = (0, 0)) -> bool:
     """Before a layer's forward: would it overflow even with its expert path at the least
-    the planner can keep, or (with `planner` and `facts_at`) would its decision, on the
-    counts earlier layers imply, find no plan even after eviction? Then it is recomputed
-    whole (True) rather than discovered mid-layer, where only the safety net's re-run is
-    left. (Without the second test the entry passed layers whose own forward and backward
-    peaks did not fit beside the layers below: the README's PP=2 x EP=2 example re-ran a
-    micro-batch in 4 of 32 runs on a loaded machine.) Recomputed whole it still comes back
-    whole in its backward, with its gradients, beside what the layers below keep: that
-    is made to fit now, by eviction."""
-    estimate = entry_estimate(entry)
-    if not (layer_cannot_fit(entry, forecast)
-            or _expected_decision_fails(entry, estimate, evictor, slopes, forecast, planner,
-                                        facts_at)):
+    the planner can keep? Then it is recomputed whole (True) rather than discovered
+    mid-layer; recomputed whole it still comes back whole in its backward, with its
+    gradients, beside what the layers below keep: that is made to fit now, by eviction."""
+    if not layer_cannot_fit(entry, forecast):
         return False
+    estimate = entry_estimate(entry)
     if estimate is not None:
         part, routed = estimate
         backward = slopes.whole_backward(entry.in_use_bytes, part, int(routed), grads_to_come,
@@ -193,18 +149,6 @@ def entry_fallback(entry: EntryState, forecast: ToCome, slopes: Slopes, grads_to
         if short > 0:
             evictor.evict(short)
     return True
-
-
-def _expected_decision_fails(entry: EntryState, estimate: Optional[tuple[int, float]],
-                             evictor: Evictor, slopes: Slopes, forecast: ToCome,
-                             planner: Optional[Planner], facts_at: Optional[FactsAt]) -> bool:
-    """decision_fails on the layer's expected counts, at the in-use its attention part
-    brings (False when there is no estimate yet or the caller gave no way to ask)."""
-    if estimate is None or planner is None or facts_at is None:
-        return False
-    part, routed = estimate
-    return decision_fails(facts_at(part, int(routed)), entry.in_use_bytes + part,
-                          evictor.evictable(), slopes, forecast, planner)
 
 
 def fits_unaided(entry: EntryState, facts: LayerFacts, in_use: int, slopes: Slopes,

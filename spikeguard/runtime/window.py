@@ -162,7 +162,15 @@ class DecisionWindow:
         grads_to_come = self.grads_to_come.get(layer, 0)
         self.layer_room.record(mb, layer, in_use, num_routed, grads_to_come, layer_part,
                                self.others_bytes(mb))
-        facts = self._facts(layer, layer_part, num_routed, seen.max_routed)
+        facts = LayerFacts(
+            layer=layer, budget_bytes=self.budget_bytes, num_routed=num_routed,
+            layer_part_bytes=layer_part, max_routed=seen.max_routed, num_tokens=self.num_tokens,
+            min_bytes_per_token=self.planner.min_bytes_per_token, grads_to_come=grads_to_come,
+            transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape,
+                                                                          self.on_cuda),
+            prefetch=self.engine.prefetch_enabled, last_layer=layer >= self.num_layers - 1,
+            resident_backward_bytes=self._resident_backward(),
+            fixed_backward=self.layer_room.fsdp.layer_backward(layer), **self.fsdp_extra(layer))
         try:
             return decide_layer(facts, in_use, self.layer_room.room, self.forecast, self.planner,
                                 self._evictor(mb, layer),
@@ -174,19 +182,6 @@ class DecisionWindow:
                 f"planner fit it without the safety net",
                 needed_bytes=self.budget_bytes + err.needed_bytes,
                 budget_bytes=self.budget_bytes) from None
-
-    def _facts(self, layer: int, layer_part: int, num_routed: int, max_routed: int) -> LayerFacts:
-        """The decision's facts in `layer` (at its entry, on the counts it expects)."""
-        return LayerFacts(
-            layer=layer, budget_bytes=self.budget_bytes, num_routed=num_routed,
-            layer_part_bytes=layer_part, max_routed=max(max_routed, num_routed),
-            num_tokens=self.num_tokens, min_bytes_per_token=self.planner.min_bytes_per_token,
-            grads_to_come=self.grads_to_come.get(layer, 0),
-            transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape,
-                                                                          self.on_cuda),
-            prefetch=self.engine.prefetch_enabled, last_layer=layer >= self.num_layers - 1,
-            resident_backward_bytes=self._resident_backward(),
-            fixed_backward=self.layer_room.fsdp.layer_backward(layer), **self.fsdp_extra(layer))
 
     def _evictor(self, mb: int, layer: int) -> "TrackerEvictor":
         return TrackerEvictor(self.tracker, self.forecast.residency, self.ledger,
@@ -216,9 +211,7 @@ class DecisionWindow:
         if not entry_fallback(entry, self.forecast, self.layer_room.room,
                               self.grads_to_come.get(layer, 0), self._evictor(mb, layer),
                               functools.partial(self._predicted_backward, mb),
-                              self.layer_room.fsdp.layer_backward(layer), self.planner,
-                              lambda part, routed: self._facts(layer, part, routed,
-                                                               self.seen.max_routed)):
+                              self.layer_room.fsdp.layer_backward(layer)):
             return False
         step = self.recorder()
         if step is not None:

@@ -19,8 +19,6 @@ as runtime/hooks.py does; they come back in their layer's backward.
 
 from __future__ import annotations
 
-import functools
-
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -266,14 +264,11 @@ class Chunk:
             return (in_use - sum(residents.evicted.values()) + embed + flow
                     + sum(layer.kept for layer in layers))
 
-        facts_at = functools.partial(self._facts, grads_by_layer, len(counts), resident_backward)
         evictor = ChunkEvictor(layers, probes, residency, residents)
         for i, count in enumerate(counts):
             start = now()
             entry = EntryState(i, cap, start, T, min_bpt, seen, resident_backward)
-            expected = functools.partial(facts_at, i, max_routed=seen.max_routed)
-            if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, peaks.note,
-                              planner=planner, facts_at=expected):
+            if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, peaks.note):
                 layers.append(self._full_layer(count))
                 forward_where.append((i, now() - in_use - layers[-1].kept
                                       + lb.full_forward_over(T, count)))
@@ -285,7 +280,12 @@ class Chunk:
             seen = seen.after(count, max(layer_part, lb.at_decision(T, count)), T)
             at_decision = start + lb.at_decision(T, count)
             probes.append((i, at_decision - in_use, count, sum(residents.evicted.values())))
-            facts = facts_at(i, layer_part, count, seen.max_routed)
+            facts = LayerFacts(
+                layer=i, budget_bytes=cap, num_routed=count, layer_part_bytes=layer_part,
+                max_routed=seen.max_routed, num_tokens=T, min_bytes_per_token=min_bpt,
+                grads_to_come=grads_by_layer[i], transient_bytes_per_routed=w.transient,
+                prefetch=w.prefetch, last_layer=i == len(counts) - 1,
+                resident_backward_bytes=resident_backward)
             try:
                 out = decide_layer(facts, at_decision, room, forecast, planner, evictor,
                                    peaks.note)
@@ -315,17 +315,6 @@ class Chunk:
         out.pending = backward_above_end(peaks.peak, in_use + out.kept - out.resident_freed,
                                          peaks.over, room.observed)
         return out
-
-    def _facts(self, grads_by_layer: tuple, num_layers: int, resident_backward: int, i: int,
-               part: int, count: int, max_routed: int) -> LayerFacts:
-        """Layer i's decision facts (at its entry, on the counts it expects)."""
-        return LayerFacts(
-            layer=i, budget_bytes=int(self.w.capacity), num_routed=count, layer_part_bytes=part,
-            max_routed=max(max_routed, count), num_tokens=self.T,
-            min_bytes_per_token=self.w.planner.min_bytes_per_token,
-            grads_to_come=grads_by_layer[i], transient_bytes_per_routed=self.w.transient,
-            prefetch=self.w.prefetch, last_layer=i == num_layers - 1,
-            resident_backward_bytes=resident_backward)
 
     def _forecast(self, chunk: int, num_layers: int, memory: Memory, residency) -> Forecast:
         """The window's forecast of the rest of the micro-batch, as the runtime's guard

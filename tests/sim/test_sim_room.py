@@ -35,13 +35,10 @@ from spikeguard.sim.shape import build
 def _record(monkeypatch, module) -> dict:
     """Spy on the procedure as `module` (the runtime's window or the simulator's chunk)
     calls it, on the room it computes, and on Planner.decide; `events` is the order they
-    ran in: ("entry", state), ("room", room), ("decide", args). The entry's question to
-    the procedure (decision_fails, which evicts nothing) is kept apart, in "predicted"."""
-    seen: dict = {"entries": [], "rooms": [], "decides": [], "events": [], "calls": [],
-                  "predicted": [], "predicting": False}
+    ran in: ("entry", state), ("room", room), ("decide", args)."""
+    seen: dict = {"entries": [], "rooms": [], "decides": [], "events": [], "calls": []}
     real_inputs, real_decide = procedure.decision_inputs, Planner.decide
     real_entry, real_layer = procedure.entry_fallback, procedure.decide_layer
-    real_fails = procedure.decision_fails
 
     def inputs(state, forecast):
         out = real_inputs(state, forecast)
@@ -59,22 +56,14 @@ def _record(monkeypatch, module) -> dict:
         seen["calls"].append("decide_layer")
         return real_layer(*args, **kwargs)
 
-    def fails(*args, **kwargs):
-        seen["predicting"] = True
-        try:
-            return real_fails(*args, **kwargs)
-        finally:
-            seen["predicting"] = False
-
     def decide(self, *args):
-        seen["predicted" if seen["predicting"] else "decides"].append(args)
+        seen["decides"].append(args)
         seen["events"].append(("decide", args))
         return real_decide(self, *args)
 
     monkeypatch.setattr(procedure, "decision_inputs", inputs)
     monkeypatch.setattr(module, "entry_fallback", entry)
     monkeypatch.setattr(module, "decide_layer", layer)
-    monkeypatch.setattr(procedure, "decision_fails", fails)
     monkeypatch.setattr(Planner, "decide", decide)
     return seen
 
