@@ -632,6 +632,14 @@ def start_watchdog(run: Run) -> threading.Timer:
     return timer
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`cuda` as `cuda:N` (the current device): set_per_process_memory_fraction, the cap,
+    takes an indexed device only (the first H200 run failed on a bare `cuda`)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="spikeguard GPU check")
     parser.add_argument("--device", default="cuda")
@@ -655,7 +663,7 @@ def main(argv=None) -> int:
         return 1
     # cuBLAS is bitwise reproducible only with a fixed workspace: set before its first use.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    device = torch.device(args.device)
+    device = indexed(torch.device(args.device))
     if cpu:
         torch.set_num_threads(1)  # tiny models; two threads on shared cores stall each other
     run = Run(args, device)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from spikeguard.runtime.guard import Guard
 
@@ -58,6 +59,15 @@ def test_spent_time_limit_skips_every_check_and_fails(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("gpu_check: FAIL (time limit 0 s: skipped bitwise;"), last
     assert "skipped sizes; none: not run, it needs the sizes check" in last
+
+
+def test_a_bare_cuda_device_gets_the_current_index(monkeypatch):
+    """set_per_process_memory_fraction refuses `cuda` without an index (seen on the H200)."""
+    gpu_check = _load()
+    monkeypatch.setattr(gpu_check.torch.cuda, "current_device", lambda: 3)
+    assert gpu_check.indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert gpu_check.indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert gpu_check.indexed(torch.device("cpu")) == torch.device("cpu")
 
 
 def test_run_step_is_used_when_the_guard_has_it():
