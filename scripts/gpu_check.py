@@ -15,7 +15,11 @@ Checks, one model on the device at a time (built, measured, deleted, the cache e
      with no safety-net re-run (prevention, not the net); says whether they also stayed
      under the guard's budget, cap - max(5%, 256 MiB) on CUDA (the cap limits what the
      caching allocator reserves, the guard plans on what is allocated: the margin);
-  4. throughput ratios adaptive/ceiling and full/ceiling, interleaved, medians and
+  4. snapshot: the spike with adaptive's prevention blinded, `memory_snapshot` given: a
+     real out-of-memory under the cap, re-run by the net; one snapshot per refusal (on
+     CUDA the allocator's history pickled, its own 'oom' event in it; JSON on CPU); then
+     what the recording costs a calm step, interleaved (reported).
+  4b. throughput ratios adaptive/ceiling and full/ceiling, interleaved, medians and
      min-max over rounds: reported, never PASS/FAIL.
   5. ep (two ranks: NCCL on two GPUs, gloo on the CPU dry run; skipped with one GPU):
      one rank's prevention blinded under a budget between its forward and backward
@@ -485,6 +489,97 @@ def check_throughput(run: Run) -> str:
             f"(calm + spike step, ceiling {ms:.0f} ms, no limit)")
 
 
+def blind_prevention(guard) -> None:
+    """Every layer saves everything and none falls back whole: only the safety net is left."""
+    from spikeguard.plan.catalogue import ALL_SAVE
+    guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
+    guard.window.layer_cannot_fit = lambda layer: False
+
+
+def snapshot_files_ok(run: Run, files: list, reruns: int) -> list[str]:
+    """What is wrong with the snapshots of `reruns` refusals (empty: nothing)."""
+    import json
+    import pickle
+    wrong = [] if len(files) == reruns else [f"{len(files)} snapshot files for {reruns} re-runs"]
+    for path in files:
+        if not run.cuda:
+            record = json.loads(path.read_text())
+            if record["in_use_at_refusal_bytes"] > record["budget_bytes"]:
+                wrong.append(f"{path.name}: in use over the budget at the refusal")
+            continue
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+        events = [e for trace in snap["device_traces"] for e in trace]
+        reserved = sum(seg["total_size"] for seg in snap["segments"])
+        say(f"    {path.name}: {len(snap['segments'])} segments, {mib(reserved)} reserved, "
+            f"{len(events)} events, {sum(e['action'] == 'oom' for e in events)} oom")
+        if not any(e["action"] == "oom" for e in events):
+            wrong.append(f"{path.name}: no 'oom' event in the allocator's history")
+        if reserved > run.sizes["cap"]:
+            wrong.append(f"{path.name}: {mib(reserved)} reserved, over the cap")
+    return wrong
+
+
+def check_snapshot(run: Run) -> str:
+    """`memory_snapshot`: the spike with prevention blinded dies under the cap and is
+    re-run; one snapshot per refusal, written at it (CUDA: the allocator's history, with
+    its own 'oom' event); then what the recording costs a calm step (reported)."""
+    import tempfile
+    from pathlib import Path
+
+    s = run.sizes
+    run.set_cap(s["cap"])
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(s["cfg"], seed=1).to(run.device)
+        guard = spikeguard.attach(model, budget=s["budget"], policy="adaptive",
+                                  memory_snapshot=tmp)
+        blind_prevention(guard)
+        model.zero_grad(set_to_none=True)
+        run_guarded(guard, lambda: [model(x, y).loss.backward() for x, y in s["spike"]])
+        reruns = guard.history[-1]["safety_net_reruns"]
+        guard.detach()
+        del model, guard
+        run.release("snapshot model")
+        wrong = snapshot_files_ok(run, sorted(Path(tmp).iterdir()), reruns)
+    if reruns == 0:
+        wrong.append("the blinded spike was not refused: nothing to snapshot")
+    if wrong:
+        raise CheckFailed("; ".join(wrong))
+    return f"{reruns} refusal(s), one snapshot each; recording {snapshot_cost(run)}"
+
+
+def snapshot_cost(run: Run) -> str:
+    """A calm step's time with the recording on over off, interleaved rounds (medians)."""
+    import tempfile
+
+    s = run.sizes
+    run.set_cap(None)
+    model = build_model(s["cfg"], seed=1).to(run.device)
+    times = {False: [], True: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(3):
+            for on in (False, True):
+                guard = spikeguard.attach(model, budget=s["budget"], policy="adaptive",
+                                          memory_snapshot=tmp if on else None)
+                for i in range(3):   # the first is a warm-up
+                    model.zero_grad(set_to_none=True)
+                    run.sync()
+                    t0 = time.perf_counter()
+                    run_guarded(guard, lambda: [model(x, y).loss.backward() for x, y in s["calm"]])
+                    run.sync()
+                    if i:
+                        times[on].append(time.perf_counter() - t0)
+                guard.detach()
+                del guard   # a detached guard still holds the model
+    model.zero_grad(set_to_none=True)
+    del model
+    run.release("snapshot cost model")
+    ratio = statistics.median(times[True]) / statistics.median(times[False])
+    return (f"costs a calm step {ratio:.3f}x ({statistics.median(times[True]) * 1e3:.0f} ms "
+            f"against {statistics.median(times[False]) * 1e3:.0f} ms, medians of "
+            f"{len(times[True])})")
+
+
 def ep_worker(rank: int, world_size: int, store_path: str, out_dir: str, cuda: bool) -> None:
     """One rank of the EP check: the ceiling, then the same step with rank 0's
     prevention blinded under a budget between its forward and backward peaks."""
@@ -578,7 +673,7 @@ def check_ep(run: Run) -> str:
 
 CHECKS = (("bitwise", check_bitwise, True), ("sizes", check_sizes, True),
           ("none", check_none, True), ("adaptive", check_adaptive, True),
-          ("ep", check_ep, True),
+          ("snapshot", check_snapshot, True), ("ep", check_ep, True),
           ("throughput", check_throughput, False))   # the last is reported, never asserted
 
 

@@ -20,6 +20,7 @@ class DeviceOutOfMemory(RuntimeError):
         super().__init__(message)
         self.needed_bytes = needed_bytes
         self.budget_bytes = budget_bytes
+        self.memory_snapshot = None   # its snapshot's path, where one was asked for
 
 
 class BudgetInfeasible(DeviceOutOfMemory):

@@ -18,7 +18,8 @@ class Run:
     """Run the command; `cap` overrides or adds flags (minutes -> seconds), `files`
     writes inputs first ({path: text, or (page, text its block contains)}), `before`
     commands run first, `expect` are substrings of its output, `exits` its exit code (a
-    page's `<!-- example: exits N -->` marker wins), `xfail` why it fails today."""
+    page's `<!-- example: exits N -->` marker wins), `xfail` why it fails today, `made`
+    the files it must leave."""
     cap: dict = field(default_factory=dict)
     files: dict = field(default_factory=dict)
     before: tuple = ()
@@ -29,6 +30,7 @@ class Run:
     timeout_s: int = 120
     long: bool = False
     xfail: str = ""
+    made: tuple = ()     # files the command must have written (relative to its folder)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ EXAMPLES: dict = {
                                                     "has tensorboard's pin already (Makefile)"),
     "spikeguard train --preset tiny --steps 3 --budget 4MiB --tensorboard runs/tb":
         Run(expect=("memory: peak ",) + DONE),   # ~5 s; its scalars: tests/train/test_train_metrics.py
+    "spikeguard train --preset tiny --steps 2 --budget 1MiB --policy none --memory-snapshot "
+    "runs/snapshots": Run(exits=3, expect=("spikeguard: out of memory: forward of micro-batch 0",),
+                          made=("runs/snapshots/step000000-rank0-oom.json",)),
     EP: Run(expect=("memory: budget auto = ",) + DONE, timeout_s=180),
     "SPIKEGUARD_ARGV='[\"train\", \"--ep\", \"8\", \"--budget\", \"60GiB\"]' torchrun --nnodes 2 "
     "--node-rank K --rdzv-backend c10d --rdzv-endpoint HOST:29500 --nproc-per-node 4 -m spikeguard":

@@ -69,6 +69,12 @@ CASES = {
                                              "{tmp}/corpus/ck"], "inside the --data folder"),
     "checkpoint-dir is --data": (TINY + ["--data", "{tmp}/corpus", "--checkpoint-dir",
                                          "{tmp}/corpus"], "inside the --data folder"),
+    "memory-snapshot under a file": (TINY + ["--memory-snapshot", "{tmp}/run.toml/s"],
+                                     "run.toml/s cannot be created: "),
+    "memory-snapshot inside --data": (TINY + ["--data", "{tmp}/corpus", "--memory-snapshot",
+                                              "{tmp}/corpus/s"], "inside the --data folder"),
+    "toml: memory_snapshot a number": (["train", "--config", "{tmp}/snapshot.toml"],
+                                       "files.memory_snapshot must be a path"),
     "log ending in /": (TINY + ["--log", "{tmp}/newdir/"], "ends in '/'"),
     "data /dev/zero": (TINY + ["--data", "/dev/zero"], "is not a regular file"),
     "simulate 10**12 steps": (["simulate", "--steps", "1000000000000"], "steps fit"),
@@ -119,6 +125,7 @@ def _inputs(tmp: Path) -> list[Path]:
     (tmp / "corpus" / "text.txt").write_text("the quick brown fox jumps. " * 40)
     (tmp / "shapes").mkdir(exist_ok=True)
     (tmp / "sim_name.toml").write_text("[model]\nname = 3\n")
+    (tmp / "snapshot.toml").write_text("[model]\npreset = 'tiny'\n[files]\nmemory_snapshot = 3\n")
     for text, _, name in TOML_SHAPES.values():
         (tmp / "shapes" / name).write_text(text)
     return [tmp / n for n in ("binary.dat", "run.toml", "nan.toml", "corpus/text.txt")]

@@ -35,7 +35,7 @@ def test_cpu_dry_run_passes_and_ends_in_the_one_line():
     assert lines and lines[-1] == "gpu_check: PASS", done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0
     assert sum(line.startswith("gpu_check:") for line in lines) == 1
-    for check in ("bitwise", "sizes", "none", "adaptive", "ep"):
+    for check in ("bitwise", "sizes", "none", "adaptive", "snapshot", "ep"):
         assert f"[{check}] PASS" in done.stdout
     assert "[throughput] REPORT" in done.stdout
 

@@ -38,6 +38,12 @@ ALLOWED = {
     ("parallel/pipeline_recovery.py", "_stage_meta"),
     # the aten op that `.item()` dispatches to: a host sync, kept under recompute
     ("runtime/executor.py", "_local_scalar_dense"),
+    # the CUDA caching allocator's history and snapshot (memory/snapshot.py): what
+    # pytorch.org/memory_viz reads and torchtitan's memory snapshots use; torch 2.13 has
+    # only these underscored functions (documented in its "Understanding CUDA Memory
+    # Usage" page)
+    ("memory/snapshot.py", "_record_memory_history"),
+    ("memory/snapshot.py", "_snapshot"),
     # the C++ ABI torch was built with, which the emulated device's allocator must match
     ("memory/device.py", "_C"),
     ("memory/device.py", "_GLIBCXX_USE_CXX11_ABI"),

@@ -242,6 +242,8 @@ def _cases():
 @pytest.mark.parametrize("command, spec, exits", _cases())
 def test_example_runs_as_the_page_says(command, spec, exits, tmp_path):
     check(run_example(command, spec, scratch_root(tmp_path)), spec, exits)
+    missing = [name for name in spec.made if not (tmp_path / name).is_file()]
+    assert not missing, f"the page says it writes {missing}; it did not"
 
 
 def test_every_command_is_run_or_listed():

@@ -135,6 +135,10 @@ class Ledger:
                    if (micro_batch is None or mb == micro_batch)
                    and (layer is None or ly == layer) and (op is None or o == op))
 
+    def attribution(self) -> dict[tuple[int, int, str], int]:
+        """Live attributed bytes by (micro-batch, layer, op), the places holding none left out."""
+        return {where: n for where, n in self._by_where.items() if n}
+
     def add_host(self, num_bytes: int) -> None:
         self.host_bytes += num_bytes
 

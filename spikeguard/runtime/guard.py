@@ -16,14 +16,10 @@
 
 The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
 counts every live storage. Every forward of the model is one micro-batch. The guard is
-composed of named parts, each in its own file: its arguments (runtime/guard_arguments.py),
-the wiring it puts on the model (runtime/wiring.py), the ledger (memory/ledger.py), the
-cost model, planner and forecast (plan/), the layer peaks (runtime/layer_room.py), the
-saved-tensor tracker and offload engine (runtime/hooks.py, offload.py), the executor, the
-hookless layers, the position, the decision window (runtime/window.py) and the micro-batch
-safety net (runtime/net.py, with the agreement its adapter gives). The guard wires them to
-the model and owns the step's life cycle; in each MoE layer the window decides and the
-executor runs the expert path under the plan, for static policies too.
+composed of named parts, each in its own file (runtime/, plan/, memory/: the arguments,
+wiring, ledger, cost model, planner, forecast, layer peaks, tracker, offload engine,
+executor, hookless layers, position, decision window, safety nets, memory snapshots); it
+wires them to the model and owns the step's life cycle.
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ from torch import nn
 from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.runtime.adapter import find_adapter
 from spikeguard.memory.ledger import Ledger, storage_key
+from spikeguard.memory.snapshot import memory_snapshots
 from spikeguard.memory.static import optimizer_state_bytes, static_bytes
 from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, LayerPlan
@@ -70,21 +67,22 @@ FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
 
 
 def attach(model: nn.Module, budget=None, policy: str = "adaptive",
-           optimizer: Optimizers = None,
-           shared_policy: str = "keep") -> "Guard":
-    """Attach a guard to a model with MoE blocks; see the module docstring. `optimizer`:
-    one torch optimizer, a list of them (a model whose parameters several optimizers
-    share out), or None; each one's step then runs on the device."""
+           optimizer: Optimizers = None, shared_policy: str = "keep",
+           memory_snapshot=None) -> "Guard":
+    """Attach a guard to a model with MoE blocks (the module docstring). `optimizer`: one,
+    a list (several share the parameters out) or None; `memory_snapshot`: a folder for a
+    snapshot of each out-of-memory (spikeguard.memory.snapshot)."""
     return Guard(model, budget=budget, policy=policy, optimizer=optimizer,
-                 shared_policy=shared_policy)
+                 shared_policy=shared_policy, memory_snapshot=memory_snapshot)
 
 
 class Guard:
     """Keeps one model's training under a device memory budget."""
 
     def __init__(self, model: nn.Module, *, budget=None, policy: str = "adaptive",
-                 optimizer: Optimizers = None, shared_policy: str = "keep"):
-        check_arguments(model, optimizer, policy, shared_policy)
+                 optimizer: Optimizers = None, shared_policy: str = "keep",
+                 memory_snapshot=None):
+        check_arguments(model, optimizer, policy, shared_policy, memory_snapshot)
         # The blocks, found by the adapter of their family (spikeguard.integrations).
         self.adapter = find_adapter(model)
         self.moe_blocks = self.adapter.blocks
@@ -96,6 +94,7 @@ class Guard:
         self.budget_bytes = resolve_budget(budget, self.device)
         self.ledger = Ledger(self.budget_bytes, self.device)
         self.meter = self.ledger.meter   # the device: its figure is the truth
+        self.snapshots = memory_snapshots(memory_snapshot, self.meter, self.budget_bytes)
         self.optimizer = optimizer   # as given to attach
         self.optimizers = as_optimizers(optimizer)
         move_state_to_device(self.model, self.optimizers, self.meter)
@@ -174,11 +173,11 @@ class Guard:
         # hooks are the guard's; the host pool is pinned memory on CUDA.
         self.free_attempt()
         self.engine.pool.clear()
+        self.snapshots.stop()
         self.meter.close()
 
     @property
-    def attached(self) -> bool:
-        """The model still carries this guard (detach() not called)."""
+    def attached(self) -> bool:   # the model still carries this guard (no detach())
         return attached_guard(self.model) is self
 
     def step(self):
@@ -209,8 +208,7 @@ class Guard:
         return self.position.in_forward
 
     @property
-    def in_full_region(self) -> bool:
-        """Inside a whole-layer checkpoint: what runs there is recomputed already."""
+    def in_full_region(self) -> bool:   # inside a whole-layer checkpoint: recomputed already
         return self.layers.in_full_region
 
     def micro_batch_index(self) -> Optional[int]:
@@ -296,8 +294,11 @@ class Guard:
                 self.meter.set_where(previous)
 
     def device_oom(self, err: BaseException) -> DeviceOutOfMemory:
-        """`err` as the one-line DeviceOutOfMemory that names where the device ran out."""
-        return self.position.device_oom(err)
+        """`err` as the one-line DeviceOutOfMemory that names where the device ran out
+        (and its memory snapshot written, if asked for: once per refusal)."""
+        oom = self.position.device_oom(err)
+        self.snapshots.taken(err, oom, len(self.history), self.ledger.attribution)
+        return oom
 
     # ---- forward: one call is one micro-batch -----------------------------------------
     def _guarded_forward(self, orig_forward, *args, **kwargs):

@@ -5,6 +5,8 @@ questions about a model and its optimizers the guard and its callers ask
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Sequence, Union
 
 import torch
@@ -36,7 +38,8 @@ def as_optimizers(optimizer: Optimizers) -> tuple:
     return (optimizer,)
 
 
-def check_arguments(model, optimizer, policy: str, shared_policy: str) -> None:
+def check_arguments(model, optimizer, policy: str, shared_policy: str,
+                    memory_snapshot=None) -> None:
     """attach()'s arguments, each refused in one line (UsageError) naming what to pass."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
@@ -48,8 +51,24 @@ def check_arguments(model, optimizer, policy: str, shared_policy: str) -> None:
     if policy is None:
         raise UsageError(f"attach() needs a policy; choose one of {', '.join(POLICIES)}")
     check_policies(policy, shared_policy)
+    check_snapshot_folder(memory_snapshot)
     if attached_guard(model) is not None:
         raise UsageError("this model already has a spikeguard attached; detach() it first")
+
+
+def check_snapshot_folder(folder) -> None:
+    """`memory_snapshot`: None, or a path that is a folder or can be made one."""
+    if folder is None:
+        return
+    if not isinstance(folder, (str, os.PathLike)) or not str(folder):
+        raise UsageError(f"memory_snapshot must be a folder's path or None, got {folder!r}")
+    existing = Path(folder)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"memory_snapshot {folder} cannot be a folder: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"memory_snapshot {folder}: {existing} is not writable")
 
 
 class OptimizerParameters:

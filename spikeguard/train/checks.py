@@ -32,6 +32,9 @@ def check_files(cfg: RunConfig) -> None:
         check_checkpoint_dir(files.checkpoint_dir)
     if files.tensorboard is not None:
         check_tensorboard(cfg)
+    if files.memory_snapshot is not None:
+        check_checkpoint_dir(files.memory_snapshot, "--memory-snapshot")
+        check_not_in_data(cfg, files.memory_snapshot, "--memory-snapshot", "snapshot files")
     if files.resume is True and not Path(files.checkpoint_dir).is_dir():
         raise UsageError(f"cannot resume: --checkpoint-dir {files.checkpoint_dir} does not exist")
     if files.record_trace is not None:
@@ -73,11 +76,16 @@ def check_tensorboard(cfg: RunConfig) -> None:
     files = cfg.files
     check_checkpoint_dir(files.tensorboard, "--tensorboard")
     require("tensorboard", "tensorboard", "--tensorboard")
-    if files.data is not None and Path(files.data).is_dir() and Path(os.path.realpath(
-            files.tensorboard)).is_relative_to(os.path.realpath(files.data)):
-        raise UsageError(f"--tensorboard {files.tensorboard} is inside the --data folder "
-                         f"{files.data} (the next run would read the event files as "
-                         f"training data); write it elsewhere")
+    check_not_in_data(cfg, files.tensorboard, "--tensorboard", "event files")
+
+
+def check_not_in_data(cfg: RunConfig, folder: str, flag: str, what: str) -> None:
+    """An output folder inside the --data folder: the next run would train on it."""
+    data = cfg.files.data
+    if data is not None and Path(data).is_dir() and Path(os.path.realpath(
+            folder)).is_relative_to(os.path.realpath(data)):
+        raise UsageError(f"{flag} {folder} is inside the --data folder {data} (the next run "
+                         f"would read the {what} as training data); write it elsewhere")
 
 
 def check_outputs_of(cfg: RunConfig, exist: bool = True) -> None:

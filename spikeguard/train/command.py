@@ -39,6 +39,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "data": ("files", "data"), "log": ("files", "log"), "threads": ("files", "threads"),
     "record_trace": ("files", "record_trace"), "trace": ("files", "trace"),
     "checkpoint_dir": ("files", "checkpoint_dir"), "tensorboard": ("files", "tensorboard"),
+    "memory_snapshot": ("files", "memory_snapshot"),
     "checkpoint_every": ("files", "checkpoint_every"), "resume": ("files", "resume"),
     "skip_steps": ("files", "skip_steps"), "overwrite": ("files", "overwrite"),
 }
@@ -114,6 +115,10 @@ def add_train_parser(commands) -> None:
                       help="write each step's scalars (loss, tok/s, peak / budget / reserved "
                            "bytes, decisions, evictions, re-runs) as TensorBoard event files "
                            "here (rank 0; needs spikeguard[tensorboard])")
+    runs.add_argument("--memory-snapshot", metavar="DIR", default=None,
+                      help="write a memory snapshot here at every out-of-memory, re-run or "
+                           "fatal, named by step and rank (CUDA: the allocator's history, "
+                           "for pytorch.org/memory_viz; CPU: the emulated device as JSON)")
     runs.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                       help="steps between checkpoints (default 50; also after the last step)")
     runs.add_argument("--resume", nargs="?", const=True, default=None, choices=(True, "auto"),

@@ -32,7 +32,8 @@ from spikeguard.train.typed_settings import check_sections, check_types, is_real
 
 SECTIONS = ("model", "parallel", "train", "guard", "skew", "files")
 _PATHS = {p: "a path (a string)" for p in ("data", "log", "record_trace", "trace",
-                                           "checkpoint_dir", "tensorboard")}
+                                           "checkpoint_dir", "tensorboard",
+                                           "memory_snapshot")}
 # What a setting must be, where its annotation does not say it well (check_types).
 DESCRIBED = {"FilesConfig": {**_PATHS, "resume": "true, false or 'auto'"},
              "GuardConfig": {"budget": "a byte count or a string like '24GiB' or 'auto'"}}
@@ -197,6 +198,7 @@ class FilesConfig:
     trace: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     tensorboard: Optional[str] = None  # event files' folder (spikeguard.train.metrics)
+    memory_snapshot: Optional[str] = None  # a snapshot per out-of-memory (memory/snapshot.py)
     checkpoint_every: int = 50
     resume: Union[bool, str] = False   # True, or "auto": start afresh when nothing is saved
     skip_steps: frozenset = frozenset()

@@ -173,7 +173,8 @@ class RankRun:
             if guard_cfg.auto and budget[0] is None:
                 budget[0] = self._auto_budget()
             kwargs: dict[str, Any] = {"optimizer": optimizer,
-                                      "shared_policy": guard_cfg.shared_policy}
+                                      "shared_policy": guard_cfg.shared_policy,
+                                      "memory_snapshot": self.cfg.files.memory_snapshot}
             if budget[0] is not None:
                 # Interleaved: one guard per model chunk (no shared per-rank ledger), so
                 # the rank's budget is split evenly between its chunks.
