@@ -32,6 +32,7 @@ from typing import Optional
 
 from spikeguard.errors import UsageError
 from spikeguard.integrations.titan_models import torchtitan_modules
+from spikeguard.runtime.guard_arguments import check_snapshot_folder
 from spikeguard.runtime.policies import POLICIES, check_policies
 
 torchtitan_modules()   # the one clear line when torchtitan is missing
@@ -47,11 +48,23 @@ class GuardSettings:
     budget: Optional[str] = None
     policy: str = "adaptive"
     shared_policy: str = "keep"
+    memory_snapshot: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.policy is None:
             raise UsageError(f"spikeguard.policy must be set; choose one of {', '.join(POLICIES)}")
         check_policies(self.policy, self.shared_policy)
+        check_snapshot_folder(self.memory_snapshot)
+
+    @classmethod
+    def of(cls, config) -> "GuardSettings":
+        """The settings a converter's Config (or anything with the same fields) holds."""
+        return cls(config.budget, config.policy, config.shared_policy, config.memory_snapshot)
+
+    def converter_config(self) -> "SpikeGuardConverter.Config":
+        return SpikeGuardConverter.Config(budget=self.budget, policy=self.policy,
+                                          shared_policy=self.shared_policy,
+                                          memory_snapshot=self.memory_snapshot)
 
 
 class SpikeGuardConverter(ModelConfigConverter):
@@ -65,9 +78,12 @@ class SpikeGuardConverter(ModelConfigConverter):
         """adaptive, or a static baseline: none, experts, offload, full."""
         shared_policy: str = "keep"
         """Shared experts and dense layers: keep, or recompute."""
+        memory_snapshot: Optional[str] = None
+        """A folder for a memory snapshot of each out-of-memory (CUDA: the allocator's
+        history, for pytorch.org/memory_viz), named by step and rank; None: none."""
 
     def __init__(self, config: Config):
-        self.settings = GuardSettings(config.budget, config.policy, config.shared_policy)
+        self.settings = GuardSettings.of(config)
 
     def convert(self, model_config):
         guarded = _guarded_config_class(type(model_config))
@@ -130,6 +146,7 @@ def attach_titan(optimizers, model_parts, parallel_dims=None, *, chain=None):
                              "SpikeGuardConverter.Config(...) to model_registry(converters=...)")
         part.spikeguard = attach(part, budget=settings.budget, policy=settings.policy,
                                  optimizer=optimizers_of(part, inner),
-                                 shared_policy=settings.shared_policy)
+                                 shared_policy=settings.shared_policy,
+                                 memory_snapshot=settings.memory_snapshot)
         guards.append(part.spikeguard)
     return guards

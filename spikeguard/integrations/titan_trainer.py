@@ -69,7 +69,8 @@ class SpikeGuardTrainer(Trainer):
     class Config(Trainer.Config):
         spikeguard: SpikeGuardConverter.Config = field(
             default_factory=SpikeGuardConverter.Config)
-        """spikeguard's settings: budget, policy, shared_policy (see SpikeGuardConverter)."""
+        """spikeguard's settings: budget, policy, shared_policy, memory_snapshot (see
+        SpikeGuardConverter)."""
 
     def __init__(self, config: Config):
         try:
@@ -142,7 +143,7 @@ class SpikeGuardTrainer(Trainer):
 
 
 def _settings(config: SpikeGuardConverter.Config) -> GuardSettings:
-    return GuardSettings(config.budget, config.policy, config.shared_policy)
+    return GuardSettings.of(config)
 
 
 def _guarded_spec(spec, settings: GuardSettings):
@@ -151,8 +152,7 @@ def _guarded_spec(spec, settings: GuardSettings):
     if spec is None:
         raise UsageError("the trainer config has no model_spec: build it from a torchtitan "
                          "config function (model_registry(...))")
-    converter = SpikeGuardConverter.Config(budget=settings.budget, policy=settings.policy,
-                                           shared_policy=settings.shared_policy).build()
+    converter = settings.converter_config().build()
     return dataclasses.replace(
         spec, model=converter.convert(spec.model),
         post_optimizer_build_fn=functools.partial(attach_titan,
@@ -160,21 +160,21 @@ def _guarded_spec(spec, settings: GuardSettings):
 
 
 def with_spikeguard(config: Trainer.Config, *, budget=None, policy: str = "adaptive",
-                    shared_policy: str = "keep") -> "SpikeGuardTrainer.Config":
+                    shared_policy: str = "keep",
+                    memory_snapshot=None) -> "SpikeGuardTrainer.Config":
     """`config` (torchtitan's own Trainer.Config, from any config function) as a
-    SpikeGuardTrainer config with these settings; a bad setting is a UsageError here."""
+    SpikeGuardTrainer config with these settings; a bad setting is a UsageError here.
+    `memory_snapshot`: a folder for a snapshot of each out-of-memory (as attach's)."""
     if type(config) not in (Trainer.Config, SpikeGuardTrainer.Config):
         raise UsageError(f"with_spikeguard wraps torchtitan's Trainer.Config; this config "
                          f"is {type(config).__qualname__}, whose own trainer it would "
                          f"replace")
-    GuardSettings(budget, policy, shared_policy)   # validates
+    settings = GuardSettings(budget, policy, shared_policy, memory_snapshot)   # validates
     if budget is not None:
         parse_bytes(budget)
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.init and f.name != "spikeguard"}
-    return SpikeGuardTrainer.Config(
-        **fields, spikeguard=SpikeGuardConverter.Config(
-            budget=budget, policy=policy, shared_policy=shared_policy))
+    return SpikeGuardTrainer.Config(**fields, spikeguard=settings.converter_config())
 
 
 __all__ = ["SpikeGuardTrainer", "with_spikeguard", "OptimizerStepOutOfMemory"]

@@ -102,6 +102,23 @@ def test_torchtitans_own_optimizers_and_lr_schedulers_built_after_attach():
 def test_bad_settings_fail_at_convert():
     with pytest.raises(spikeguard.UsageError, match="unknown policy"):
         SpikeGuardConverter.Config(policy="sometimes").build()
+    with pytest.raises(spikeguard.UsageError, match="memory_snapshot must be a folder's path"):
+        SpikeGuardConverter.Config(memory_snapshot=3).build()
+
+
+def test_a_memory_snapshot_setting_reaches_the_guard(tmp_path):
+    """The converter's memory_snapshot (torchtitan's --spikeguard.memory_snapshot) is the
+    guard's: an out-of-memory there writes its snapshot in that folder."""
+    folder = tmp_path / "snaps"
+    converter = SpikeGuardConverter.Config(budget="64KiB", policy="none",
+                                           memory_snapshot=str(folder)).build()
+    model = _built(converter.convert(titan_config("deepseek_v3", SIZES)))
+    (guard,) = attach_titan(None, [model], None)
+    with pytest.raises(spikeguard.DeviceOutOfMemory) as caught:
+        step(model, batches(1), guard)
+    assert [p.name for p in folder.iterdir()] == ["step000000-rank0-oom.json"]
+    assert caught.value.memory_snapshot == str(folder / "step000000-rank0-oom.json")
+    guard.detach()
 
 
 def test_a_model_not_converted_is_refused_in_one_line():

@@ -136,6 +136,9 @@ def test_with_spikeguard_keeps_the_users_config_and_adds_the_settings():
     assert type(guarded)._owner is SpikeGuardTrainer         # ... of spikeguard's trainer
     assert guarded.model_spec is config.model_spec and guarded.training is config.training
     assert (guarded.spikeguard.budget, guarded.spikeguard.policy) == ("70GiB", "full")
+    assert guarded.spikeguard.memory_snapshot is None
+    snapping = with_spikeguard(config, budget="70GiB", memory_snapshot="runs/snaps")
+    assert snapping.spikeguard.memory_snapshot == "runs/snaps"
 
 
 @pytest.mark.parametrize("kwargs, says", [
@@ -143,6 +146,7 @@ def test_with_spikeguard_keeps_the_users_config_and_adds_the_settings():
     ({"shared_policy": "drop"}, "unknown shared_policy 'drop'"),
     ({"budget": "lots"}, "cannot read budget 'lots'"),
     ({"budget": -1}, "budget"),
+    ({"memory_snapshot": 7}, "memory_snapshot must be a folder's path"),
 ])
 def test_with_spikeguard_refuses_a_bad_setting_in_one_line(kwargs, says):
     import spikeguard
