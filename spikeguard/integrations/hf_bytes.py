@@ -45,7 +45,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from spikeguard.integrations.hf_window import tensors_in
 from spikeguard.memory.ledger import local_tensor
-from spikeguard.plan.catalogue import ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, EXPERT_STAGES
+from spikeguard.plan.catalogue import (ALL_OFFLOAD, ALL_SAVE, EXPERTS_RECOMPUTE, EXPERT_STAGES,
+                                       OPS)
 from spikeguard.plan.planner import Planner
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
 
@@ -69,9 +70,13 @@ class RegionBytes:
     combine_after_exchange: bool = False
 
     def bytes_per_token(self) -> dict[str, int]:
-        return {"dispatch": self.recompute_per_token,
-                "gate_up": max(0, self.save_per_token - self.recompute_per_token),
-                "silu": 0, "act": 0, "down": 0, "combine": 0}
+        """The whole experts call is one region (docs/hf.md): what a recompute keeps (its
+        input) is dispatch's, the rest of what saving keeps gate_up's; every other
+        operator of the catalogue keeps nothing of its own."""
+        per = dict.fromkeys((*OPS, "combine"), 0)
+        per["dispatch"] = self.recompute_per_token
+        per["gate_up"] = max(0, self.save_per_token - self.recompute_per_token)
+        return per
 
     def predict(self, num_routed: int) -> dict[str, int]:
         return {op: num_routed * per for op, per in self.bytes_per_token().items()}

@@ -18,6 +18,11 @@ known after routing:
     combine   yw_ND,w_N N*(D*b+b) combine (weighted rows,    save (always kept)
                                   weights)
 
+The operators are declared once, in `OPERATORS` below (name, tensor, the stage inputs,
+the actions allowed, the elements per copy, the work a rate-based cost reads); every table
+of operators the package reads is derived from them (`derived_tables`), and the model's
+stage functions are checked against them (tests/plan/test_plan_operators.py).
+
 `combine`'s weighted rows are kept by torch's `index_add` backward (torch 2.13 saves
 its source), so they are counted although only their shape is read. Combine's int64 index
 is not: dispatch's gather already keeps it, so it is in use before the decision window.
@@ -37,6 +42,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 
 class Action(enum.Enum):
@@ -45,18 +51,64 @@ class Action(enum.Enum):
     OFFLOAD = "offload"
 
 
+@dataclass(frozen=True)
+class Operator:
+    """One operator of the expert path, declared once: every table of operators in the
+    package (the plan menu, the bytes, the executor's stage inputs, the cost model's
+    rates, the simulator's storages, the hookless attribution) is derived from these
+    declarations or checked against them (tests/plan/test_plan_operators.py)."""
+
+    name: str
+    tensor: str                  # the tensor it produces, shape letters as in the table
+    inputs: tuple[str, ...]      # operators whose tensors its stage reads (dispatch: none,
+                                 # its rows are made before the expert path)
+    allowed: tuple[Action, ...]  # what a plan may do with its tensor
+    elements: Callable[[int, int], int]   # its tensor's elements per routed copy, of (D, F)
+    # The stage's work per routed copy for a rate-based cost (the simulator): GEMM FLOPs
+    # (2 per multiply-add) or, element-wise, the elements it reads and writes.
+    flops: Optional[Callable[[int, int], int]] = None
+    traffic: Optional[Callable[[int, int], int]] = None
+
+    @property
+    def is_stage(self) -> bool:
+        """Computed inside the expert path (dispatch's rows come from outside it)."""
+        return bool(self.inputs)
+
+
+OPERATORS = (
+    Operator("dispatch", "x_ND", (), (Action.SAVE, Action.OFFLOAD), lambda D, F: D),
+    Operator("gate_up", "h_N2F", ("dispatch",), tuple(Action), lambda D, F: 2 * F,
+             flops=lambda D, F: 4 * D * F),
+    Operator("silu", "s_NF", ("gate_up",), tuple(Action), lambda D, F: F,
+             traffic=lambda D, F: 2 * F),                       # reads F, writes F
+    Operator("act", "a_NF", ("silu", "gate_up"), tuple(Action), lambda D, F: F,
+             traffic=lambda D, F: 3 * F),                       # reads 2F, writes F
+    # Not recomputed: that would put combine, which reads it, inside the region.
+    Operator("down", "y_ND", ("act",), (Action.SAVE, Action.OFFLOAD), lambda D, F: D,
+             flops=lambda D, F: 2 * F * D),
+)
+
+
+def derived_tables(operators=OPERATORS) -> dict:
+    """The operator tables the package reads, from the declarations (a function of them,
+    so a test can add an operator and see where it appears)."""
+    names = tuple(op.name for op in operators)
+    return {"OPS": names,
+            "EXPERT_STAGES": tuple(op.name for op in operators if op.is_stage),
+            "STAGE_INPUTS": {op.name: op.inputs for op in operators if op.is_stage},
+            "CONSUMERS": {n: tuple(op.name for op in operators if n in op.inputs)
+                          for n in names},
+            "ALLOWED": {op.name: op.allowed for op in operators}}
+
+
+_TABLES = derived_tables()
 # Stages in execution order and the ops whose tensors they consume (for region building).
-OPS = ("dispatch", "gate_up", "silu", "act", "down")
-EXPERT_STAGES = ("gate_up", "silu", "act", "down")
-CONSUMERS = {"dispatch": ("gate_up",), "gate_up": ("silu", "act"), "silu": ("act",),
-             "act": ("down",), "down": ()}
-ALLOWED = {
-    "dispatch": (Action.SAVE, Action.OFFLOAD),
-    "gate_up": tuple(Action),
-    "silu": tuple(Action),
-    "act": tuple(Action),
-    "down": (Action.SAVE, Action.OFFLOAD),
-}
+OPS: tuple[str, ...] = _TABLES["OPS"]
+EXPERT_STAGES: tuple[str, ...] = _TABLES["EXPERT_STAGES"]
+STAGE_INPUTS: dict[str, tuple[str, ...]] = _TABLES["STAGE_INPUTS"]
+CONSUMERS: dict[str, tuple[str, ...]] = _TABLES["CONSUMERS"]
+ALLOWED: dict[str, tuple[Action, ...]] = _TABLES["ALLOWED"]
+OPERATOR = {op.name: op for op in OPERATORS}
 
 
 @dataclass(frozen=True)
@@ -77,14 +129,15 @@ class ExpertShape:
     index_bytes: int = 8
 
     def bytes_per_token(self) -> dict[str, int]:
-        """Bytes kept per routed token copy, per operator (the slope of the linear model)."""
+        """Bytes kept per routed token copy, per operator (the slope of the linear model),
+        and combine's, which is always kept."""
         D, F, b = self.d_model, self.d_expert, self.elem_bytes
+        per = {op.name: op.elements(D, F) * b for op in OPERATORS}
         if self.combine_after_exchange:
-            down, combine = 0, self.index_bytes
+            per["down"], combine = 0, self.index_bytes
         else:
-            down, combine = D * b, D * b + self.weight_bytes
-        return {"dispatch": D * b, "gate_up": 2 * F * b, "silu": F * b, "act": F * b,
-                "down": down, "combine": combine}
+            combine = D * b + self.weight_bytes
+        return {**per, "combine": combine}
 
     def predict(self, num_routed: int) -> dict[str, int]:
         """Exact bytes each operator keeps for `num_routed` token copies, all saved."""

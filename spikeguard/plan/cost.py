@@ -14,10 +14,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spikeguard.plan.catalogue import EXPERT_STAGES, Action, ExpertShape, LayerPlan, OPS
+from spikeguard.plan.catalogue import (EXPERT_STAGES, OPERATORS, OPS, Action, ExpertShape,
+                                       LayerPlan)
 
 EMA_WEIGHT = 0.1          # weight of a new measurement in the online correction
 BACKWARD_TO_FORWARD = 2.0  # backward compute is about twice the forward's (two GEMMs per GEMM)
+
+
+def stage_seconds(shape: ExpertShape, flop_per_s: float, memory_bytes_per_s: float,
+                  operators=OPERATORS) -> dict[str, float]:
+    """Seconds per routed copy of each stage from a device's rates and the catalogue's
+    work per operator (its GEMM FLOPs, or the elements it reads and writes)."""
+    D, F, b = shape.d_model, shape.d_expert, shape.elem_bytes
+    out = {}
+    for op in operators:
+        if not op.is_stage:
+            continue
+        if op.flops is not None:
+            out[op.name] = op.flops(D, F) / flop_per_s
+        elif op.traffic is not None:
+            out[op.name] = op.traffic(D, F) * b / memory_bytes_per_s
+        else:
+            raise ValueError(f"operator {op.name!r} declares neither flops nor traffic in "
+                             f"spikeguard/plan/catalogue.py: the cost model cannot rate it")
+    return out
 
 
 @dataclass
@@ -44,9 +64,7 @@ class CostModel:
         has no device to time: gate_up and down are GEMMs (2 FLOPs per multiply-add) at the
         achieved `flop_per_s`; silu and the product are element-wise, bound by memory
         traffic (silu reads and writes F elements, the product reads 2F and writes F)."""
-        D, F, b = shape.d_model, shape.d_expert, shape.elem_bytes
-        stages = {"gate_up": 4 * D * F / flop_per_s, "silu": 2 * F * b / memory_bytes_per_s,
-                  "act": 3 * F * b / memory_bytes_per_s, "down": 2 * F * D / flop_per_s}
+        stages = stage_seconds(shape, flop_per_s, memory_bytes_per_s)
         return cls(stage_s_per_token=stages, d2h_s_per_byte=1 / host_bytes_per_s,
                    h2d_s_per_byte=1 / host_bytes_per_s, copies_overlap=copies_overlap)
 

@@ -23,11 +23,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from spikeguard.memory.ledger import Ledger, storage_bytes, storage_key
 from spikeguard.model.experts import SwiGLUExperts, stage_functions
-from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
+from spikeguard.plan.catalogue import EXPERT_STAGES, STAGE_INPUTS, Action, LayerPlan
 from spikeguard.runtime.hooks import Context
-
-STAGE_INPUTS = {"gate_up": ("dispatch",), "silu": ("gate_up",), "act": ("silu", "gate_up"),
-                "down": ("act",)}
 
 
 def _always_saved_ops() -> frozenset:
@@ -90,7 +87,7 @@ class ExpertPathExecutor:
             self.tag(out, stage, plan.action(stage))
         # The intermediates die with this frame; their addresses may be reused by tensors
         # that must not inherit their tags. x and y live on through combine.
-        for stage in ("gate_up", "silu", "act"):
+        for stage in EXPERT_STAGES[:-1]:
             if stage in tensors:
                 self.ctx.untag(tensors[stage])
         return tensors["down"]

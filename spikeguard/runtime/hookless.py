@@ -52,15 +52,16 @@ import functools
 from dataclasses import replace
 
 from spikeguard.memory.ledger import Ledger
-from spikeguard.plan.catalogue import ALL_SAVE, ExpertShape
+from spikeguard.plan.catalogue import ALL_SAVE, CONSUMERS, OPS, ExpertShape
 from spikeguard.plan.decide import LayerFacts, fits_unaided
 from spikeguard.plan.room import EntryState, forward_transient_bytes_per_routed
 from spikeguard.runtime.executor import release_all
 from spikeguard.runtime.hooks import SavedTensorTracker
 
-# The operators whose saved tensors the executor's stages make; combine's after them.
-STAGE_OPS = ("dispatch", "gate_up", "silu", "act")
-COMBINE_OPS = ("down", "combine")
+# The operators whose saved tensors the executor's stages make (a later stage reads
+# them); combine's after them (the last stage's, read by combine, and combine's own).
+STAGE_OPS = tuple(op for op in OPS if CONSUMERS[op])
+COMBINE_OPS = tuple(op for op in OPS if not CONSUMERS[op]) + ("combine",)
 # What the hook measures on a hooked layer, for the covered layers after it.
 MEASURED_OPS = ("attn", "router", "shared")
 

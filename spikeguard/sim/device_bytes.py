@@ -46,7 +46,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from spikeguard.plan.catalogue import OPS, Action, ExpertShape, LayerPlan
+from spikeguard.plan.catalogue import OPERATOR, OPERATORS, OPS, Action, ExpertShape, LayerPlan
 
 INDEX = 8
 _MEMO = 1 << 16   # remembered backward peaks per LayerBytes (a bound on the memory)
@@ -131,8 +131,7 @@ class LayerBytes:
         out += [("router", TD), ("router", 4 * T * self.num_experts),
                 ("router", INDEX * T * self.top_k), ("router", INDEX * T * self.top_k),
                 ("router", INDEX * T * self.top_k)]
-        sizes = {"dispatch": n * D * b, "gate_up": 2 * n * F * b, "silu": n * F * b,
-                 "act": n * F * b, "down": n * D * b}
+        sizes = {op.name: n * op.elements(D, F) * b for op in OPERATORS}
         if self.exchanged:
             sizes["down"] = 0                   # its rows leave through the exchange
         out += [(op, sizes[op]) for op, a in zip(OPS, plan.actions) if a is Action.SAVE]
@@ -275,9 +274,9 @@ class _Backward:
         self.r -= num_bytes
 
     def size(self, op: str) -> int:
-        down = 0 if self.lb.exchanged else self.nD
-        return {"dispatch": self.nD, "gate_up": 2 * self.nF, "silu": self.nF, "act": self.nF,
-                "down": down}[op]
+        if op == "down" and self.lb.exchanged:
+            return 0                            # its rows leave through the exchange
+        return self.n * self.lb.b * OPERATOR[op].elements(self.lb.d_model, self.lb.shape.d_expert)
 
     def use(self, op: str) -> None:
         if not self.present[op]:
