@@ -45,6 +45,7 @@ from spikeguard.parallel.mesh import SCHEDULES, MeshGroups
 from spikeguard.plan.residency import Residency, attach_residency
 from spikeguard.parallel.pipeline_recovery import PipelineRecovery
 from spikeguard.parallel.pipeline_stages import pipeline_stage, stage_loss, stage_module
+from spikeguard.runtime.agreement import unrecoverable
 from spikeguard.runtime.step import run_steps
 
 
@@ -174,8 +175,15 @@ class PipelineRank:
         losses: list = []
         args = (idx_BT,) if self.has_first else ()
         kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
+        if self.recovery is not None:   # a rank that runs out plays the rest as a ghost,
+            self.recovery.begin_step(rerun=True)   # and the whole job ends on its note
         with _unwrapped_errors():
             self.schedule.eval(*args, **kwargs)
+        if self.recovery is not None:
+            notes = self.recovery.step_end()
+            if notes:
+                # an evaluation saves nothing for backward: no policy would fit it
+                raise unrecoverable(notes, self.guards[0].budget_bytes, tried_full=True)
         return losses
 
     def _reduce_grads(self) -> None:

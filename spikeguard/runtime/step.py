@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
+from spikeguard.memory.budget import format_bytes
 from spikeguard.runtime.agreement import (ABORT, STEP, GroupFailure, JobEnds, Note,
                                           agreed_text, unrecoverable, worst)
 from spikeguard.runtime.device_state import GradSnapshot, where_code
@@ -206,9 +207,13 @@ def _run_alone(guards: Sequence, fn):
         try:
             return fn()
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
-            raise BudgetInfeasible(
-                f"even full recompute does not fit: {guards[0].device_oom(err)}",
-                budget_bytes=guards[0].budget_bytes) from None
+            oom = guards[0].device_oom(err)
+            needed = max(oom.needed_bytes or 0, guards[0].meter.last_refusal()[1])
+            hint = (f"; try a budget of at least {format_bytes(needed, round_up=True)}"
+                    if needed else "")   # the same hint as a group's (agreement.unrecoverable)
+            raise BudgetInfeasible(f"even full recompute does not fit: {oom}{hint}",
+                                   needed_bytes=needed,
+                                   budget_bytes=guards[0].budget_bytes) from None
         finally:
             for guard in guards:
                 guard.full_recompute = False

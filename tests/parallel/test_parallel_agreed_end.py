@@ -86,3 +86,19 @@ def test_the_readme_pipeline_example_runs_as_printed(tmp_path):
         for record in map(json.loads, path.read_text().splitlines()):
             assert record["peak_bytes"] <= record["budget_bytes"], record
             assert record["safety_net_reruns"] == 0, record
+
+
+def test_out_of_memory_in_the_start_up_evaluation_ends_the_pipeline_job_in_one_agreed_line():
+    """Issue 22, item 2: the README's pipeline example at 200 KiB runs out in the
+    evaluation before the first step (under no_grad, outside any step): every rank ends
+    on the same agreed line with the budget to try, and the launcher's; exit 3."""
+    proc, out, err = _run(PP2EP2 + ["--budget", "200KiB"])
+    assert proc.returncode == 3, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = _errors(err)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("spikeguard: out of memory on rank "), lines
+    assert "try a budget of at least" in lines[0], lines
+    assert "ran out of memory (exit 3" in lines[1], lines
+    time.sleep(1)
+    assert _job_pids(proc.pid) == []
