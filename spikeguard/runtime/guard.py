@@ -271,9 +271,8 @@ class Guard:
         for block in self.moe_blocks:
             forget_aux_loss(block)
         gc.collect()   # the failed step's graph (and its saved tensors) go with it
-        # torch 2.13 keeps the nodes still queued when a backward raised, and what they
-        # saved, until the next backward runs on this thread: one empty backward frees them.
-        # enable_grad: an attempt that failed under no_grad (an evaluation) lands here too.
+        # torch 2.13 keeps the nodes still queued when a backward raised, and what they saved,
+        # until the next backward on this thread: one frees them (enable_grad: evaluation too).
         with self.meter.unlimited(), torch.enable_grad():   # 4 bytes, below any budget's notice
             (torch.ones((), requires_grad=True) * 1).backward()
         reset_after_failed_attempt(self.model)   # FSDP2: gathered units, iteration state
