@@ -60,6 +60,8 @@ def place_text(phase: int, micro_batch: int, layer: int, op: str) -> str:
         part = "the output head"
     else:
         part = f"layer {layer}, op {op}" if op else f"layer {layer}"
+    if phase == PHASE_IDLE:   # a forward outside any step: an evaluation under no_grad
+        return f"a forward outside a step (an evaluation), {part}"
     return f"{PHASE_NAMES[phase]} of micro-batch {micro_batch}, {part}"
 
 

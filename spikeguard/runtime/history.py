@@ -35,6 +35,7 @@ class StepRecorder:
         self.peak_where = 0
         self.attempts_peak_bytes = 0   # ... and over every attempt, the abandoned included
         self.reruns: list[dict] = []   # step-level re-runs: scope and reason
+        self.rerun_lines: list[str] = []   # their warnings, said once the step went through
 
     def note_peak(self, peak_bytes: int, where: int) -> None:
         if peak_bytes > self.peak_bytes:

@@ -90,14 +90,19 @@ class MicroBatchNet:
         g.abandon_micro_batch(mb)
         if g.recorder:
             g.recorder.safety_net_reruns += 1
-        if message:   # agreed under a group: said once, by the rank that ran out
-            log.warning("micro-batch %d ran out of memory (%s); re-running it with full "
-                        "recompute", mb, message)
         # Under a group a static rank runs it again as it is (its peers' re-run makes the
         # same exchanges: the built-in ones are replayed, never re-issued, by a recompute).
         try:
             with recomputing([g], True):
-                return self.attempt(orig_forward, mb, args, kwargs, last_try=True)
+                out = self.attempt(orig_forward, mb, args, kwargs, last_try=True)
+            if message:   # agreed under a group: said once, by the rank that ran out
+                line = (f"micro-batch {mb} ran out of memory ({message}); re-running it "
+                        f"with full recompute")
+                if g.recorder is not None:   # said when the step has gone through
+                    g.recorder.rerun_lines.append(line)
+                else:
+                    log.warning("%s", line)
+            return out
         except GroupFailure:
             raise
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:

@@ -107,8 +107,7 @@ def _run_group(guards: Sequence, fn, agreement):
             for guard, snapshot in zip(guards, snapshots):
                 guard.abandon_step(snapshot, _where_failed(guard, note, agreement.rank))
         if note.rank == agreement.rank:   # agreed: said once, by the rank that ran out
-            log.warning("step %d ran out of memory (%s); re-running it with full recompute",
-                        len(guards[0].history), failure)
+            note_rerun(guards, failure)
         for guard in guards:
             guard.recorder.restart("step", failure)
 
@@ -134,10 +133,25 @@ def _run_pipeline(guards: Sequence, fn, step_end, keep_grads: bool):
             for guard, snapshot in zip(guards, snapshots):
                 guard.abandon_step(snapshot, _where_failed(guard, note, rank))
         if note.rank == rank:   # agreed: said once, by the rank that ran out
-            log.warning("step %d ran out of memory (%s); re-running it with full recompute",
-                        len(guards[0].history), failure)
+            note_rerun(guards, failure)
         for guard in guards:
             guard.recorder.restart("step", failure)
+
+
+def note_rerun(guards: Sequence, failure: str) -> None:
+    """The step's re-run, to be said when the step has gone through (`say_reruns`)."""
+    guards[0].recorder.rerun_lines.append(
+        f"step {len(guards[0].history)} ran out of memory ({failure}); re-running it with "
+        f"full recompute")
+
+
+def say_reruns(guards: Sequence) -> None:
+    """The re-runs' warnings (the micro-batch net's and the step's), said once the step
+    has gone through: a step whose re-run fails too ends the job in its one line, without
+    the lines of the attempts before it (issue 22, item 9)."""
+    for guard in guards:
+        for line in guard.recorder.rerun_lines:
+            log.warning("%s", line)
 
 
 def _where_failed(guard, note: Note, rank: int) -> tuple[int, int]:
@@ -164,10 +178,13 @@ def run_steps(guards: Sequence, fn: Callable[[], object],
     agreement = group_agreement(guards)
     try:
         if step_end is not None:
-            return _run_pipeline(guards, fn, step_end, keep_grads)
-        if agreement is not None:
-            return _run_group(guards, fn, agreement)
-        return _run_alone(guards, fn)
+            result = _run_pipeline(guards, fn, step_end, keep_grads)
+        elif agreement is not None:
+            result = _run_group(guards, fn, agreement)
+        else:
+            result = _run_alone(guards, fn)
+        say_reruns(guards)
+        return result
     except DeviceOutOfMemory as err:
         fatal = err
         # Nothing of the failed step may outlive it: the frames of the error's traceback
@@ -197,8 +214,7 @@ def _run_alone(guards: Sequence, fn):
             failed = [(g.meter.where(), g.meter.last_refusal()[1]) for g in guards]
         for guard, snapshot, where in zip(guards, snapshots, failed):
             guard.abandon_step(snapshot, where)
-    log.warning("step %d ran out of memory (%s); re-running it with full recompute",
-                len(guards[0].history), failure)
+    note_rerun(guards, failure)
     for guard in guards:
         guard.recorder.restart("step", failure)
     with opened(guards, recorders=[g.recorder for g in guards]):
@@ -256,6 +272,7 @@ def step_context(guard):
                     notes = agreement.flag_point(Note())
                 if notes:
                     raise unrecoverable(notes, guard.budget_bytes, tried_full=False)
+            say_reruns([guard])
     except DeviceOutOfMemory as err:   # as run_steps: nothing of the step outlives it
         fatal = err
         fatal.__traceback__ = fatal.__context__ = fatal.__cause__ = None

@@ -99,6 +99,7 @@ def test_out_of_memory_in_the_start_up_evaluation_ends_the_pipeline_job_in_one_a
     assert len(lines) == 2, lines
     assert lines[0].startswith("spikeguard: out of memory on rank "), lines
     assert "try a budget of at least" in lines[0], lines
+    assert "in a forward outside a step (an evaluation)" in lines[0], lines
     assert "ran out of memory (exit 3" in lines[1], lines
     time.sleep(1)
     assert _job_pids(proc.pid) == []

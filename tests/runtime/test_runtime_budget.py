@@ -216,7 +216,9 @@ def test_adaptive_tries_full_recompute_then_says_what_budget_would_work(impossib
         guard, attempts, err = _fail_adaptive(impossible_budget)
     assert attempts[:2] == [False, True]    # planned first, then the rerun under full recompute
     assert guard.history[-1]["safety_net_reruns"] == 1
-    assert any("full recompute" in r.getMessage() for r in caplog.records)
+    # The re-run failed too: its warning is not said, the error is the one line (a re-run's
+    # warning is said once its step went through: issue 22, item 9).
+    assert not any("full recompute" in r.getMessage() for r in caplog.records)
     message = str(err)
     assert "full recompute" in message
     match = SUGGESTED.search(message)
