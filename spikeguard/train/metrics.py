@@ -2,6 +2,7 @@
 
     .venv/bin/spikeguard train --preset tiny --steps 3 --budget 4MiB --tensorboard runs/tb
     .venv/bin/tensorboard --logdir runs/tb
+    .venv/bin/spikeguard train --preset tiny --steps 3 --budget 4MiB --wandb my-project
 
 The loop (spikeguard.train.loop.run_loop) hands every finished step's record to
 `step_scalars`, and what it returns to each `MetricsSink`: the same record the step line
@@ -14,10 +15,15 @@ A sink is anything with `write(step, scalars)` and `close()` (a Protocol, so a c
 own logger plugs in without subclassing): `TensorBoardSink` writes event files through
 `torch.utils.tensorboard.SummaryWriter`, which names each file uniquely (time, host,
 pid), so a resumed run adds a file beside the old ones and never replaces one.
+`WandbSink` logs them to a Weights & Biases run (`wandb.init`, `run.log(..., step=)`), in
+the mode `wandb_mode` picks: offline unless W&B has a key, so a run without one never
+waits on a login prompt or the network; each run is a new folder `wandb/offline-run-*`
+(or `run-*`) under WANDB_DIR, or the current folder, named by time and a random id.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 # scalar tag -> the step record's key it is read from (nested keys joined by '.').
@@ -94,6 +100,52 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE where it is set; otherwise "online" only where W&B has a key to log in
+    with (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or the .netrc entry `wandb login`
+    writes for WANDB_BASE_URL's host), else "offline": without a key wandb 0.31's online
+    init asks for one on a terminal, or fails ("No API key configured") without one, and
+    a training run must do neither. The key itself stays W&B's to read."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    env = os.environ
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "online"
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    try:
+        netrc_file = netrc.netrc(env.get("NETRC") or os.path.expanduser("~/.netrc"))
+        entry = netrc_file.authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"
+
+
+class WandbSink:
+    """Scalars into a W&B run of `project` (wandb_mode()'s mode; its files under
+    WANDB_DIR, or the current folder, as W&B places them). Needs the `wandb` package
+    (spikeguard[wandb])."""
+
+    def __init__(self, project: str):
+        from spikeguard.extras import require
+
+        wandb = require("wandb", "wandb", "--wandb")
+        # console "off": the step lines are already in the JSONL log, and W&B's capture
+        # would wrap the stream the CLI's rich console prints to. quiet: W&B still says
+        # where the run is and its mode, not a summary table after spikeguard's own.
+        self.run = wandb.init(project=project, mode=wandb_mode(),
+                              dir=os.environ.get("WANDB_DIR") or None,
+                              settings=wandb.Settings(console="off", quiet=True))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def write_step(sinks, record: Mapping[str, Any]) -> None:
