@@ -20,7 +20,8 @@ from spikeguard.errors import UsageError
 
 # The extra of pyproject.toml that installs each feature's packages.
 EXTRAS = {"sim": ("numpy",), "trace": ("numpy",), "plots": ("numpy", "matplotlib"),
-          "bench": ("numpy", "matplotlib"), "tensorboard": ("tensorboard",)}
+          "bench": ("numpy", "matplotlib"), "tensorboard": ("tensorboard",),
+          "wandb": ("wandb",)}
 
 
 class MissingExtra(UsageError, ImportError):

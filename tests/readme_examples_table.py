@@ -70,6 +70,11 @@ EXAMPLES: dict = {
                                                     "has tensorboard's pin already (Makefile)"),
     "spikeguard train --preset tiny --steps 3 --budget 4MiB --tensorboard runs/tb":
         Run(expect=("memory: peak ",) + DONE),   # ~5 s; its scalars: tests/train/test_train_metrics.py
+    "pip install 'spikeguard[wandb]'": Listed("installs into an environment: the venv has "
+                                              "wandb's pin already (Makefile, the dev extra)"),
+    "WANDB_MODE='offline' .venv/bin/spikeguard train --preset tiny --steps 3 --budget 4MiB "
+    "--wandb my-project": Run(expect=("wandb: Run data is saved locally in ",) + DONE),
+    # ~8 s; its scalars read back: tests/train/test_train_wandb.py
     "spikeguard train --preset tiny --steps 2 --budget 1MiB --policy none --memory-snapshot "
     "runs/snapshots": Run(exits=3, expect=("spikeguard: out of memory: forward of micro-batch 0",),
                           made=("runs/snapshots/step000000-rank0-oom.json",)),

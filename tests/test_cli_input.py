@@ -75,6 +75,9 @@ CASES = {
                                               "{tmp}/corpus/s"], "inside the --data folder"),
     "toml: memory_snapshot a number": (["train", "--config", "{tmp}/snapshot.toml"],
                                        "files.memory_snapshot must be a path"),
+    "wandb project W&B refuses": (TINY + ["--wandb", "team:run"], "Invalid project name"),
+    "toml: wandb a number": (["train", "--config", "{tmp}/wandb.toml"],
+                             "files.wandb must be a string"),
     "log ending in /": (TINY + ["--log", "{tmp}/newdir/"], "ends in '/'"),
     "data /dev/zero": (TINY + ["--data", "/dev/zero"], "is not a regular file"),
     "simulate 10**12 steps": (["simulate", "--steps", "1000000000000"], "steps fit"),
@@ -126,6 +129,7 @@ def _inputs(tmp: Path) -> list[Path]:
     (tmp / "shapes").mkdir(exist_ok=True)
     (tmp / "sim_name.toml").write_text("[model]\nname = 3\n")
     (tmp / "snapshot.toml").write_text("[model]\npreset = 'tiny'\n[files]\nmemory_snapshot = 3\n")
+    (tmp / "wandb.toml").write_text("[model]\npreset = 'tiny'\n[files]\nwandb = 3\n")
     for text, _, name in TOML_SHAPES.values():
         (tmp / "shapes" / name).write_text(text)
     return [tmp / n for n in ("binary.dat", "run.toml", "nan.toml", "corpus/text.txt")]

@@ -20,6 +20,13 @@ record of `guard.history`, and a re-run by the net re-runs that micro-batch from
 gradients accumulated before it. The optimizer step (the Trainer's, after the last
 micro-batch) runs on the device through the optimizer's own step hooks
 (spikeguard.runtime.wiring), so the Trainer's LR scheduler, built before, keeps working.
+
+The Trainer's `log` (the same kind of seam) adds the guard's figures to each training log
+(one holding "loss", every `logging_steps`), so `state.log_history` and every `report_to`
+sink (TensorBoard, W&B, ...) receive them beside the loss: the tags `train --tensorboard`
+writes (spikeguard.runtime.scalars: memory/peak_bytes, guard/decisions_recompute, ...),
+each the largest over the guard steps since the previous log, so that a peak or a re-run
+between two logs is not hidden. (The Trainer's own sinks prefix them: `train/memory/...`.)
 Importing this module needs transformers (`pip install 'spikeguard[hf]'`).
 """
 
@@ -51,6 +58,7 @@ class SpikeGuardCallback(TrainerCallback):
         self.trainer = trainer
         self.settings = {"budget": budget, "policy": policy, "shared_policy": shared_policy}
         self.guard = None
+        self.num_logged = 0   # guard.history's records already in a log
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         import spikeguard.integrations  # noqa: F401  registers the block adapters
@@ -60,6 +68,7 @@ class SpikeGuardCallback(TrainerCallback):
                              "under the guard: set gradient_checkpointing=False; the guard "
                              "decides recompute itself")
         self.guard = attach(model, optimizer=_torch_optimizer(optimizer), **self.settings)
+        self.num_logged = 0
         setattr(self.trainer, GUARD_ATTR, self.guard)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -74,6 +83,18 @@ def _guarded_training_step(callback: SpikeGuardCallback, training_step, *args, *
     return guard.run_step(lambda: training_step(*args, **kwargs))
 
 
+def _log_with_guard(callback: SpikeGuardCallback, log, logs, *args, **kwargs):
+    from spikeguard.runtime.scalars import step_scalars
+
+    guard = callback.guard
+    if guard is not None and "loss" in logs and len(guard.history) > callback.num_logged:
+        for record in guard.history[callback.num_logged:]:
+            for tag, value in step_scalars(record).items():
+                logs[tag] = max(logs.get(tag, value), value)
+        callback.num_logged = len(guard.history)
+    return log(logs, *args, **kwargs)
+
+
 def guard_trainer(trainer, budget=None, policy: str = "adaptive",
                   shared_policy: str = "keep") -> SpikeGuardCallback:
     """Guard `trainer`'s training: the callback, and its `training_step` run inside the
@@ -85,6 +106,7 @@ def guard_trainer(trainer, budget=None, policy: str = "adaptive",
     trainer.add_callback(callback)
     trainer.training_step = functools.partial(_guarded_training_step, callback,
                                               trainer.training_step)
+    trainer.log = functools.partial(_log_with_guard, callback, trainer.log)
     trainer._spikeguard_callback = callback
     setattr(trainer, GUARD_ATTR, None)
     return callback

@@ -32,6 +32,8 @@ def check_files(cfg: RunConfig) -> None:
         check_checkpoint_dir(files.checkpoint_dir)
     if files.tensorboard is not None:
         check_tensorboard(cfg)
+    if files.wandb is not None:
+        check_wandb(cfg)
     if files.memory_snapshot is not None:
         check_checkpoint_dir(files.memory_snapshot, "--memory-snapshot")
         check_not_in_data(cfg, files.memory_snapshot, "--memory-snapshot", "snapshot files")
@@ -77,6 +79,35 @@ def check_tensorboard(cfg: RunConfig) -> None:
     check_checkpoint_dir(files.tensorboard, "--tensorboard")
     require("tensorboard", "tensorboard", "--tensorboard")
     check_not_in_data(cfg, files.tensorboard, "--tensorboard", "event files")
+
+
+def check_wandb(cfg: RunConfig) -> None:
+    """--wandb: a project name W&B takes, the package, a WANDB_MODE it knows, and the
+    folder its run files go to (WANDB_DIR, else the current one) writable and not inside
+    --data. W&B's own Settings judge the name and the mode: its rules, not a copy."""
+    from spikeguard.extras import require
+    from spikeguard.train.metrics import wandb_mode
+
+    project = cfg.files.wandb
+    if not project.strip():
+        raise UsageError("--wandb needs a project name, got an empty one")
+    wandb = require("wandb", "wandb", "--wandb")
+    mode = wandb_mode()
+    try:
+        wandb.Settings(project=project, mode=mode)
+    except wandb.errors.UsageError as err:   # the name: one line, naming the rule broken
+        raise UsageError(f"--wandb: {err}") from None
+    except ValueError:   # pydantic's, for the mode: several lines
+        raise UsageError(f"WANDB_MODE={mode} is not a W&B mode: use online, offline or "
+                         f"disabled") from None
+    folder = os.environ.get("WANDB_DIR")
+    if folder is not None:
+        check_checkpoint_dir(folder, "WANDB_DIR")
+    elif not os.access(".", os.W_OK | os.X_OK):
+        raise UsageError(f"--wandb writes its run under the current folder {os.getcwd()}, "
+                         f"which is not writable; set WANDB_DIR to a folder that is")
+    check_not_in_data(cfg, folder or ".", "--wandb's folder" if folder is None else
+                      "WANDB_DIR", "W&B run files")
 
 
 def check_not_in_data(cfg: RunConfig, folder: str, flag: str, what: str) -> None:

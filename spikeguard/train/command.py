@@ -39,6 +39,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "data": ("files", "data"), "log": ("files", "log"), "threads": ("files", "threads"),
     "record_trace": ("files", "record_trace"), "trace": ("files", "trace"),
     "checkpoint_dir": ("files", "checkpoint_dir"), "tensorboard": ("files", "tensorboard"),
+    "wandb": ("files", "wandb"),
     "memory_snapshot": ("files", "memory_snapshot"),
     "checkpoint_every": ("files", "checkpoint_every"), "resume": ("files", "resume"),
     "skip_steps": ("files", "skip_steps"), "overwrite": ("files", "overwrite"),
@@ -115,6 +116,11 @@ def add_train_parser(commands) -> None:
                       help="write each step's scalars (loss, tok/s, peak / budget / reserved "
                            "bytes, decisions, evictions, re-runs) as TensorBoard event files "
                            "here (rank 0; needs spikeguard[tensorboard])")
+    runs.add_argument("--wandb", metavar="PROJECT", nargs="?", const="spikeguard", default=None,
+                      help="log the same scalars to a W&B run of PROJECT (default spikeguard; "
+                           "rank 0; needs spikeguard[wandb]). Offline unless W&B has a key "
+                           "(WANDB_API_KEY or `wandb login`) or WANDB_MODE says otherwise: "
+                           "never a login prompt; files under WANDB_DIR, else ./wandb")
     runs.add_argument("--memory-snapshot", metavar="DIR", default=None,
                       help="write a memory snapshot here at every out-of-memory, re-run or "
                            "fatal, named by step and rank (CUDA: the allocator's history, "

@@ -8,7 +8,7 @@ Sections: `model` (a built-in preset, or `hf` / `titan`, with overrides), `paral
 (spikeguard.parallel.mesh.ParallelLayout plus the pipeline schedule),
 `train` (spikeguard.train.loop.TrainConfig), `guard` (budget and policy), `skew`
 (spikeguard.routing.skew.SkewConfig, or none) and `files` (data, log, traces,
-checkpoints, TensorBoard, skipped steps, threads). Each part validates itself on creation and the run
+checkpoints, TensorBoard, W&B, skipped steps, threads). Each part validates itself on creation and the run
 checks what the parts cannot see alone (what does not combine), so every mistake is one
 UsageError before any process starts. Library entry points take these objects; the
 command line only fills them.
@@ -198,6 +198,7 @@ class FilesConfig:
     trace: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     tensorboard: Optional[str] = None  # event files' folder (spikeguard.train.metrics)
+    wandb: Optional[str] = None        # a W&B project (spikeguard.train.metrics)
     memory_snapshot: Optional[str] = None  # a snapshot per out-of-memory (memory/snapshot.py)
     checkpoint_every: int = 50
     resume: Union[bool, str] = False   # True, or "auto": start afresh when nothing is saved

@@ -2,6 +2,7 @@
 
     .venv/bin/spikeguard train --preset tiny --steps 3 --budget 4MiB --tensorboard runs/tb
     .venv/bin/tensorboard --logdir runs/tb
+    .venv/bin/spikeguard train --preset tiny --steps 3 --budget 4MiB --wandb my-project
 
 The loop (spikeguard.train.loop.run_loop) hands every finished step's record to
 `step_scalars`, and what it returns to each `MetricsSink`: the same record the step line
@@ -14,30 +15,21 @@ A sink is anything with `write(step, scalars)` and `close()` (a Protocol, so a c
 own logger plugs in without subclassing): `TensorBoardSink` writes event files through
 `torch.utils.tensorboard.SummaryWriter`, which names each file uniquely (time, host,
 pid), so a resumed run adds a file beside the old ones and never replaces one.
+`WandbSink` logs them to a Weights & Biases run (`wandb.init`, `run.log(..., step=)`), in
+the mode `wandb_mode` picks: offline unless W&B has a key, so a run without one never
+waits on a login prompt or the network; each run is a new folder `wandb/offline-run-*`
+(or `run-*`) under WANDB_DIR, or the current folder, named by time and a random id.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Protocol, runtime_checkable
 
-# scalar tag -> the step record's key it is read from (nested keys joined by '.').
-SCALARS: dict[str, str] = {
-    "train/loss": "loss",
-    "train/tokens_per_s": "tokens_per_s",
-    "train/val_loss": "val_loss",
-    "train/imbalance": "imbalance",
-    "memory/peak_bytes": "peak_bytes",
-    "memory/max_peak_bytes": "max_peak_bytes",   # the cluster's worst rank (EP / PP runs)
-    "memory/budget_bytes": "budget_bytes",
-    "memory/reserved_bytes": "reserved_bytes",
-    "memory/evicted_bytes": "evicted_bytes",
-    "memory/prefetched_bytes": "prefetched_bytes",
-    "guard/decisions_save": "decisions.save",
-    "guard/decisions_recompute": "decisions.recompute",
-    "guard/decisions_offload": "decisions.offload",
-    "guard/safety_net_reruns": "safety_net_reruns",
-    "guard/plan_us": "plan_us",
-}
+from spikeguard.runtime.scalars import SCALARS, step_scalars
+
+__all__ = ["SCALARS", "MetricsSink", "TensorBoardSink", "WandbSink", "step_scalars",
+           "wandb_mode", "write_step"]
 
 
 @runtime_checkable
@@ -48,30 +40,6 @@ class MetricsSink(Protocol):
     def write(self, step: int, scalars: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _lookup(record: Mapping[str, Any], key: str) -> Any:
-    value: Any = record
-    for part in key.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return None
-        value = value[part]
-    return value
-
-
-def step_scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The record's scalars by tag (SCALARS): those it has, as floats. Missing or None
-    (no guard: no memory figures; no budget; no validation this step) is left out, not
-    written as 0; a non-finite loss is kept (a diverging curve should show it)."""
-    if record.get("skipped"):
-        return {}
-    out = {}
-    for tag, key in SCALARS.items():
-        value = _lookup(record, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        out[tag] = float(value)
-    return out
 
 
 class TensorBoardSink:
@@ -94,6 +62,52 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE where it is set; otherwise "online" only where W&B has a key to log in
+    with (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or the .netrc entry `wandb login`
+    writes for WANDB_BASE_URL's host), else "offline": without a key wandb 0.31's online
+    init asks for one on a terminal, or fails ("No API key configured") without one, and
+    a training run must do neither. The key itself stays W&B's to read."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    env = os.environ
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "online"
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    try:
+        netrc_file = netrc.netrc(env.get("NETRC") or os.path.expanduser("~/.netrc"))
+        entry = netrc_file.authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"
+
+
+class WandbSink:
+    """Scalars into a W&B run of `project` (wandb_mode()'s mode; its files under
+    WANDB_DIR, or the current folder, as W&B places them). Needs the `wandb` package
+    (spikeguard[wandb])."""
+
+    def __init__(self, project: str):
+        from spikeguard.extras import require
+
+        wandb = require("wandb", "wandb", "--wandb")
+        # console "off": the step lines are already in the JSONL log, and W&B's capture
+        # would wrap the stream the CLI's rich console prints to. quiet: W&B still says
+        # where the run is and its mode, not a summary table after spikeguard's own.
+        self.run = wandb.init(project=project, mode=wandb_mode(),
+                              dir=os.environ.get("WANDB_DIR") or None,
+                              settings=wandb.Settings(console="off", quiet=True))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def write_step(sinks, record: Mapping[str, Any]) -> None:

@@ -232,11 +232,15 @@ class RankRun:
 
     def _metrics(self) -> list:
         """Rank 0's metrics sinks (the rank that prints; each rank's JSONL log keeps its
-        own figures)."""
-        if self.rank != 0 or self.cfg.files.tensorboard is None:
-            return []
-        from spikeguard.train.metrics import TensorBoardSink
-        return [TensorBoardSink(self.cfg.files.tensorboard)]
+        own figures). Each joins self.metrics as it opens: one that fails to open leaves
+        those before it to close()."""
+        from spikeguard.train.metrics import TensorBoardSink, WandbSink
+
+        files = self.cfg.files
+        for sink, where in ((TensorBoardSink, files.tensorboard), (WandbSink, files.wandb)):
+            if self.rank == 0 and where is not None:
+                self.metrics.append(sink(where))
+        return self.metrics
 
     def _log_mode(self) -> str:
         files = self.cfg.files
