@@ -24,8 +24,8 @@ from spikeguard.train.metrics import SCALARS, step_scalars
 from one_line import check_one_line, unwritable
 
 TINY = ["train", "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--threads", "1"]
-# 1 MiB at batch 2: tight enough that the guard recomputes and offloads (measured: save 3
-# rec 5 off 2).
+# 1 MiB at batch 2: tight enough that the guard recomputes or offloads (measured: save 3
+# rec 5 off 2, and under load rec 7 off 0).
 GUARDED = TINY + ["--budget", "1MiB", "--policy", "adaptive"]
 
 # The record keys of the figures issue 25 asks for, apart from SCALARS, which must map them.
@@ -72,8 +72,10 @@ def test_tensorboard_scalars_equal_the_log_records(tmp_path, capsys):
     assert {SCALARS[tag] for tag in events} >= NAMED
     assert [s for s, _ in events["train/val_loss"]] == [3]   # an evaluation step only
     assert all(v > 0 for _, v in events["memory/peak_bytes"])
-    for kind in ("recompute", "offload"):   # not a row of zeros
-        assert any(v > 0 for _, v in events[f"guard/decisions_{kind}"]), kind
+    # Not rows of zeros: the guard moved something (which of recompute and offload follows
+    # the cost model's timings: under load one run recomputed all 7 it moved).
+    assert any(v > 0 for kind in ("recompute", "offload")
+               for _, v in events[f"guard/decisions_{kind}"])
 
 
 def test_a_second_run_adds_event_files_beside_the_first(tmp_path, capsys):
