@@ -46,3 +46,15 @@ def assert_bitwise(expected: dict, actual: dict) -> None:
     assert expected.keys() == actual.keys()
     differ = [name for name in expected if not torch.equal(expected[name], actual[name])]
     assert not differ, f"gradients differ from the unguarded model's: {differ}"
+
+
+def tiny_qwen3_moe():
+    """The tiny Qwen3-MoE the Trainer tests train (seed 0), built from transformers' own
+    config, as a Trainer user builds one."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, vocab_size=256)
+    return transformers.AutoModelForCausalLM.from_config(cfg)

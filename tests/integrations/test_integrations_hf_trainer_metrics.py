@@ -20,18 +20,15 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tensorboard")
 
 from spikeguard.integrations.hf_trainer import guard_trainer  # noqa: E402
+
+from hf_helpers import tiny_qwen3_moe  # noqa: E402
 from spikeguard.runtime.scalars import step_scalars  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore")]
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=4, num_experts_per_tok=2, vocab_size=256)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return tiny_qwen3_moe()
 
 
 def _expected(history: list[dict], per_log: int) -> list[dict[str, float]]:

@@ -21,6 +21,7 @@ from spikeguard.errors import UsageError
 from spikeguard.train.config import RunConfig
 from spikeguard.train.metrics import SCALARS, step_scalars
 
+from metric_records import expected_scalars
 from one_line import check_one_line, unwritable
 
 TINY = ["train", "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--threads", "1"]
@@ -49,15 +50,7 @@ def _as_float32(value: float) -> float:
 
 def _expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """Tag -> (step, value) straight from the JSONL records, by SCALARS' key names."""
-    out: dict[str, list[tuple[int, float]]] = {}
-    for record in records:
-        for tag, key in SCALARS.items():
-            value = record
-            for part in key.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            if value is not None:
-                out.setdefault(tag, []).append((record["step"], _as_float32(float(value))))
-    return out
+    return expected_scalars(records, _as_float32)
 
 
 def test_tensorboard_scalars_equal_the_log_records(tmp_path, capsys):

@@ -32,6 +32,7 @@ from spikeguard.errors import UsageError
 from spikeguard.train.config import RunConfig
 from spikeguard.train.metrics import SCALARS, wandb_mode
 
+from metric_records import expected_scalars
 from one_line import check_one_line, unwritable
 
 TINY = ["train", "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--threads", "1"]
@@ -110,15 +111,7 @@ def _run(run_dir: Path) -> tuple[str, dict[str, list[tuple[int, float]]]]:
 
 def _expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """Tag -> (step, value) straight from the JSONL records (W&B keeps 64-bit floats)."""
-    out: dict[str, list[tuple[int, float]]] = {}
-    for record in records:
-        for tag, key in SCALARS.items():
-            value = record
-            for part in key.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            if value is not None:
-                out.setdefault(tag, []).append((record["step"], float(value)))
-    return out
+    return expected_scalars(records)
 
 
 @pytest.mark.multiprocess   # wandb.init starts W&B's core service
