@@ -54,9 +54,10 @@ class SpikeGuardCallback(TrainerCallback):
     """Attaches the guard when training begins, detaches it when training ends."""
 
     def __init__(self, trainer, budget=None, policy: str = "adaptive",
-                 shared_policy: str = "keep"):
+                 shared_policy: str = "keep", memory_snapshot=None):
         self.trainer = trainer
-        self.settings = {"budget": budget, "policy": policy, "shared_policy": shared_policy}
+        self.settings = {"budget": budget, "policy": policy, "shared_policy": shared_policy,
+                         "memory_snapshot": memory_snapshot}
         self.guard = None
         self.num_logged = 0   # guard.history's records already in a log
 
@@ -96,13 +97,14 @@ def _log_with_guard(callback: SpikeGuardCallback, log, logs, *args, **kwargs):
 
 
 def guard_trainer(trainer, budget=None, policy: str = "adaptive",
-                  shared_policy: str = "keep") -> SpikeGuardCallback:
+                  shared_policy: str = "keep", memory_snapshot=None) -> SpikeGuardCallback:
     """Guard `trainer`'s training: the callback, and its `training_step` run inside the
     guard's step (see the module docstring). Returns the callback; the guard is
-    `trainer.spikeguard` once `train()` has begun."""
+    `trainer.spikeguard` once `train()` has begun. `memory_snapshot`: a folder for a
+    snapshot of each out-of-memory (as attach's, spikeguard.memory.snapshot)."""
     if getattr(trainer, "_spikeguard_callback", None) is not None:
         raise UsageError("this Trainer is already guarded (guard_trainer was called on it)")
-    callback = SpikeGuardCallback(trainer, budget, policy, shared_policy)
+    callback = SpikeGuardCallback(trainer, budget, policy, shared_policy, memory_snapshot)
     trainer.add_callback(callback)
     trainer.training_step = functools.partial(_guarded_training_step, callback,
                                               trainer.training_step)

@@ -138,12 +138,16 @@ def test_the_step_level_net_re_runs_a_training_step_that_ran_out(runs, tmp_path,
     # backward runs out: only a net around the whole training_step can re-run that.
     full, kept = runs["full_peak"], runs["none_peak"]
     budget = full + 9 * (kept - full) // 10
+    snaps = tmp_path / "snaps"
     with caplog.at_level(logging.WARNING, logger="spikeguard"):
-        model, trainer = _train(tmp_path, budget=budget, policy="adaptive", after=_Blind)
+        model, trainer = _train(tmp_path, budget=budget, policy="adaptive", after=_Blind,
+                                memory_snapshot=str(snaps))
     history = trainer.spikeguard.history
     reruns = [r for record in history for r in record["safety_net"]]
     assert reruns and all(r["scope"] == "step" and r["reason"].startswith("backward")
                           for r in reruns), history
+    # guard_trainer's memory_snapshot: one snapshot per refusal, each a re-run here.
+    assert len(list(snaps.iterdir())) == len(reruns)
     assert all(p <= budget for p in trainer.device_peaks)
     assert any("full recompute" in r.getMessage() for r in caplog.records)
     assert _equal(runs["plain"], model)
