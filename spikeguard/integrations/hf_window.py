@@ -35,7 +35,7 @@ from spikeguard.memory.ledger import storage_bytes, storage_key
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS, release_all
 from spikeguard.runtime.hooks import unpack
-from spikeguard.runtime.offload import prefetch_below
+from spikeguard.runtime.offload import expert_path_done
 
 OP = "experts"
 # Under transformers' EP the experts' grouped_mm clamps sort's output in place, which a
@@ -128,16 +128,7 @@ def run_region(guard, layer: int, call, inputs: tuple, counts: list[int], num_ro
             share = (time.perf_counter() - start) / len(EXPERT_STAGES)
             for stage in EXPERT_STAGES:
                 guard.cost.observe(stage, num_routed, share)
-    guard.ctx.op = "combine"
-    # Where backward is, as the built-in expert path marks it: the experts call's backward
-    # starts at its output's gradient and is done at its input's (layer 0's "dispatch" is
-    # what tells the guard this micro-batch's backward working set is behind it).
-    guard.position.mark_backward(out, layer, "experts")
-    guard.position.mark_backward(hidden_states, layer, "dispatch")
-    if hidden_states.requires_grad and layer > 0:
-        # When backward has passed this layer's experts, bring the layer below back.
-        hidden_states.register_hook(functools.partial(prefetch_below, guard.engine,
-                                                      guard.ctx.micro_batch, layer - 1))
+    expert_path_done(guard.position, guard.engine, layer, out, hidden_states)
     return out
 
 

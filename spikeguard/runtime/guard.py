@@ -25,7 +25,6 @@ wires them to the model and owns the step's life cycle.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 from typing import Callable, Optional
 
@@ -54,7 +53,7 @@ from spikeguard.runtime.layers import GuardedLayers
 from spikeguard.plan.layer_room import LayerRoom
 from spikeguard.runtime.layer_room import LayerPeaks, expert_weight_grads, head_logit_bytes
 from spikeguard.runtime.net import MicroBatchNet, num_tokens
-from spikeguard.runtime.offload import OffloadEngine, prefetch_below
+from spikeguard.runtime.offload import OffloadEngine, expert_path_done
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.window import DecisionWindow
@@ -389,11 +388,5 @@ class Guard:
         self.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
         self.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
         y_ND = self.hookless.run(self.executor, block, dispatched, decision)
-        self.ctx.op = "combine"   # runs hooked: it saves down's output and its own
-        self.position.mark_backward(y_ND, block.layer_idx, "experts")
-        self.position.mark_backward(dispatched.x_ND, block.layer_idx, "dispatch")
-        if dispatched.x_ND.requires_grad and block.layer_idx > 0:
-            # When backward has passed this layer's experts, bring the layer below back.
-            dispatched.x_ND.register_hook(functools.partial(
-                prefetch_below, self.engine, self.ctx.micro_batch, block.layer_idx - 1))
+        expert_path_done(self.position, self.engine, block.layer_idx, y_ND, dispatched.x_ND)
         return y_ND

@@ -15,6 +15,7 @@ reload with their size, stride and offset, so the values are bit for bit the ori
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from typing import Callable, Optional
@@ -213,3 +214,18 @@ def prefetch_below(engine: OffloadEngine, micro_batch: int, layer: int, grad):
     the layer below (`layer`) start coming back (a no-op unless prefetch is enabled)."""
     engine.prefetch_layer(micro_batch, layer)
     return None
+
+
+def expert_path_done(position, engine: OffloadEngine, layer: int, out_ND, x_ND) -> None:
+    """What every expert path's window does once its output exists (the built-in block's,
+    transformers' and torchtitan's experts call): combine runs next (hooked: it saves the
+    path's output and its own); backward's position is marked (the experts' backward
+    starts at the output's gradient and is done at the input's: layer 0's "dispatch" tells
+    the guard this micro-batch's backward working set is behind it); and when backward
+    has passed this layer's experts, the layer below starts coming back from host."""
+    position.ctx.op = "combine"
+    position.mark_backward(out_ND, layer, "experts")
+    position.mark_backward(x_ND, layer, "dispatch")
+    if x_ND.requires_grad and layer > 0:
+        x_ND.register_hook(functools.partial(prefetch_below, engine, position.ctx.micro_batch,
+                                             layer - 1))
