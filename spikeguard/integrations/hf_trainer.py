@@ -85,13 +85,11 @@ def _guarded_training_step(callback: SpikeGuardCallback, training_step, *args, *
 
 
 def _log_with_guard(callback: SpikeGuardCallback, log, logs, *args, **kwargs):
-    from spikeguard.runtime.scalars import step_scalars
+    from spikeguard.runtime.scalars import largest_scalars
 
     guard = callback.guard
     if guard is not None and "loss" in logs and len(guard.history) > callback.num_logged:
-        for record in guard.history[callback.num_logged:]:
-            for tag, value in step_scalars(record).items():
-                logs[tag] = max(logs.get(tag, value), value)
+        logs.update(largest_scalars(guard.history[callback.num_logged:]))
         callback.num_logged = len(guard.history)
     return log(logs, *args, **kwargs)
 

@@ -20,7 +20,11 @@ before), and runs each `train_step` inside `guard.run_step`: an out-of-memory an
 the step before the optimizer's update frees it and re-runs it whole, on the same
 micro-batches, with every layer recomputed. An out-of-memory in the update itself is never
 re-run (half applied): one line, as is every other failure of the guard; exit codes as
-the `spikeguard` CLI's (2 a setting, 3 out of memory).
+the `spikeguard` CLI's (2 a setting, 3 out of memory). At each step torchtitan logs, the
+guard's figures (memory/peak_bytes, guard/decisions_recompute, ...: the tags of
+spikeguard.runtime.scalars) go to torchtitan's own metric loggers as
+`spikeguard/memory/peak_bytes`, ..., wherever its config sends them
+(`--metrics.enable_tensorboard`, `--metrics.enable_wandb`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ from spikeguard.integrations.titan_converter import GuardSettings, SpikeGuardCon
 from spikeguard.parallel.launch_utils import peer_failure
 from spikeguard.runtime.agreement import JobEnds, worst
 from spikeguard.runtime.device_state import PHASE_OPTIMIZER
+from spikeguard.runtime.scalars import largest_scalars
 from spikeguard.runtime.step import run_steps
 
 from torchtitan.trainer import Trainer  # noqa: E402  (titan_converter said how to install)
+
+
+TAG_PREFIX = "spikeguard/"   # before each SCALARS tag in torchtitan's metric loggers
 
 
 class OptimizerStepOutOfMemory(RuntimeError):
@@ -84,13 +92,14 @@ class SpikeGuardTrainer(Trainer):
         except UsageError as err:
             _leave(f"spikeguard: error: {_one_line(err)}", 2)
         self.guards = [part.spikeguard for part in self.model_parts]
+        self.num_logged = [0] * len(self.guards)   # per guard: history records logged
 
     def train_step(self, data_iterator):
         """One guarded step; a failure of it is one line and the exit (here, not in
         `train`: torchtitan's `train` is under torchelastic's `@record`, which would
         print the exception's traceback beneath the line)."""
         try:
-            return self._guarded_step(data_iterator)
+            result = self._guarded_step(data_iterator)
         except (DeviceOutOfMemory, OptimizerStepOutOfMemory) as err:
             self._fail(f"out of memory on rank {os.environ.get('RANK', '0')}: "
                        f"{_one_line(err)}", 3, err)
@@ -102,6 +111,25 @@ class SpikeGuardTrainer(Trainer):
                 raise
             self._fail(f"rank {os.environ.get('RANK', '?')} stopped: another rank of the "
                        f"group failed ({_one_line(peer).split('. ')[0]})", 1, err)
+        self.log_guard_scalars()
+        return result
+
+    def log_guard_scalars(self) -> None:
+        """At a step torchtitan logs, the guard's scalars into torchtitan's own metric
+        loggers (TensorBoard, W&B: `metrics_processor.logger`, a no-op on a rank
+        torchtitan does not let log), tagged `spikeguard/<SCALARS tag>`, each the largest
+        over the guard steps since the previous log (docs/titan.md, "Metrics"). After
+        the step, not inside torchtitan's own `metrics_processor.log` call: the step's
+        record exists only once `run_steps` has closed it."""
+        if not self.metrics_processor.should_log(self.step):
+            return
+        records = [record for guard, seen in zip(self.guards, self.num_logged)
+                   for record in guard.history[seen:]]
+        self.num_logged = [len(guard.history) for guard in self.guards]
+        scalars = largest_scalars(records)
+        if scalars:
+            self.metrics_processor.logger.log(
+                {f"{TAG_PREFIX}{tag}": value for tag, value in scalars.items()}, self.step)
 
     def _fail(self, text: str, code: int, err: BaseException) -> None:
         """An agreed failure (every rank of the EP group holds the same line) is said by
@@ -177,4 +205,4 @@ def with_spikeguard(config: Trainer.Config, *, budget=None, policy: str = "adapt
     return SpikeGuardTrainer.Config(**fields, spikeguard=settings.converter_config())
 
 
-__all__ = ["SpikeGuardTrainer", "with_spikeguard", "OptimizerStepOutOfMemory"]
+__all__ = ["SpikeGuardTrainer", "with_spikeguard", "OptimizerStepOutOfMemory", "TAG_PREFIX"]

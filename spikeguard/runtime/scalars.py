@@ -7,7 +7,7 @@ decision figures and not the loss.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 # scalar tag -> the step record's key it is read from (nested keys joined by '.').
 SCALARS: dict[str, str] = {
@@ -50,4 +50,14 @@ def step_scalars(record: Mapping[str, Any]) -> dict[str, float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         out[tag] = float(value)
+    return out
+
+
+def largest_scalars(records: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Each tag's largest value over `records` (their step_scalars): what a log written
+    every few steps carries, so that a peak or a re-run between two logs is not hidden."""
+    out: dict[str, float] = {}
+    for record in records:
+        for tag, value in step_scalars(record).items():
+            out[tag] = max(out.get(tag, value), value)
     return out
