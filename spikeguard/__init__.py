@@ -13,10 +13,11 @@ def attach(model, budget=None, policy: str = "adaptive", optimizer=None,
     "recompute") is the static policy of shared experts and dense (non-MoE) layers;
     `memory_snapshot` a folder for a snapshot of each out-of-memory (CUDA: the allocator's
     history, for pytorch.org/memory_viz; CPU: JSON), spikeguard.memory.snapshot."""
-    import spikeguard.integrations  # noqa: F401  registers the block adapters with runtime
+    from spikeguard.integrations import ADAPTERS
     from spikeguard.runtime.guard import attach as _attach
     return _attach(model, budget=budget, policy=policy, optimizer=optimizer,
-                   shared_policy=shared_policy, memory_snapshot=memory_snapshot)
+                   shared_policy=shared_policy, memory_snapshot=memory_snapshot,
+                   adapters=ADAPTERS)
 
 
 __all__ = ["attach", "BudgetInfeasible", "DeviceOutOfMemory", "UsageError"]

@@ -1,7 +1,8 @@
 """Adapters that let the guard run on MoE blocks it did not define.
 
-The protocol is spikeguard.runtime.adapter's; importing this package registers the
-adapters with it, in the order `attach` tries them: spikeguard's own `MoEBlock`
+The protocol is spikeguard.runtime.adapter's; `ADAPTERS` lists the adapters in the order
+`attach` tries them (`spikeguard.attach` hands it to the guard; no registry is filled at
+import): spikeguard's own `MoEBlock`
 (spikeguard.integrations.builtin), then Hugging Face transformers v5 MoE blocks,
 recognised by structure (spikeguard.integrations.hf_blocks), and torchtitan's MoE
 layers, also by structure (spikeguard.integrations.titan_blocks; tried before the HF one,
@@ -15,10 +16,14 @@ from __future__ import annotations
 from spikeguard.integrations.builtin import BuiltinAdapter
 from spikeguard.integrations.hf_blocks import HFAdapter
 from spikeguard.integrations.titan_blocks import TitanAdapter
-from spikeguard.runtime.adapter import find_adapter, register_adapter
+from spikeguard.runtime import adapter as _adapter
 
-register_adapter(BuiltinAdapter)
-register_adapter(TitanAdapter)
-register_adapter(HFAdapter)
+ADAPTERS = (BuiltinAdapter, TitanAdapter, HFAdapter)
 
-__all__ = ["BuiltinAdapter", "HFAdapter", "TitanAdapter", "find_adapter"]
+
+def find_adapter(model):
+    """The adapter of `model`'s MoE blocks among ADAPTERS (spikeguard.runtime.adapter)."""
+    return _adapter.find_adapter(model, ADAPTERS)
+
+
+__all__ = ["ADAPTERS", "BuiltinAdapter", "HFAdapter", "TitanAdapter", "find_adapter"]

@@ -62,13 +62,14 @@ class SpikeGuardCallback(TrainerCallback):
         self.num_logged = 0   # guard.history's records already in a log
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        import spikeguard.integrations  # noqa: F401  registers the block adapters
+        from spikeguard.integrations import ADAPTERS
         from spikeguard.runtime.guard import attach
         if getattr(args, "gradient_checkpointing", False):
             raise UsageError("TrainingArguments(gradient_checkpointing=True) recomputes "
                              "under the guard: set gradient_checkpointing=False; the guard "
                              "decides recompute itself")
-        self.guard = attach(model, optimizer=_torch_optimizer(optimizer), **self.settings)
+        self.guard = attach(model, optimizer=_torch_optimizer(optimizer), adapters=ADAPTERS,
+                            **self.settings)
         self.num_logged = 0
         setattr(self.trainer, GUARD_ATTR, self.guard)
 

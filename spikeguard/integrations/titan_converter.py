@@ -132,7 +132,7 @@ def attach_titan(optimizers, model_parts, parallel_dims=None, *, chain=None):
     hold that part's parameters (the container makes one per part and optimizer name:
     several per part when its param groups name several). `chain`: a hook to run first
     (the model spec's own)."""
-    import spikeguard.integrations  # noqa: F401  registers the block adapters (as the facade does)
+    from spikeguard.integrations import ADAPTERS
     from spikeguard.runtime.guard import attach
     if chain is not None:
         chain(optimizers, model_parts, parallel_dims)
@@ -147,6 +147,7 @@ def attach_titan(optimizers, model_parts, parallel_dims=None, *, chain=None):
         part.spikeguard = attach(part, budget=settings.budget, policy=settings.policy,
                                  optimizer=optimizers_of(part, inner),
                                  shared_policy=settings.shared_policy,
-                                 memory_snapshot=settings.memory_snapshot)
+                                 memory_snapshot=settings.memory_snapshot,
+                                 adapters=ADAPTERS)
         guards.append(part.spikeguard)
     return guards

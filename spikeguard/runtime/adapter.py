@@ -4,9 +4,9 @@ The guard (spikeguard.runtime.guard) is written against this small protocol, not
 a block class, so the same decision window, planner, ledger and executor serve the
 built-in `MoEBlock` (spikeguard.integrations.builtin) and the MoE blocks of Hugging Face
 transformers v5 (spikeguard.integrations.hf_blocks), found by their structure. The
-protocol lives here, in runtime; the adapters live in integrations, which registers them
-(`register_adapter`) when `spikeguard.attach` first runs: runtime never imports
-integrations.
+protocol lives here, in runtime; the adapters live in integrations, whose `ADAPTERS` the
+caller hands to `attach` (`spikeguard.attach` does): an explicit list, no registry filled
+at import, and runtime never imports integrations.
 
 An adapter answers, for the blocks it found in one model:
   * which blocks, in forward order, and each block's layer index among them;
@@ -21,7 +21,7 @@ An adapter answers, for the blocks it found in one model:
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,27 +34,18 @@ from spikeguard.names import SHARED_POLICIES  # re-exported
 from spikeguard.runtime.executor import base_policy
 
 
-_ADAPTERS: list[type] = []   # in the order they are tried
-
-
-def register_adapter(kind: type) -> type:
-    """Make an adapter class (with `find(model)` and `looked_for`) one that `attach` tries."""
-    if kind not in _ADAPTERS:
-        _ADAPTERS.append(kind)
-    return kind
-
-
-def find_adapter(model: nn.Module) -> "BlockAdapter":
-    """The block adapter for `model`; a UsageError naming what was looked for if none."""
-    if not _ADAPTERS:
-        raise UsageError("no block adapter is registered: attach with spikeguard.attach, "
-                         "which registers the built-in and Hugging Face ones")
-    for kind in _ADAPTERS:
+def find_adapter(model: nn.Module, adapters: Sequence[type]) -> "BlockAdapter":
+    """The adapter for `model` among `adapters` (classes with `find(model)` and
+    `looked_for`, tried in order); a UsageError naming what was looked for if none."""
+    if not adapters:
+        raise UsageError("no block adapter was given: attach with spikeguard.attach, which "
+                         "gives the built-in, Hugging Face and torchtitan ones")
+    for kind in adapters:
         adapter = kind.find(model)
         if adapter is not None:
             return adapter
     raise UsageError("no MoE block found in the model; looked for: "
-                     + "; or ".join(k.looked_for for k in _ADAPTERS))
+                     + "; or ".join(k.looked_for for k in adapters))
 
 
 class BlockAdapter:

@@ -67,12 +67,14 @@ FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
 
 def attach(model: nn.Module, budget=None, policy: str = "adaptive",
            optimizer: Optimizers = None, shared_policy: str = "keep",
-           memory_snapshot=None) -> "Guard":
+           memory_snapshot=None, adapters: tuple = ()) -> "Guard":
     """Attach a guard to a model with MoE blocks (the module docstring). `optimizer`: one,
     a list (several share the parameters out) or None; `memory_snapshot`: a folder for a
-    snapshot of each out-of-memory (spikeguard.memory.snapshot)."""
+    snapshot of each out-of-memory (spikeguard.memory.snapshot); `adapters`: the block
+    adapters to try (spikeguard.integrations.ADAPTERS, which `spikeguard.attach` gives)."""
     return Guard(model, budget=budget, policy=policy, optimizer=optimizer,
-                 shared_policy=shared_policy, memory_snapshot=memory_snapshot)
+                 shared_policy=shared_policy, memory_snapshot=memory_snapshot,
+                 adapters=adapters)
 
 
 class Guard:
@@ -80,10 +82,10 @@ class Guard:
 
     def __init__(self, model: nn.Module, *, budget=None, policy: str = "adaptive",
                  optimizer: Optimizers = None, shared_policy: str = "keep",
-                 memory_snapshot=None):
+                 memory_snapshot=None, adapters: tuple = ()):
         check_arguments(model, optimizer, policy, shared_policy, memory_snapshot)
         # The blocks, found by the adapter of their family (spikeguard.integrations).
-        self.adapter = find_adapter(model)
+        self.adapter = find_adapter(model, adapters)
         self.moe_blocks = self.adapter.blocks
         self.model = model
         self.policy = policy

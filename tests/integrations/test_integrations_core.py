@@ -78,6 +78,24 @@ def test_no_block_names_what_was_looked_for():
     assert "\n" not in message
 
 
+def test_the_adapters_are_an_explicit_list_not_an_import_time_registry():
+    """Issue 23, item 7: runtime's attach tries the adapters it is given, nothing else:
+    importing integrations registers nothing; spikeguard.attach gives ADAPTERS."""
+    from spikeguard.integrations import ADAPTERS, BuiltinAdapter, find_adapter
+    from spikeguard.runtime import adapter
+    from spikeguard.runtime.guard import attach
+
+    assert not hasattr(adapter, "register_adapter") and not hasattr(adapter, "_ADAPTERS")
+    model = build_model(model_config("tiny"))
+    with pytest.raises(spikeguard.UsageError, match="no block adapter was given: attach "
+                                                    "with spikeguard.attach"):
+        attach(model, budget="64MiB")
+    assert isinstance(find_adapter(model), BuiltinAdapter) and ADAPTERS[0] is BuiltinAdapter
+    with pytest.raises(spikeguard.UsageError, match="looked for: spikeguard MoEBlock$"):
+        adapter.find_adapter(nn.Linear(2, 2), (BuiltinAdapter,))
+    attach(model, budget="64MiB", adapters=(BuiltinAdapter,)).detach()
+
+
 def test_attach_twice_and_detach_twice_are_errors():
     model = build_model(model_config("tiny"))
     guard = spikeguard.attach(model, budget="64MiB")
