@@ -535,7 +535,7 @@ def check_snapshot(run: Run) -> str:
                                   memory_snapshot=tmp)
         blind_prevention(guard)
         model.zero_grad(set_to_none=True)
-        run_guarded(guard, lambda: [model(x, y).loss.backward() for x, y in s["spike"]])
+        run_guarded(guard, lambda m=model: [m(x, y).loss.backward() for x, y in s["spike"]])
         reruns = guard.history[-1]["safety_net_reruns"]
         guard.detach()
         del model, guard
@@ -565,7 +565,8 @@ def snapshot_cost(run: Run) -> str:
                     model.zero_grad(set_to_none=True)
                     run.sync()
                     t0 = time.perf_counter()
-                    run_guarded(guard, lambda: [model(x, y).loss.backward() for x, y in s["calm"]])
+                    run_guarded(guard, lambda m=model: [m(x, y).loss.backward()
+                                                        for x, y in s["calm"]])
                     run.sync()
                     if i:
                         times[on].append(time.perf_counter() - t0)
@@ -586,7 +587,6 @@ def ep_worker(rank: int, world_size: int, store_path: str, out_dir: str, cuda: b
     import torch.distributed as dist
 
     from spikeguard.parallel import allreduce_replicated_grads, parallelize_experts
-    from spikeguard.plan.catalogue import ALL_SAVE
 
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -628,8 +628,7 @@ def ep_worker(rank: int, world_size: int, store_path: str, out_dir: str, cuda: b
         budget = (forward + whole) // 2 if rank == 0 else HUGE
         model, guard = model_and_guard(budget)
         if rank == 0:
-            guard.decide = lambda layer, num_routed: guard.planner.fixed(ALL_SAVE, num_routed)
-            guard.window.layer_cannot_fit = lambda layer: False
+            blind_prevention(guard)
         forced = step(model, guard)
         record = guard.history[-1]
         torch.save({"equal": all(torch.equal(ceiling[n], forced[n]) for n in ceiling),
