@@ -67,15 +67,15 @@ class ModelChoice:
         return model_config(self.preset, **self.overrides)
 
     @property
+    def family_class(self):
+        """The class of spikeguard.train.families that runs this kind of model."""
+        from spikeguard.train.families import family_class
+        return family_class(self.family)
+
+    @property
     def shape(self):
-        """The model's sizes: the built-in ModelConfig, or a Hugging Face run's HFSizes."""
-        if self.titan is not None:
-            from spikeguard.integrations.titan_models import TitanSizes
-            return TitanSizes(**self.overrides)
-        if self.hf is None:
-            return self.builtin
-        from spikeguard.integrations.hf_models import HFSizes
-        return HFSizes(**self.overrides)
+        """The model's sizes, as its family reads them (ModelConfig, HFSizes, TitanSizes)."""
+        return self.family_class.sizes_of(self)
 
     @property
     def name(self) -> str:
@@ -253,8 +253,7 @@ class RunConfig:
                              "(--nproc 2 or more without a pipeline)")
         if self.files.trace is not None and self.skew.pattern is not None:
             raise UsageError("--trace replays recorded routing; it cannot be combined with --skew")
-        {"hf": self._check_hf, "titan": self._check_titan}.get(
-            self.model.family, lambda layout: None)(layout)
+        self.model.family_class.check_run(self, layout)   # what the family cannot run
         skew = self.skew.config(layout.ep)
         if skew is not None:
             from spikeguard.routing.skew import SkewSchedule
@@ -267,38 +266,6 @@ class RunConfig:
         check_trainable_size(model.num_params, activation_bytes_floor(
             self.train.batch_size * model.seq_len, getattr(model, "vocab_size", 256),
             model.d_model, model.num_layers), f"model {self.model.name}")
-
-    def _check_hf(self, layout: ParallelLayout) -> None:
-        """What --hf runs: one process, or transformers' own EP with FSDP2 over all ranks."""
-        for what, refused in (("--skew", self.skew.pattern is not None),
-                              ("--trace", self.files.trace is not None),
-                              ("--record-trace", self.files.record_trace is not None)):
-            if refused:
-                raise UsageError(f"{what} is not available with --hf: a Hugging Face model's "
-                                 f"routing is transformers' own (no skew or trace hooks)")
-        if layout.pp > 1:
-            raise UsageError("--pp is not available with --hf (transformers' own expert "
-                             "parallelism runs without a pipeline here)")
-        if layout.nproc > 1 and layout.ep != layout.nproc:
-            raise UsageError(f"with --hf, --ep must be the number of processes {layout.nproc} "
-                             f"(transformers' EP with FSDP2 over all of them; experts replicated"
-                             f" over data-parallel ranks are not supported), got --ep {layout.ep}")
-        if layout.nproc > 1 and self.files.checkpoint_dir is not None:
-            raise UsageError("--checkpoint-dir is not available with --hf and --nproc "
-                             "(sharded transformers checkpoints are not written yet)")
-
-    def _check_titan(self, layout: ParallelLayout) -> None:
-        """What --titan runs: one process, or torchtitan's own EP over all ranks."""
-        for what, refused in (("--pp", layout.pp != 1), ("--ep below --nproc (data "
-                              "parallel)", layout.ep != layout.nproc),
-                              ("--skew", self.skew.pattern is not None),
-                              ("--trace", self.files.trace is not None),
-                              ("--record-trace", self.files.record_trace is not None),
-                              ("--checkpoint-dir", self.files.checkpoint_dir is not None)):
-            if refused:
-                raise UsageError(f"{what} is not available with --titan: torchtitan models "
-                                 f"train on one process or under torchtitan's own expert "
-                                 f"parallelism (--nproc N --ep N), with its own routing")
 
     @property
     def layout(self) -> ParallelLayout:

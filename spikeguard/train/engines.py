@@ -61,7 +61,7 @@ class LocalEngine:
         self.modules = [model]
         self.optimizers: list = []
         self.guards: list = []
-        self._blocks = list(model.moe_blocks()) if family.name == "builtin" else []
+        self._blocks = family.moe_blocks(model)
 
     @property
     def state_module(self) -> nn.Module:

@@ -22,18 +22,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spikeguard.errors import UsageError
 from spikeguard.memory.budget import format_bytes
-from spikeguard.train.config import RunConfig
 
 HF_AUTO_FRACTION = 0.85  # --hf without a budget: this much of the unguarded step's peak
 
 
-def family_for(cfg: RunConfig):
-    """The family of `cfg`'s model, ready to build it."""
-    if cfg.model.titan is not None:
+def family_class(name: str) -> type:
+    """The class of the family called `name` (spikeguard.train.config.ModelChoice.family).
+    The configuration asks it for the model's sizes and what the family cannot run, so
+    this module never imports the configuration (which imports it)."""
+    if name == "titan":   # its module imports torchtitan's models: only when asked for
         from spikeguard.train.titan_family import TitanFamily
-        return TitanFamily(cfg)
-    return HFFamily(cfg) if cfg.model.hf is not None else BuiltinFamily(cfg)
+        return TitanFamily
+    return {"builtin": BuiltinFamily, "hf": HFFamily}[name]
+
+
+def family_for(cfg):
+    """The family of `cfg`'s model (a spikeguard.train.config.RunConfig), ready to build it."""
+    return family_class(cfg.model.family)(cfg)
 
 
 class BuiltinFamily:
@@ -46,9 +53,24 @@ class BuiltinFamily:
     own_parallelism = False   # the engine shards its experts and reduces its gradients
     budget_by_default = False  # no guard unless a budget or a policy is asked for
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg):
         self.cfg = cfg
         self.seq_len = cfg.model.builtin.seq_len
+
+    # ---- what the configuration asks before any run ------------------------------------
+    @staticmethod
+    def sizes_of(choice):
+        """The model's sizes from a spikeguard.train.config.ModelChoice: its preset's."""
+        return choice.builtin
+
+    @staticmethod
+    def check_run(cfg, layout) -> None:
+        """What this family cannot run (one UsageError): it runs every layout."""
+
+    @staticmethod
+    def moe_blocks(model: nn.Module) -> list:
+        """The MoE blocks whose routed counts a step line reports (the built-in model's)."""
+        return list(model.moe_blocks())
 
     # ---- feeding and scoring (the engines' calls) -------------------------------------
     @staticmethod
@@ -154,12 +176,40 @@ class HFFamily:
     own_parallelism = True
     budget_by_default = True
 
-    def __init__(self, cfg: RunConfig):
-        from spikeguard.integrations.hf_models import HFSizes
-
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.sizes = HFSizes(**cfg.model.overrides)
+        self.sizes = cfg.model.shape
         self.seq_len = self.sizes.seq_len
+
+    @staticmethod
+    def sizes_of(choice):
+        """HFSizes from the overrides given (transformers' config is built from them)."""
+        from spikeguard.integrations.hf_models import HFSizes
+        return HFSizes(**choice.overrides)
+
+    @staticmethod
+    def check_run(cfg, layout) -> None:
+        """What --hf runs: one process, or transformers' own EP with FSDP2 over all ranks."""
+        for what, refused in (("--skew", cfg.skew.pattern is not None),
+                              ("--trace", cfg.files.trace is not None),
+                              ("--record-trace", cfg.files.record_trace is not None)):
+            if refused:
+                raise UsageError(f"{what} is not available with --hf: a Hugging Face model's "
+                                 f"routing is transformers' own (no skew or trace hooks)")
+        if layout.pp > 1:
+            raise UsageError("--pp is not available with --hf (transformers' own expert "
+                             "parallelism runs without a pipeline here)")
+        if layout.nproc > 1 and layout.ep != layout.nproc:
+            raise UsageError(f"with --hf, --ep must be the number of processes {layout.nproc} "
+                             f"(transformers' EP with FSDP2 over all of them; experts replicated"
+                             f" over data-parallel ranks are not supported), got --ep {layout.ep}")
+        if layout.nproc > 1 and cfg.files.checkpoint_dir is not None:
+            raise UsageError("--checkpoint-dir is not available with --hf and --nproc "
+                             "(sharded transformers checkpoints are not written yet)")
+
+    @staticmethod
+    def moe_blocks(model: nn.Module) -> list:
+        return []   # transformers' routed counts are read by the guard, not the step line
 
     @staticmethod
     def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
@@ -223,4 +273,4 @@ class HFFamily:
                 f"{guard.shape.recompute_per_token} B")
 
 
-__all__ = ["BuiltinFamily", "HFFamily", "HF_AUTO_FRACTION", "family_for"]
+__all__ = ["BuiltinFamily", "HFFamily", "HF_AUTO_FRACTION", "family_class", "family_for"]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spikeguard.errors import UsageError
 from spikeguard.integrations.titan_models import TitanSizes, build_titan_model, lm_loss
 from spikeguard.parallel.gradients import clip_grads_, sum_grads
 from spikeguard.train.engines import LocalEngine
@@ -38,8 +39,31 @@ class TitanFamily:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.sizes = TitanSizes(**cfg.model.overrides)
+        self.sizes = cfg.model.shape
         self.seq_len = self.sizes.seq_len
+
+    @staticmethod
+    def sizes_of(choice):
+        """TitanSizes from the overrides given."""
+        return TitanSizes(**choice.overrides)
+
+    @staticmethod
+    def check_run(cfg, layout) -> None:
+        """What --titan runs: one process, or torchtitan's own EP over all ranks."""
+        for what, refused in (("--pp", layout.pp != 1), ("--ep below --nproc (data "
+                              "parallel)", layout.ep != layout.nproc),
+                              ("--skew", cfg.skew.pattern is not None),
+                              ("--trace", cfg.files.trace is not None),
+                              ("--record-trace", cfg.files.record_trace is not None),
+                              ("--checkpoint-dir", cfg.files.checkpoint_dir is not None)):
+            if refused:
+                raise UsageError(f"{what} is not available with --titan: torchtitan models "
+                                 f"train on one process or under torchtitan's own expert "
+                                 f"parallelism (--nproc N --ep N), with its own routing")
+
+    @staticmethod
+    def moe_blocks(model: nn.Module) -> list:
+        return []   # torchtitan's routed counts are read by the guard, not the step line
 
     @staticmethod
     def draw(corpus, split: str, batch_size: int, seq_len: int, gen) -> tuple:
