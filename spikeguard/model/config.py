@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from spikeguard.errors import UsageError
+from spikeguard.model.sizes import SHAPE_FIELDS, check_shape
 
 
 @dataclass(kw_only=True)
@@ -28,19 +29,9 @@ class ModelConfig:
     aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "num_layers", "num_heads",
-                     "num_experts", "top_k", "d_expert"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise UsageError(f"model.{name} must be a positive integer, got {value!r}")
+        check_shape(self, (*SHAPE_FIELDS, "vocab_size"))
         if self.num_shared_experts < 0:
             raise UsageError(f"model.num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        if self.top_k > self.num_experts:
-            raise UsageError(
-                f"model.top_k ({self.top_k}) cannot exceed model.num_experts ({self.num_experts})")
-        if self.d_model % self.num_heads:
-            raise UsageError(
-                f"model.d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if self.aux_loss_coef < 0:
             raise UsageError(f"model.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from spikeguard.routing.skew import PATTERNS, SkewConfig
 from spikeguard.errors import UsageError
+from spikeguard.model.sizes import SHAPE_FIELDS, check_shape
+from spikeguard.routing.skew import PATTERNS, SkewConfig
 
 SCHEDULES = ("1f1b", "interleaved")
 DEVICE_KINDS = ("cuda", "cpu")
@@ -60,20 +61,12 @@ class SimModel:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise UsageError(f"model.name must be a string, got {self.name!r}")
-        _check_positive("model", self, ("num_layers", "d_model", "num_heads", "num_experts",
-                                         "top_k", "d_expert", "vocab_size", "seq_len",
-                                         "dtype_bytes"))
+        check_shape(self, (*SHAPE_FIELDS, "vocab_size", "dtype_bytes"))
         if not isinstance(self.grouped_gemm, bool):
             raise UsageError(f"model.grouped_gemm must be true or false, got {self.grouped_gemm!r}")
         if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
             raise UsageError(f"model.num_shared_experts must be an integer >= 0, "
                              f"got {self.num_shared_experts!r}")
-        if self.top_k > self.num_experts:
-            raise UsageError(f"model.top_k ({self.top_k}) cannot exceed model.num_experts "
-                             f"({self.num_experts})")
-        if self.d_model % self.num_heads:
-            raise UsageError(f"model.d_model ({self.d_model}) must be divisible by "
-                             f"model.num_heads ({self.num_heads})")
 
 
 @dataclass(kw_only=True)

@@ -58,7 +58,7 @@ def test_the_readme_command_with_no_budget_or_policy_trains(layout):
     (["deepseek_v3", "--hf", "mixtral"], "--titan and --hf"),
     (["deepseek_v3", "--nproc", "2", "--ep", "1"], "not available with --titan"),
     (["deepseek_v3", "--nproc", "2", "--skew", "one-hot-rank"], "not available with --titan"),
-    (["qwen3", "--d-model", "33"], "d_model 33 must divide into 2 heads"),
+    (["qwen3", "--d-model", "33"], "model.d_model 33 must divide into 2 heads"),
 ])
 def test_refused_in_one_line(args, says):
     done = _train(*args, "--steps", "1", timeout=60)
