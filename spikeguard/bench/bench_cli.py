@@ -27,16 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from spikeguard.bench.bench_config import NO_LIMIT, POLICIES, BenchConfig
 from spikeguard.errors import UsageError
 from spikeguard.names import PATTERNS, SCHEDULES
-from spikeguard.runtime.policies import POLICIES as GUARD_POLICIES
-
-# The run order: the ceiling (no guard), then the guard's policies from the most kept to
-# the least (a policy added to spikeguard.runtime.policies and not placed here fails at
-# import, loudly).
-POLICIES = ("ceiling", *sorted(GUARD_POLICIES, key=("none", "offload", "experts", "full",
-                                                    "adaptive").index))
-NO_LIMIT = "1TiB"
 
 
 def add_parser(commands) -> None:
@@ -89,104 +82,43 @@ def add_parser(commands) -> None:
     bench.set_defaults(run=run_bench)
 
 
-def _positive(name: str, value) -> None:
-    if value <= 0:
-        raise UsageError(f"--{name} must be positive, got {value}")
-
-
-def _run_config(args):
-    """The measurement pass's RunConfig: spikeguard.train.config checks the model, the
-    layout (pp x ep x dp processes, layers per stage, experts per rank, micro-batches per
-    stage) and the skew exactly as `train` will, before any process starts."""
-    from spikeguard.train.config import RunConfig
-
-    model = {"preset": args.preset, **{k: getattr(args, k) for k in ("num_layers", "num_experts")
-                                        if getattr(args, k) is not None}}
-    train = {"steps": args.steps, "batch_size": args.batch_size, "seed": args.seed}
-    if args.micro_batches is not None:
-        train["micro_batches"] = args.micro_batches
-    skew = {} if args.trace is not None else {
-        "pattern": args.pattern, "seed": args.skew_seed, "spike_prob": args.spike_prob,
-        "spike_max": args.spike_max}
-    return RunConfig.from_dict({
-        "model": model, "train": train, "skew": skew,
-        "parallel": {"nproc": args.pp * args.ep * args.dp, "pp": args.pp, "ep": args.ep,
-                     "schedule": args.schedule},
-        "guard": {"policy": "none", "budget": NO_LIMIT},
-        "files": {"trace": args.trace, "checkpoint_every": args.checkpoint_every}})
-
-
-def _validate(args) -> list[str]:
-    import math
-
-    for name in ("ep", "pp", "dp", "steps", "batch_size", "segments", "checkpoint_every"):
-        _positive(name.replace("_", "-"), getattr(args, name))
-    if args.ep < 2:
-        raise UsageError("--ep must be at least 2: spikes are one rank receiving more than its share")
-    if args.segments > args.steps:
-        raise UsageError(f"--segments {args.segments} exceeds --steps {args.steps}")
-    if not math.isfinite(args.restart_cost) or args.restart_cost < 0:
-        raise UsageError(f"--restart-cost must be a finite number of seconds >= 0, "
-                         f"got {args.restart_cost}")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not policies or len(set(policies)) != len(policies):
-        raise UsageError(f"--policies must name each of {', '.join(POLICIES)} at most once, "
-                         f"got {args.policies!r}")
-    if args.budget != "auto":
-        from spikeguard.memory.budget import parse_bytes
-        args.budget_bytes = parse_bytes(args.budget)
-    from spikeguard.bench.outputs import check_outputs
-    check_outputs(args)   # an output that is the --trace is refused before it is read
-    if args.trace is not None:
-        from spikeguard.routing.trace import load_trace
-        load_trace(args.trace)   # missing, a folder, binary, not a trace: one line now
-    cfg = _run_config(args)
-    args.micro_batches = cfg.train.micro_batches   # what the schedule needs, resolved
-    args.nproc = cfg.layout.nproc
-    if args.work is not None and Path(args.work).is_file():
-        raise UsageError(f"--work {args.work} is a file")
-    if args.work is not None and Path(args.work).is_dir() and any(Path(args.work).iterdir()):
-        # Its checkpoints would be resumed and its logs overwritten: never reuse one.
-        raise UsageError(f"--work {args.work} is not empty; give a new or empty folder")
-    return policies
-
-
-def _workload(args) -> list[str]:
+def _workload(cfg: BenchConfig) -> list[str]:
     """The `train` arguments every job of the bench shares (model, layout, data)."""
-    model = [a for k in ("num_layers", "num_experts") if getattr(args, k) is not None
-             for a in ("--" + k.replace("_", "-"), str(getattr(args, k)))]
-    layout = ["--nproc", str(args.nproc), "--ep", str(args.ep)]
-    if args.pp > 1:
-        layout += ["--pp", str(args.pp), "--schedule", args.schedule]
-    return ["--preset", args.preset, *model, *layout, "--batch-size", str(args.batch_size),
-            "--micro-batches", str(args.micro_batches), "--seed", str(args.seed),
-            "--threads", "1", "--eval-every", str(args.steps), "--eval-batches", "1"]
+    model = [a for k, v in cfg.overrides.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    L = cfg.layout
+    layout = ["--nproc", str(L.nproc), "--ep", str(L.ep)]
+    if L.pp > 1:
+        layout += ["--pp", str(L.pp), "--schedule", cfg.schedule]
+    train = cfg.run.train
+    return ["--preset", cfg.preset, *model, *layout, "--batch-size", str(train.batch_size),
+            "--micro-batches", str(train.micro_batches), "--seed", str(train.seed),
+            "--threads", "1", "--eval-every", str(cfg.steps), "--eval-batches", "1"]
 
 
-def _common(args, trace: Path) -> list[str]:
-    return _workload(args) + ["--trace", str(trace),
-                              "--checkpoint-every", str(args.checkpoint_every)]
+def _common(cfg: BenchConfig, trace: Path) -> list[str]:
+    return _workload(cfg) + ["--trace", str(trace),
+                             "--checkpoint-every", str(cfg.checkpoint_every)]
 
 
-def _measure(args, work: Path, echo, pool) -> tuple[Path, list[dict]]:
+def _measure(cfg: BenchConfig, work: Path, echo, pool) -> tuple[Path, list[dict]]:
     """The measurement pass: records (or replays) the trace with everything saved."""
     from spikeguard.bench.runner import JobRunner
 
-    base = _workload(args) + ["--policy", "none", "--budget", NO_LIMIT]
-    if args.trace is not None:
-        trace = Path(args.trace)
+    base = _workload(cfg) + ["--policy", "none", "--budget", NO_LIMIT]
+    if cfg.trace is not None:
+        trace = Path(cfg.trace)
         extra = ["--trace", str(trace)]
     else:
         trace = work / "trace.jsonl"
-        extra = ["--skew", args.pattern, "--skew-seed", str(args.skew_seed),
+        skew = cfg.skew
+        extra = ["--skew", skew.pattern, "--skew-seed", str(skew.seed),
                  "--record-trace", str(trace)]
-        if args.spike_prob is not None:
-            extra += ["--spike-prob", str(args.spike_prob)]
-        extra += ["--spike-max", str(args.spike_max if args.spike_max is not None
-                                     else min(2.6, float(args.ep)))]
-    job = JobRunner(base, work, args.nproc, echo, pool).run("measure", extra, 1, args.steps,
-                                                            "measure")
+        if skew.spike_prob is not None:
+            extra += ["--spike-prob", str(skew.spike_prob)]
+        extra += ["--spike-max", str(skew.spike_max if skew.spike_max is not None
+                                     else min(2.6, float(cfg.layout.ep)))]
+    job = JobRunner(base, work, cfg.layout.nproc, echo, pool).run("measure", extra, 1,
+                                                                  cfg.steps, "measure")
     if job.crashed_step is not None:
         raise UsageError("the measurement pass ran out of a 1 TiB budget")
     return trace, _mark_spikes(job.records, trace)
@@ -216,10 +148,11 @@ def _budget_from(records: list[dict]) -> tuple[int, int, int]:
     return auto_budget(peak, static), peak, static
 
 
-def _layout_text(args) -> str:
-    parts = [f"PP={args.pp}"] if args.pp > 1 else []
-    parts += [f"DP={args.dp}"] if args.dp > 1 else []
-    return " x ".join(parts + [f"EP={args.ep}"]) + f" ({args.nproc} processes)"
+def _layout_text(cfg: BenchConfig) -> str:
+    L = cfg.layout
+    parts = [f"PP={L.pp}"] if L.pp > 1 else []
+    parts += [f"DP={L.dp}"] if L.dp > 1 else []
+    return " x ".join(parts + [f"EP={L.ep}"]) + f" ({L.nproc} processes)"
 
 
 def _segments(steps: int, count: int) -> list[tuple[int, int]]:
@@ -237,7 +170,7 @@ def run_bench(args: argparse.Namespace) -> int:
     require("numpy", "bench", "spikeguard bench")
     if args.plots:
         require("matplotlib", "bench", "spikeguard bench --plots")
-    policies = _validate(args)
+    cfg = BenchConfig.from_args(args)
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # a log file gets the table unwrapped
@@ -245,12 +178,12 @@ def run_bench(args: argparse.Namespace) -> int:
     def echo(text: str) -> None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-    temporary = args.work is None
-    work = Path(tempfile.mkdtemp(prefix="spikeguard-bench-")) if temporary else Path(args.work)
+    temporary = cfg.work is None
+    work = Path(tempfile.mkdtemp(prefix="spikeguard-bench-")) if temporary else Path(cfg.work)
     work.mkdir(parents=True, exist_ok=True)
-    pool = WorkerPool(work / "workers", args.nproc)
+    pool = WorkerPool(work / "workers", cfg.layout.nproc)
     try:
-        _bench(args, policies, work, pool, echo, console)
+        _bench(cfg, work, pool, echo, console)
     except UsageError as exc:
         # A job failed: its logs are what the user needs, so the folder is kept and named.
         raise UsageError(f"{exc} (the bench's logs are in {work})") from None
@@ -264,26 +197,27 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args, policies, work: Path, pool, echo, console) -> None:
+def _bench(cfg: BenchConfig, work: Path, pool, echo, console) -> None:
     from spikeguard.bench import outputs, results
     from spikeguard.bench.runner import JobRunner, PolicyRun, run_policy_segment
     from spikeguard.memory.budget import format_bytes
 
-    echo(f"bench: {args.preset}, {_layout_text(args)}, {args.steps} steps, work in {work}")
-    args.load_start = _load()
+    echo(f"bench: {cfg.preset}, {_layout_text(cfg)}, {cfg.steps} steps, work in {work}")
+    load_start = _load()
     echo("measurement pass (everything saved, no limit; records the routing trace):")
-    trace, measured = _measure(args, work, echo, pool)
+    trace, measured = _measure(cfg, work, echo, pool)
     spikes = [r["step"] for r in measured if r.get("skew_spike")]
-    if args.budget == "auto":
+    policies = list(cfg.policies)
+    if cfg.budget is None:
         budget, calm_peak, static = _budget_from(measured)
         how = (f"auto: the calm steps' peak with everything saved, {format_bytes(calm_peak)} "
                f"(of which {format_bytes(static)} parameters, gradients and optimizer state), "
                f"plus 10% of its activations")
     else:
-        budget, how = args.budget_bytes, "given"
+        budget, how = cfg.budget, "given"
     echo(f"budget {format_bytes(budget)} per rank ({how}); spike steps in the trace: {spikes}")
-    segments = _segments(args.steps, args.segments)
-    runner = JobRunner(_common(args, trace), work, args.nproc, echo, pool)
+    segments = _segments(cfg.steps, cfg.segments)
+    runner = JobRunner(_common(cfg, trace), work, cfg.layout.nproc, echo, pool)
     runs = {p: PolicyRun(p) for p in policies}
     for i, (first, last) in enumerate(segments):
         echo(f"segment {i + 1}/{len(segments)}: steps {first}-{last}")
@@ -294,27 +228,27 @@ def _bench(args, policies, work: Path, pool, echo, console) -> None:
                                first, last)
     pool.close()
     measured_peak = max(r["max_peak_bytes"] for r in measured)
-    figures = {p: results.policy_figures(runs[p], budget, segments, args.restart_cost,
+    figures = {p: results.policy_figures(runs[p], budget, segments, cfg.restart_cost,
                                          measured_peak if p == "ceiling" else None)
                for p in policies}
     results.add_ratios(figures)
     safe = results.pick_safe_static(figures)
     if safe is not None:
         figures["safe-static"] = {**figures[safe], "is": safe}
-    report = _report(args, policies, figures, budget, how, spikes, trace, work)
+    report = _report(cfg, figures, budget, how, spikes, trace, work, load_start)
     report["jobs"] = sum(len(r.jobs) for r in runs.values()) + 1   # + the measurement pass
     report["worker_startups_s"] = pool.startups
     outputs.print_table(console, report)
     echo(f"jobs: {report['jobs']} on {len(pool.startups)} worker start-up(s) of "
          f"{sum(pool.startups):.1f} s in all")
-    if args.json:
-        outputs.write_json(args.json, report, args.overwrite)
-        echo(f"wrote {args.json}")
-    plot_files = [] if not args.plots else outputs.write_plots(
-        args.plots, outputs.plot_runs(runs, measured), report, args.overwrite, echo)
-    if args.docs:
-        outputs.write_docs(args.docs, report, plot_files, args.overwrite)
-        echo(f"wrote {args.docs}")
+    if cfg.json:
+        outputs.write_json(cfg.json, report, cfg.overwrite)
+        echo(f"wrote {cfg.json}")
+    plot_files = [] if not cfg.plots else outputs.write_plots(
+        cfg.plots, outputs.plot_runs(runs, measured), report, cfg.overwrite, echo)
+    if cfg.docs:
+        outputs.write_docs(cfg.docs, report, plot_files, cfg.overwrite)
+        echo(f"wrote {cfg.docs}")
 
 
 def _load():
@@ -324,29 +258,32 @@ def _load():
         return None
 
 
-def _report(args, policies, figures, budget, how, spikes, trace, work) -> dict[str, Any]:
+def _report(cfg: BenchConfig, figures, budget, how, spikes, trace, work,
+            load_start) -> dict[str, Any]:
     import torch
 
+    L, train = cfg.layout, cfg.run.train
     return {
-        "command": "spikeguard " + " ".join(args.argv),
+        "command": "spikeguard " + " ".join(cfg.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__,
                     # other work on the machine, 1-minute load average: at the start, the end
-                    "load_average": [getattr(args, "load_start", None), _load()],
+                    "load_average": [load_start, _load()],
                     "device": "CPU only: the device is emulated by the CPU allocator (every live storage)"},
-        "workload": {"preset": args.preset, "ep": args.ep, "pp": args.pp, "dp": args.dp,
-                     "nproc": args.nproc, "schedule": args.schedule if args.pp > 1 else None,
-                     "num_layers": args.num_layers, "num_experts": args.num_experts,
-                     "steps": args.steps,
-                     "batch_size": args.batch_size, "micro_batches": args.micro_batches,
-                     "pattern": None if args.trace else args.pattern,
+        "workload": {"preset": cfg.preset, "ep": L.ep, "pp": L.pp, "dp": L.dp,
+                     "nproc": L.nproc, "schedule": cfg.schedule if L.pp > 1 else None,
+                     "num_layers": cfg.overrides.get("num_layers"),
+                     "num_experts": cfg.overrides.get("num_experts"),
+                     "steps": cfg.steps,
+                     "batch_size": train.batch_size, "micro_batches": train.micro_batches,
+                     "pattern": None if cfg.trace else cfg.skew.pattern,
                      "trace": str(trace), "spike_steps": spikes,
-                     "segments": args.segments, "checkpoint_every": args.checkpoint_every,
-                     "restart_cost_s": args.restart_cost},
+                     "segments": cfg.segments, "checkpoint_every": cfg.checkpoint_every,
+                     "restart_cost_s": cfg.restart_cost},
         "budget_bytes": budget,
         "budget_rule": how,
         "policies": figures,
-        "order": [p for p in policies] + (["safe-static"] if "safe-static" in figures else []),
+        "order": list(cfg.policies) + (["safe-static"] if "safe-static" in figures else []),
         "work": str(work),
     }

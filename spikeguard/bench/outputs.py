@@ -23,20 +23,21 @@ def plot_files(folder: Optional[str]) -> list[Path]:
     return [] if folder is None else [Path(folder) / name for name in PLOT_FILES.values()]
 
 
-def check_outputs(args) -> None:
+def check_outputs(*, json: Optional[str], docs: Optional[str], plots: Optional[str],
+                  trace: Optional[str], overwrite: bool) -> None:
     """Every output of the bench, before any job runs (UsageError, exit 2)."""
     from spikeguard.files import check_outputs as check
 
-    plots = None
-    if args.plots is not None:
-        folder = Path(args.plots)
+    files = None
+    if plots is not None:
+        folder = Path(plots)
         if folder.exists() and not folder.is_dir():
             raise UsageError(f"--plots {folder} is a file")
         if not folder.exists() and not folder.absolute().parent.is_dir():
             raise UsageError(f"--plots {folder}: folder {folder.absolute().parent} does not exist")
-        plots = plot_files(args.plots) if folder.is_dir() else None
-    check({"--json": args.json, "--docs": args.docs, "--plots": plots},
-          inputs={"--trace": args.trace}, overwrite=args.overwrite)
+        files = plot_files(plots) if folder.is_dir() else None
+    check({"--json": json, "--docs": docs, "--plots": files},
+          inputs={"--trace": trace}, overwrite=overwrite)
 
 
 def throughput_bars(report: dict) -> dict[str, dict[str, Any]]:

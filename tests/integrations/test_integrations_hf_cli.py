@@ -54,7 +54,7 @@ def test_train_hf_from_json_file(tmp_path, capsys):
     (["--hf", "missing.json"], "config JSON not found"),
     (["--hf", "{\"hidden_size\": 8}"], "no \"model_type\""),
     (["--hf", "{not json"], "not valid JSON"),
-    (["--hf", "mixtral", "--top-k", "9", "--num-experts", "8"], "top_k 9 is above"),
+    (["--hf", "mixtral", "--top-k", "9", "--num-experts", "8"], "model.top_k (9) cannot exceed model.num_experts (8)"),
     (["--hf", "mixtral", "--d-model", "0"], "d_model must be a positive integer"),
     (["--hf", "mixtral", "--nproc", "2", "--ep", "1"], "--ep must be the number of processes"),
     (["--hf", "mixtral", "--budget", "lots"], "as a byte size"),
