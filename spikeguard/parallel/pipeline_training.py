@@ -42,10 +42,11 @@ from spikeguard.parallel.expert_parallel import (allreduce_replicated_grads, exp
                                                  parallelize_experts)
 from spikeguard.parallel.gradients import clip_grads_, sum_grads
 from spikeguard.parallel.mesh import SCHEDULES, MeshGroups
-from spikeguard.plan.residency import Residency, attach_residency
+from spikeguard.plan.residency import Residency
 from spikeguard.parallel.pipeline_recovery import PipelineRecovery
 from spikeguard.parallel.pipeline_stages import pipeline_stage, stage_loss, stage_module
 from spikeguard.runtime.agreement import unrecoverable
+from spikeguard.runtime.pipeline_view import no_output_head, use_schedule
 from spikeguard.runtime.step import run_steps
 
 
@@ -97,8 +98,7 @@ class PipelineRank:
         self.guards = [attach(m) for m in self.modules.stages]
         for guard, module in zip(self.guards, self.modules.stages):
             if not module.is_last:   # the head is on another stage
-                guard.forecast.head_bytes_per_token = 0.0
-                guard.layer_room.no_head()
+                no_output_head(guard)
         return self.guards
 
     def _build(self) -> None:
@@ -127,8 +127,8 @@ class PipelineRank:
                                                         loss_fn=loss_fn)
             else:
                 self.schedule = Schedule1F1B(stages[0], self.micro_batches, loss_fn=loss_fn)
-        self.residencies = [attach_residency(g, self.schedule, s, self.groups.pp_rank,
-                                             enabled=self.use_residency)
+        self.residencies = [use_schedule(g, self.schedule, s, self.groups.pp_rank,
+                                         enabled=self.use_residency)
                             for g, s in zip(self.guards, self.stage_ids)]
 
     # ---- one optimizer step -----------------------------------------------------------

@@ -26,7 +26,7 @@ the k-th forward the guard sees in a step is the k-th forward action of its stag
 IR that torch 2.13 builds for Schedule1F1B numbers the last rank's micro-batches from 1;
 the order of F and B actions, which is all that is used here, is right.)
 
-    residency = attach_residency(guard, schedule, stage_index, pp_rank)
+    residency = use_schedule(guard, schedule, stage_index, pp_rank)   # runtime/pipeline_view.py
     with guard.step():
         residency.begin_step()
         schedule.step(...)
@@ -176,17 +176,14 @@ class Residency:
 ALL_LAYERS = 1 << 30  # tracker.evict/evictable take layers below this: every layer
 
 
-def attach_residency(guard, schedule, stage_index: int, pp_rank: int,
-                     enabled: bool = True) -> Residency:
-    """Give `guard`'s forecast the schedule's residency for `stage_index` (on `pp_rank`)."""
+def schedule_residency(schedule, stage_index: int, pp_rank: int, *,
+                       micro_batch: Callable[[], int], host_bytes: Callable[[], dict],
+                       device_bytes: Callable[[int], int], enabled: bool = True) -> Residency:
+    """The schedule's residency for `stage_index` (on `pp_rank`), reading the guard's
+    figures through the three callables (spikeguard.runtime.pipeline_view gives them)."""
     order = getattr(schedule, "pipeline_order", None)
     if not order or pp_rank not in order:
         raise ValueError(f"{type(schedule).__name__} exposes no pipeline_order for rank "
                          f"{pp_rank}: its residency cannot be read")
-    residency = Residency(positions(order[pp_rank], stage_index),
-                          micro_batch=lambda: guard.ctx.micro_batch,
-                          host_bytes=guard.engine.host_bytes_by_layer,
-                          device_bytes=lambda mb: guard.ledger.bytes_by(micro_batch=mb),
-                          enabled=enabled)
-    guard.forecast.residency = residency
-    return residency
+    return Residency(positions(order[pp_rank], stage_index), micro_batch=micro_batch,
+                     host_bytes=host_bytes, device_bytes=device_bytes, enabled=enabled)
