@@ -53,6 +53,7 @@ def _trace_from_logs(ranks: list[list[dict]], path: Path, *, layers_per_stage: i
     writer.close()
 
 
+PRESET, EP = "small", 2   # the model and expert-parallel size of the 4 processes (PP=2)
 PP_EP_POLICIES = (("none", "1GiB"), ("offload", "1GiB"), ("experts", "1GiB"), ("full", "1GiB"),
                   ("adaptive", "tight"))
 
@@ -69,13 +70,21 @@ def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 
     start-up for all; a static policy under 1 GiB never runs out, so it lives to the end).
     The simulator's room comes before bench's and cannot import it: the caller (the test,
     `main`) hands it in. None: one `spikeguard train` process tree per policy."""
+    from spikeguard.model.config import model_config
     from spikeguard.plan.catalogue import ExpertShape
     from spikeguard.plan.cost import CostModel
+    from spikeguard.plan.cost_rates import write_rates
 
     tmp = tempfile.TemporaryDirectory() if folder is None else None
     root = Path(folder or tmp.name)
+    model = model_config(PRESET)
+    # One set of rates for the simulator and every rank, frozen: the ranks' plans are then
+    # the simulator's to check, the planning stage's included (no rank times its own).
     cost = CostModel()
-    cost.calibrate(ExpertShape(d_model=128, d_expert=256), 4, torch.device("cpu"))
+    cost.calibrate(ExpertShape(d_model=model.d_model, d_expert=model.d_expert),
+                   model.num_experts // EP, torch.device("cpu"))
+    rates = root / "cost_rates.json"
+    write_rates(cost.freeze(), rates, overwrite=True)
     out: dict = {"policies": {}}
     worst_none = None
     try:
@@ -84,17 +93,18 @@ def compare_pp_ep(policies=PP_EP_POLICIES, steps: int = 3, micro_batches: int = 
                 budget = str(int(0.9 * worst_none))
             run_dir = root / policy
             run_dir.mkdir(parents=True, exist_ok=True)
-            argv = ["train", "--preset", "small", "--nproc", "4", "--pp", "2", "--ep", "2",
+            argv = ["train", "--preset", PRESET, "--nproc", "4", "--pp", "2", "--ep", str(EP),
                     "--steps", str(steps), "--batch-size", str(batch_size), "--micro-batches",
                     str(micro_batches), "--skew", "production", "--spike-prob", "0.5",
                     "--spike-max", "2", "--budget", budget, "--policy", policy, "--log",
-                    str(run_dir / "run.jsonl"), "--threads", "1", "--eval-every", "1000"]
+                    str(run_dir / "run.jsonl"), "--threads", "1", "--eval-every", "1000",
+                    "--cost-rates", str(rates)]
             code = _run_train(pool, argv, run_dir, timeout_s)
             if code:
                 err = (run_dir / "train.err").read_text(errors="replace")
                 raise RuntimeError(f"{policy}: train exited {code}: {err[-800:]}")
             measured, ranks, exchanged = _pp_ep_measured(run_dir, steps, micro_batches,
-                                                         batch_size)
+                                                         batch_size, model)
             if policy == "none":
                 worst_none = max(max(row) for row in measured)
             sim = _pp_ep_simulated(policy, budget, steps, micro_batches, batch_size,
@@ -130,15 +140,16 @@ def _run_train(pool, argv: list[str], run_dir: Path, timeout_s: int) -> int:
                               stderr=err_f, timeout=timeout_s).returncode
 
 
-def _pp_ep_measured(run_dir: Path, steps: int, micro_batches: int, batch_size: int):
+def _pp_ep_measured(run_dir: Path, steps: int, micro_batches: int, batch_size: int, model):
     """The worst rank's device peak per step and stage; the largest all-to-all of each
     (rows sent and received by one layer of one micro-batch, D x b each: what gloo may
     still hold at a peak, which the simulator takes as freed); and the loads the ranks
     logged, written as a trace beside them (loads.trace.jsonl)."""
     ranks = _rank_logs(run_dir)
-    tokens, top_k, row_bytes = batch_size * 128, 2, 128 * 4
-    _trace_from_logs(ranks, run_dir / "loads.trace.jsonl", layers_per_stage=2, num_experts=8,
-                     top_k=top_k, ep=2, micro_batches=micro_batches, tokens=tokens)
+    tokens, top_k, row_bytes = batch_size * model.seq_len, model.top_k, model.d_model * 4
+    _trace_from_logs(ranks, run_dir / "loads.trace.jsonl",
+                     layers_per_stage=model.num_layers // 2, num_experts=model.num_experts,
+                     top_k=top_k, ep=EP, micro_batches=micro_batches, tokens=tokens)
     measured = [[0, 0] for _ in range(steps)]
     exchanged = [[0, 0] for _ in range(steps)]
     for records in ranks:
@@ -154,7 +165,7 @@ def _pp_ep_simulated(policy: str, budget: str, steps: int, micro_batches: int, b
                      trace: Path, cost):
     from spikeguard.sim.engine import simulate
 
-    cfg = load_config("small", overrides={
+    cfg = load_config(PRESET, overrides={
         "layout.devices": 4, "layout.pp": 2, "layout.ep": 2,
         "layout.micro_batch_size": batch_size,
         "layout.global_batch": batch_size * micro_batches * 2,

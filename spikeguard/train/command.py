@@ -35,7 +35,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "skew": ("skew", "pattern"), "skew_seed": ("skew", "seed"),
     "spike_prob": ("skew", "spike_prob"), "spike_max": ("skew", "spike_max"),
     "budget": ("guard", "budget"), "policy": ("guard", "policy"),
-    "shared_policy": ("guard", "shared_policy"),
+    "shared_policy": ("guard", "shared_policy"), "cost_rates": ("guard", "cost_rates"),
     "data": ("files", "data"), "log": ("files", "log"), "threads": ("files", "threads"),
     "record_trace": ("files", "record_trace"), "trace": ("files", "trace"),
     "checkpoint_dir": ("files", "checkpoint_dir"), "tensorboard": ("files", "tensorboard"),
@@ -104,6 +104,10 @@ def add_train_parser(commands) -> None:
                         help="activation policy (default adaptive when --budget is given)")
     memory.add_argument("--shared-policy", default=None, choices=SHARED_POLICIES,
                         help="shared experts and dense layers: keep (default) or recompute")
+    memory.add_argument("--cost-rates", metavar="FILE", default=None,
+                        help="plan with these stage and copy rates, frozen, instead of timing "
+                             "this machine: the same plans on every run and rank "
+                             "(spikeguard/plan/cost_rates.py documents the file)")
     runs = train.add_argument_group("traces and checkpoints (what spikeguard bench drives)")
     runs.add_argument("--record-trace", metavar="FILE", default=None,
                       help="write every step's per-layer, per-expert token counts "

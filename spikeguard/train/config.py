@@ -36,7 +36,8 @@ _PATHS = {p: "a path (a string)" for p in ("data", "log", "record_trace", "trace
                                            "memory_snapshot")}
 # What a setting must be, where its annotation does not say it well (check_types).
 DESCRIBED = {"FilesConfig": {**_PATHS, "resume": "true, false or 'auto'"},
-             "GuardConfig": {"budget": "a byte count or a string like '24GiB' or 'auto'"}}
+             "GuardConfig": {"budget": "a byte count or a string like '24GiB' or 'auto'",
+                             "cost_rates": "a path (a string)"}}
 MAX_THREADS = MAX_NPROC = 4096   # threads, processes on this machine
 
 
@@ -134,11 +135,18 @@ class GuardConfig:
     budget: Union[int, float, str, None] = None   # 80e9 in a TOML file is a float
     policy: Optional[str] = None
     shared_policy: str = "keep"
+    cost_rates: Optional[str] = None   # plan with these rates, frozen (plan/cost_rates.py)
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget != "auto":
             object.__setattr__(self, "budget", parse_bytes(self.budget))
         check_policies(self.policy, self.shared_policy)
+        if self.cost_rates is not None:
+            if not self.enabled:
+                raise UsageError("--cost-rates is for the guard's planning: give --budget "
+                                 "or --policy")
+            from spikeguard.plan.cost_rates import load_rates
+            load_rates(self.cost_rates)   # a small file: every mistake in it, one line, now
 
     @property
     def enabled(self) -> bool:

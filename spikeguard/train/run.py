@@ -15,6 +15,7 @@ cluster summary in each record. Rank 0 prints.
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -159,8 +160,7 @@ class RankRun:
     def _guard_maker(self):
         guard_cfg = self.cfg.guard
         if self.family.budget_by_default and guard_cfg.budget is None:
-            guard_cfg = type(guard_cfg)(budget="auto", policy=guard_cfg.policy or "adaptive",
-                                        shared_policy=guard_cfg.shared_policy)
+            guard_cfg = replace(guard_cfg, budget="auto", policy=guard_cfg.policy or "adaptive")
         if not guard_cfg.enabled:
             return None
         import spikeguard
@@ -168,6 +168,10 @@ class RankRun:
 
         budget = [guard_cfg.budget_bytes]
         per_module = len(self.engine.modules)
+        rates = None
+        if guard_cfg.cost_rates is not None:
+            from spikeguard.plan.cost_rates import load_rates, use_rates
+            rates = load_rates(guard_cfg.cost_rates)
 
         def make(module, optimizer):
             if guard_cfg.auto and budget[0] is None:
@@ -182,6 +186,8 @@ class RankRun:
             if guard_cfg.policy is not None:
                 kwargs["policy"] = guard_cfg.policy
             guard = spikeguard.attach(module, **kwargs)
+            if rates is not None:
+                use_rates(guard.cost, rates)
             self._say(self.family.guard_line(guard))
             return guard
 
