@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from spikeguard.runtime.guard import Guard
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -41,13 +40,15 @@ def test_cpu_dry_run_passes_and_ends_in_the_one_line():
 
 
 def test_different_gradients_are_a_fail(monkeypatch, capsys):
+    from spikeguard.integrations import builtin
+
     gpu_check = _load()
-    run_experts = Guard.run_experts
+    run_window = builtin.run_window
 
-    def off_by_a_bit(self, block, dispatched):
-        return run_experts(self, block, dispatched) * (1 + 2**-20)
+    def off_by_a_bit(guard, block, dispatched):
+        return run_window(guard, block, dispatched) * (1 + 2**-20)
 
-    monkeypatch.setattr(Guard, "run_experts", off_by_a_bit)
+    monkeypatch.setattr(builtin, "run_window", off_by_a_bit)
     assert gpu_check.main(["--device", "cpu", "--reps", "1"]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("gpu_check: FAIL (bitwise: none: "), last

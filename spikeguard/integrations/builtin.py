@@ -2,21 +2,46 @@
 
 Its expert path is known op by op (`SwiGLUExperts`: gate_up, silu, act, down), so the
 guard plans per operator over the full menu of the catalogue and the executor runs the
-stages under selective checkpointing and saved-tensor hooks. The window is the block's
-`expert_runner` seam, called with the dispatched tokens and host-int per-expert counts.
+stages under selective checkpointing and saved-tensor hooks. The window (`run_window`) is the block's
+`expert_runner` seam, called with the dispatched tokens and host-int per-expert counts;
+it ends in the tail every expert-path window shares (runtime/offload.py expert_path_done).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
+import torch
 from torch import nn
 
-from spikeguard.parallel.agreement import agreement_for
-from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
 from spikeguard.model.moe import MoEBlock
-from spikeguard.plan.catalogue import ExpertShape
+from spikeguard.plan.catalogue import OPS, Action, ExpertShape, LayerPlan
 from spikeguard.plan.planner import Planner
+from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
+from spikeguard.runtime.offload import expert_path_done
+from spikeguard.parallel.agreement import agreement_for
+
+# Under "full" the whole layer is recomputed; recorded as every operator recomputed.
+FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
+
+
+def run_window(guard, block: MoEBlock, dispatched) -> torch.Tensor:
+    """The built-in block's decision window: plan from the routed counts, then the
+    executor (or a hookless layer) runs the expert path under the plan."""
+    counts = dispatched.tokens_per_expert
+    if not guard.position.in_forward:  # evaluation under no_grad: nothing kept, nothing to plan
+        return block.experts(dispatched.x_ND, counts)
+    if guard.in_full_region:
+        guard.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
+        return block.experts(dispatched.x_ND, counts)
+    decision = guard.decide(block.layer_idx, dispatched.x_ND.shape[0])
+    guard.record_plan(block.layer_idx, counts, decision.plan)
+    guard.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
+    guard.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
+    y_ND = guard.hookless.run(guard.executor, block, dispatched, decision)
+    expert_path_done(guard.position, guard.engine, block.layer_idx, y_ND, dispatched.x_ND)
+    return y_ND
 
 
 class BuiltinAdapter(BlockAdapter):
@@ -44,7 +69,7 @@ class BuiltinAdapter(BlockAdapter):
         return self.blocks[0].router.top_k
 
     def install(self, block: MoEBlock, guard) -> None:
-        block.expert_runner = guard.run_experts
+        block.expert_runner = functools.partial(run_window, guard)
 
     def uninstall(self, block: MoEBlock) -> None:
         block.expert_runner = None

@@ -36,8 +36,6 @@ from spikeguard.runtime.adapter import find_adapter
 from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.snapshot import memory_snapshots
 from spikeguard.memory.static import optimizer_state_bytes, static_bytes
-from spikeguard.model.moe import MoEBlock
-from spikeguard.plan.catalogue import OPS, Action, LayerPlan
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
@@ -53,17 +51,13 @@ from spikeguard.runtime.layers import GuardedLayers
 from spikeguard.plan.layer_room import LayerRoom
 from spikeguard.runtime.layer_room import LayerPeaks, expert_weight_grads, head_logit_bytes
 from spikeguard.runtime.net import MicroBatchNet, num_tokens
-from spikeguard.runtime.offload import OffloadEngine, expert_path_done
+from spikeguard.runtime.offload import OffloadEngine
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.step import run_steps, step_context
 from spikeguard.runtime.window import DecisionWindow
 from spikeguard.runtime.guard_arguments import (
     Optimizers, OptimizerParameters, as_optimizers, attached_guard, check_arguments, mark_attached)
 from spikeguard.runtime.wiring import ModelWiring
-
-# Under "full" the whole layer is recomputed; recorded as every operator recomputed.
-FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
-
 
 def attach(model: nn.Module, budget=None, policy: str = "adaptive",
            optimizer: Optimizers = None, shared_policy: str = "keep",
@@ -375,20 +369,3 @@ class Guard:
         """Count a layer's plan in the open step's record (`plan.actions`)."""
         if self._recorder is not None:
             self._recorder.record_plan(layer, counts, plan.actions)
-
-    def run_experts(self, block: MoEBlock, dispatched) -> torch.Tensor:
-        """The built-in block's decision window (its `expert_runner` seam): plan from the
-        routed counts, then the executor runs the expert path under the plan."""
-        counts = dispatched.tokens_per_expert
-        if not self.position.in_forward:  # evaluation under no_grad: nothing kept, nothing to plan
-            return block.experts(dispatched.x_ND, counts)
-        if self.layers.in_full_region:
-            self.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
-            return block.experts(dispatched.x_ND, counts)
-        decision = self.decide(block.layer_idx, dispatched.x_ND.shape[0])
-        self.record_plan(block.layer_idx, counts, decision.plan)
-        self.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
-        self.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
-        y_ND = self.hookless.run(self.executor, block, dispatched, decision)
-        expert_path_done(self.position, self.engine, block.layer_idx, y_ND, dispatched.x_ND)
-        return y_ND

@@ -112,7 +112,7 @@ class HooklessLayers:
         self.tracker.resume()
         self._whole = False
 
-    # ---- the expert path (the guard's run_experts) ------------------------------------
+    # ---- the expert path (the built-in window, integrations/builtin.py run_window) ----
     def run(self, executor, block, dispatched, decision):
         """The expert path of `block` under `decision`, hookless where proven so."""
         counts, x_ND = dispatched.tokens_per_expert, dispatched.x_ND
