@@ -173,6 +173,7 @@ class Checkpointer:
         self.resharded = False      # the last restore came from another layout
         self.data_restored = False  # ... and set the data generator (else: replay it)
         self.guard_states: Optional[list] = None
+        self.note = ""              # what the last restore did, one line for the console
 
     def restore(self, parts, generator: torch.Generator, *, reshardable: bool = True) -> int:
         """Load the last checkpoint into `parts` ((module, optimizer) pairs) and the data
@@ -198,13 +199,18 @@ class Checkpointer:
                 lambda dest: _quiet(dcp.load, dest, storage_reader=reader,
                                     process_group=self.group, no_dist=self.group is None),
                 metadata, same_layout=not self.resharded)
-        except (Exception, dcp.api.CheckpointException) as err:   # vouched bytes, other code
+        except (Exception, dcp.CheckpointException) as err:   # vouched bytes, other code
             raise UsageError(f"checkpoint {saved} does not fit this run: "
                              f"{_first_line(err)}") from None
         if step != manifest["step"]:
             raise UsageError(f"checkpoint {saved} is at step {step} but {self.folder / MANIFEST}"
                              f" says {manifest['step']}")
         self.data_restored = keys.data_state is not None
+        self.note = f"checkpoint: resumed at step {step} from {saved}" + (
+            f", saved as {_layout_text(manifest['layout'])} and resharded into "
+            f"{_layout_text(self.layout)} (experts by global index; each data shard replays "
+            f"its draws to step {step}; the guards start cold)" if self.resharded else
+            ", the guards warm" if self.guard_states else "")
         if keys.data_state is not None:
             generator.set_state(keys.data_state)
         if keys.rng_state is not None:
@@ -258,7 +264,7 @@ class Checkpointer:
         try:
             _quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(path),
                    process_group=self.group, no_dist=self.group is None)
-        except (OSError, RuntimeError, dcp.api.CheckpointException) as err:
+        except (OSError, RuntimeError, dcp.CheckpointException) as err:
             if self.rank == 0:   # the manifest still names the last whole checkpoint
                 shutil.rmtree(path, ignore_errors=True)
             raise OutputError(f"cannot write checkpoint {path}: {_first_line(err)}") from None
@@ -293,6 +299,11 @@ def _quiet(fn, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return fn(*args, **kwargs)
+
+
+def _layout_text(layout: dict) -> str:
+    return " x ".join(f"{k} {layout[k]}" for k in ("pp", "dp", "ep") if k in layout) or \
+        f"nproc {layout.get('nproc')}"
 
 
 def _committed_folder(folder: Path) -> Optional[str]:

@@ -146,6 +146,8 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
 
         start = checkpoint.restore(engine.checkpoint_parts, train_gen,
                                    reshardable=engine.reshardable) if checkpoint is not None else 0
+        if start and not quiet:
+            console.print(checkpoint.note, soft_wrap=True, markup=False, highlight=False)
         if start and not checkpoint.data_restored:
             # Resumed into another layout: this shard's data stands where it would after
             # `start` steps of this layout (every step, dropped ones too, draws once).
