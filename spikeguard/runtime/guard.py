@@ -13,12 +13,12 @@
     with guard.unguarded():   # ... unless said so: the model's own forward, nothing counted
         model(x).loss.backward()
     guard.detach()
-The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that counts
-every live storage. Every forward of the model is one micro-batch. The guard is composed of
-named parts, each in its own file (runtime/, plan/, memory/: the arguments, wiring, ledger,
-cost model, planner, forecast, layer peaks, tracker, offload engine, executor, hookless layers,
-position, decision window, safety nets, memory snapshots); it wires them to the model and owns
-the step's life cycle. `state_dict()`: what it learned, for a checkpoint (runtime/learned.py).
+
+The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that counts every
+live storage. Every forward of the model is one micro-batch. The guard is composed of named parts,
+each in its own file (runtime/, plan/, memory/: the arguments, wiring, ledger, cost model, planner,
+forecast, layer peaks, tracker, offload engine, executor, hookless layers, position, decision
+window, safety nets, memory snapshots); it wires them to the model and owns the step's life cycle.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class Guard:
         self.snapshots.stop()
         self.meter.close()
 
-    def state_dict(self) -> dict:   # for a checkpoint: what it learned online
+    def state_dict(self) -> dict:   # for a checkpoint: what it learned (runtime/learned.py)
         return learned.state_of(self)
     def load_state_dict(self, state: dict) -> None:   # a resumed run starts warm
         learned.load_into(self, state)
