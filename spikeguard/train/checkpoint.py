@@ -285,10 +285,13 @@ class Checkpointer:
                      overwrite=True, what="checkpoint manifest")
 
     def _remove_stale(self, keep: str) -> None:
-        """The folders of earlier saves (and of a save that died), no longer named."""
+        """The folders of earlier saves (and of a save that died), no longer named, and
+        the per-rank files of the format before DCP (version 1) that --overwrite replaced."""
         for path in self.folder.glob(f"{_STEP_FOLDER}*"):
             if path.name != keep and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
+        for path in [*self.folder.glob("rank*.pt"), *self.folder.glob("rank*.pt.next")]:
+            path.unlink(missing_ok=True)
 
 
 def _quiet(fn, *args, **kwargs):

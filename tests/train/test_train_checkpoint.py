@@ -92,3 +92,18 @@ def test_bad_run_flags_exit_2_and_keep_files(tmp_path, capsys, extra, match):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0], err
     assert (tmp_path / "t.jsonl").read_text() == before
+
+
+def test_a_save_over_the_format_before_dcp_leaves_only_its_own(tmp_path):
+    """--overwrite of a version-1 checkpoint (per-rank rank{r}.pt files and their manifest):
+    the new manifest and its DCP folder replace it, nothing of the old format is left."""
+    from spikeguard.model import build_model, model_config
+
+    for name in ("rank0.pt", "rank1.pt", "rank1.pt.next"):
+        (tmp_path / name).write_bytes(b"old")
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "spikeguard-checkpoint",
+                                                        "version": 1}))
+    model = build_model(model_config("tiny"), seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(tmp_path, every=1).after_step(1, [(model, opt)], torch.Generator(), last=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "step-1"]
