@@ -46,6 +46,8 @@ PP = ("spikeguard train --preset tiny --num-layers 4 --num-experts 8 --nproc 4 -
       "--micro-batches 4 --batch-size 2 --steps 3 --threads 1 --skew one-hot-rank "
       "--spike-prob 1 --spike-max 2 --budget 1.5MiB --policy adaptive")
 HF = "spikeguard train --hf qwen3_moe --steps 10 --eval-every 5 --threads 1"
+CK_SAVE = ("spikeguard train --preset tiny --num-experts 8 --nproc 2 --steps 4 "
+           "--checkpoint-dir ck --checkpoint-every 2")
 HF_EP = "spikeguard train --hf qwen3_moe --nproc 2 --ep 2 --steps 10 --threads 1"
 BENCH = ("spikeguard bench --json docs/bench.json --plots docs/img/bench --docs docs/bench.md "
          "--overwrite")
@@ -125,6 +127,10 @@ EXAMPLES: dict = {
     "make bench-pp": Run(cap={"--steps": 2, "--segments": 1, "--checkpoint-every": 1},
                          expect=("adaptive",), timeout_s=300, long=True),   # 48 steps: 2.2 min
     "python -m spikeguard.plan.room": Run(expect=("per decision",)),
+    CK_SAVE: Run(expect=DONE, made=("ck/manifest.json",), timeout_s=240, long=True),
+    "spikeguard train --preset tiny --num-experts 8 --nproc 4 --steps 8 --checkpoint-dir ck "
+    "--resume": Run(before=(".venv/bin/" + CK_SAVE,), timeout_s=300, long=True,
+                    expect=DONE + ("resharded into pp 1 x dp 1 x ep 4",)),
     # ---- docs/bench.md, docs/bench_pp.md ------------------------------------------------
     BENCH_PP: Listed("`make bench-pp`'s recipe (test_make_targets_run_what_the_pages_say), "
                      "run capped"),

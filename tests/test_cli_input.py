@@ -231,27 +231,30 @@ SAVE_FAILS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 
 
 def test_a_checkpoint_save_that_fails_mid_file_is_one_line_exit_3(tmp_path, capsys,
                                                                   monkeypatch):
-    """A full disk in the middle of torch.save is torch's RuntimeError (torch 2.13, seen
-    with /dev/full), not an OSError: it was a traceback, exit 1. The checkpoint of the step
-    before stays whole and resumable, and no temporary file is left."""
+    """A full disk in the middle of torch.save (which DCP's writer calls per tensor) is
+    torch's RuntimeError (torch 2.13, seen with /dev/full), not an OSError: it was a
+    traceback, exit 1. The checkpoint of the step before stays whole and resumable, and
+    nothing of the failed save is left."""
     import torch
 
-    real, calls = torch.save, [0]
+    real, calls, fail_at = torch.save, [0], [None]
 
-    def save(obj, path, *args, **kwargs):
+    def save(obj, f, *args, **kwargs):
         calls[0] += 1
-        if calls[0] == 2:
-            with open(path, "wb") as f:
-                f.write(b"half a checkpoint")
+        if calls[0] == fail_at[0]:
+            f.write(b"half a checkpoint")
             raise RuntimeError(SAVE_FAILS)
-        return real(obj, path, *args, **kwargs)
+        return real(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
+    assert cli.main(TINY + ["--steps", "1", "--checkpoint-dir", str(tmp_path / "one")]) == 0
+    fail_at[0], calls[0] = calls[0] + 2, 0   # two calls into the second save below
     ck = tmp_path / "ck"
+    capsys.readouterr()
     code = cli.main(TINY + ["--checkpoint-dir", str(ck), "--checkpoint-every", "1"])
     check_exit_3_line(code, capsys.readouterr().err, "cannot write checkpoint")
     assert json.loads((ck / "manifest.json").read_text())["step"] == 1
-    assert sorted(p.name for p in ck.iterdir()) == ["manifest.json", "rank0.pt"]
+    assert sorted(p.name for p in ck.iterdir()) == ["manifest.json", "step-1"]
     monkeypatch.undo()
     assert cli.main(TINY + ["--checkpoint-dir", str(ck), "--resume"]) == 0
 
@@ -273,11 +276,11 @@ def test_a_manifest_file_entry_that_is_not_an_object_is_one_line(tmp_path, capsy
     ck = tmp_path / "ck"
     assert cli.main(TINY + ["--checkpoint-dir", str(ck)]) == 0
     manifest = json.loads((ck / "manifest.json").read_text())
-    manifest["files"]["rank0.pt"] = entry
+    manifest["files"]["step-2/__0_0.distcp"] = entry
     (ck / "manifest.json").write_text(json.dumps(manifest))
     capsys.readouterr()
     code = cli.main(TINY + ["--steps", "3", "--checkpoint-dir", str(ck), "--resume"])
-    check_one_line(code, capsys.readouterr().err, "no valid entry for 'rank0.pt'")
+    check_one_line(code, capsys.readouterr().err, "no valid entry for 'step-2/__0_0.distcp'")
 
 
 def test_overwrite_of_a_log_that_cannot_be_replaced_is_refused_before_the_run(tmp_path,

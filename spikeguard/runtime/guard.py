@@ -14,12 +14,11 @@
         model(x).loss.backward()
     guard.detach()
 
-The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that
-counts every live storage. Every forward of the model is one micro-batch. The guard is
-composed of named parts, each in its own file (runtime/, plan/, memory/: the arguments,
-wiring, ledger, cost model, planner, forecast, layer peaks, tracker, offload engine,
-executor, hookless layers, position, decision window, safety nets, memory snapshots); it
-wires them to the model and owns the step's life cycle.
+The device is the allocator's (spikeguard.memory.device): on CPU an emulated one that counts every
+live storage. Every forward of the model is one micro-batch. The guard is composed of named parts,
+each in its own file (runtime/, plan/, memory/: the arguments, wiring, ledger, cost model, planner,
+forecast, layer peaks, tracker, offload engine, executor, hookless layers, position, decision
+window, safety nets, memory snapshots); it wires them to the model and owns the step's life cycle.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
 from spikeguard.runtime.device_state import (
     HEAD_LAYER, PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES, PHASE_OPTIMIZER, GradSnapshot,
     decode_where, move_state_to_device, resolve_budget)
+from spikeguard.runtime import learned
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.grads import GradsToCome
 from spikeguard.runtime.history import StepRecorder
@@ -170,6 +170,11 @@ class Guard:
         self.engine.pool.clear()
         self.snapshots.stop()
         self.meter.close()
+
+    def state_dict(self) -> dict:   # for a checkpoint: what it learned (runtime/learned.py)
+        return learned.state_of(self)
+    def load_state_dict(self, state: dict) -> None:   # a resumed run starts warm
+        learned.load_into(self, state)
 
     @property
     def attached(self) -> bool:   # the model still carries this guard (no detach())

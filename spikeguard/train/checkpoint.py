@@ -1,47 +1,51 @@
-"""Checkpoints a restarted job resumes from, as a real training job's are, verified before use.
+"""Checkpoints a restarted job resumes from, written with torch.distributed.checkpoint (DCP),
+verified before use, and resharded into another expert x data-parallel layout on resume.
 
-Every `every` steps (and after the last) each rank writes its own file `rank{r}.pt` (under
-expert parallelism the ranks hold different experts): model, optimizer, the training data
-generator and torch's global RNG, and the step. Each file is written atomically (a
-temporary name, fsync, rename: spikeguard.files). Once every rank's file is in place (a
-barrier under a process group), rank 0 writes `manifest.json`, last and atomically:
+Every `every` steps (and after the last) the ranks save together, with `dcp.save`, into a
+fresh folder `step-<N>/`: DCP's own format (one `__<rank>_0.distcp` file per rank that
+writes, and `.metadata`), which torchtitan and DCP's own tools read. What is in it, and
+under which keys, is spikeguard.train.checkpoint_state: model, optimizer, each data
+shard's position, each rank's RNG and its guards' learned state (spikeguard.runtime.
+learned), experts keyed by global index. Once DCP has written everything (its `.metadata`
+last), rank 0 writes `manifest.json` beside the folder, atomically (spikeguard.files):
 
-    {"format": "spikeguard-checkpoint", "version": 1, "step": 4,
+    {"format": "spikeguard-checkpoint", "version": 2, "step": 4, "folder": "step-4",
      "layout": {"nproc": 2, "pp": 1, "dp": 1, "ep": 2, "schedule": "1f1b"},
      "model": {...the model's configuration...},
-     "files": {"rank0.pt": {"bytes": 123, "sha256": "..."}, "rank1.pt": {...}}}
+     "files": {"step-4/.metadata": {"bytes": 123, "sha256": "..."}, "step-4/__0_0.distcp": ...}}
+
+The manifest is the commit point: a job that dies during a save (DCP writing, or between
+DCP and the manifest) leaves the manifest naming the previous folder, whole; the next save
+removes what the dead one left. After the manifest, rank 0 removes the folders it no longer
+names.
 
 `--resume` reads the manifest on every rank before any collective (`verify`): the same
-files, checksums, layout and model on every rank give every rank the same verdict, so a
-bad checkpoint is one UsageError naming the file and what differs, never a collective
-that some ranks enter and others do not. A resumed run continues bitwise where the
-checkpointed one was (test).
-
-A save is a two-phase commit, so that a job that dies in the middle of one (a pipeline
-stage that finished its step and saved while a peer ran out of memory) still resumes
-from a whole checkpoint: every rank writes `rank{r}.pt.next`; after a barrier rank 0
-writes the manifest of those files under their final names (the commit point); after a
-second barrier every rank renames its file into place. Dying before the manifest leaves
-the previous checkpoint whole (the `.next` files match nothing and are ignored); dying
-after it, `verify` finishes the renames the manifest vouches for.
+files, sizes, checksums, model, and a layout this run can take, give every rank the same
+verdict, so a bad checkpoint is one UsageError naming the file and what differs, never a
+collective that some ranks enter and others do not. A resume in the same layout continues
+bitwise (test). A checkpoint of a run without a pipeline resumes into another EP / DP
+layout of the same model (the user's choice, said on the command line): each rank loads
+its own experts whoever saved them, the data shards replay their draws up to the step
+(spikeguard.train.loop), and the guards start cold (their figures are per rank and layout).
+A pipeline's checkpoint (each rank's stages saved apart) resumes only in its own layout.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from spikeguard.errors import OutputError, UsageError
 from spikeguard.files import atomic_write
 
 MANIFEST = "manifest.json"
-FORMAT, VERSION = "spikeguard-checkpoint", 1
+FORMAT, VERSION = "spikeguard-checkpoint", 2
+_STEP_FOLDER = "step-"
 
 
 def sha256_of(path: Path) -> str:
@@ -53,9 +57,11 @@ def sha256_of(path: Path) -> str:
 
 
 def has_checkpoint(folder: str | Path) -> bool:
-    """Whether `folder` holds anything a resume could read (a manifest or a rank file)."""
+    """Whether `folder` holds anything a resume could read (a manifest or a saved folder)."""
     folder = Path(folder)
-    return folder.is_dir() and ((folder / MANIFEST).exists() or any(folder.glob("rank*.pt")))
+    return folder.is_dir() and ((folder / MANIFEST).exists()
+                                or any(folder.glob(f"{_STEP_FOLDER}*"))
+                                or any(folder.glob("rank*.pt")))
 
 
 def read_manifest(folder: str | Path) -> dict:
@@ -72,8 +78,9 @@ def read_manifest(folder: str | Path) -> dict:
         raise UsageError(f"cannot resume: {path} is not a spikeguard checkpoint manifest")
     if manifest.get("version") != VERSION:
         raise UsageError(f"cannot resume: {path} is version {manifest.get('version')!r}; "
-                         f"this spikeguard reads version {VERSION}")
-    for key, kind in (("step", int), ("layout", dict), ("model", dict), ("files", dict)):
+                         f"this spikeguard reads version {VERSION} (DCP)")
+    for key, kind in (("step", int), ("layout", dict), ("model", dict), ("files", dict),
+                      ("folder", str)):
         if not isinstance(manifest.get(key), kind):
             raise UsageError(f"cannot resume: {path} has no valid {key!r}")
     for name, entry in manifest["files"].items():
@@ -82,6 +89,9 @@ def read_manifest(folder: str | Path) -> dict:
                 and isinstance(entry.get("sha256"), str)):
             raise UsageError(f"cannot resume: {path} has no valid entry for {name!r} (an "
                              f"object with 'bytes' and 'sha256'), got {entry!r:.60}")
+        if Path(name).parent != Path(manifest["folder"]) or name.startswith("/"):
+            raise UsageError(f"cannot resume: {path} lists {name!r}, outside its folder "
+                             f"{manifest['folder']!r}")
     return manifest
 
 
@@ -91,33 +101,44 @@ def _differences(what: str, saved: dict, here: dict) -> Optional[str]:
     return f"it was saved by another {what}: {', '.join(diff)}" if diff else None
 
 
+def same_layout(saved: dict, here: dict) -> bool:
+    """The same layout; without a pipeline the schedule means nothing."""
+    if saved.get("pp") == here.get("pp") == 1:
+        saved, here = ({k: v for k, v in d.items() if k != "schedule"} for d in (saved, here))
+    return saved == here
+
+
+def reshards(saved: dict, here: dict) -> bool:
+    """Whether a checkpoint of another layout `saved` loads into layout `here` (module
+    doc): only between layouts without a pipeline."""
+    return saved.get("pp", 1) == here.get("pp", 1) == 1
+
+
 def verify(folder: str | Path, *, nproc: int, layout: Optional[dict] = None,
            model: Optional[dict] = None) -> dict:
     """The manifest of the checkpoint in `folder`, checked against this run and the files
     on disk; a UsageError naming what differs otherwise. Every rank reads the same bytes,
-    so every rank decides alike."""
+    so every rank decides alike. `nproc` is this run's (the layout says it too)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     where = folder / MANIFEST
-    for what, here in (("layout", layout), ("model", model)):
-        if here is not None:
-            differs = _differences(what, manifest[what], here)
-            if differs:
-                raise UsageError(f"cannot resume from {where}: {differs}")
-    names = [f"rank{r}.pt" for r in range(nproc)]
-    if sorted(manifest["files"]) != sorted(names):
-        raise UsageError(f"cannot resume from {where}: it lists {', '.join(sorted(manifest['files']))}"
-                         f" but this run has {nproc} rank(s)")
-    for name in names:
-        path, want = folder / name, manifest["files"][name]
-        _roll_forward(path, want)
+    differs = _differences("model", manifest["model"], model) if model is not None else None
+    if differs:
+        raise UsageError(f"cannot resume from {where}: {differs}")
+    here = layout if layout is not None else {"nproc": nproc}
+    if not same_layout(manifest["layout"], here) and not reshards(manifest["layout"], here):
+        raise UsageError(f"cannot resume from {where}: "
+                         f"{_differences('layout', manifest['layout'], here)} (only a run "
+                         f"without a pipeline resumes into another layout, from one without)")
+    for name, want in manifest["files"].items():
+        path = folder / name
         if not path.is_file():
             raise UsageError(f"cannot resume: checkpoint file {path} is missing")
         size = path.stat().st_size
-        if size != want.get("bytes"):
+        if size != want["bytes"]:
             raise UsageError(f"cannot resume: checkpoint file {path} is {size} bytes, the "
-                             f"manifest says {want.get('bytes')} (truncated or replaced)")
-        if sha256_of(path) != want.get("sha256"):
+                             f"manifest says {want['bytes']} (truncated or replaced)")
+        if sha256_of(path) != want["sha256"]:
             raise UsageError(f"cannot resume: checkpoint file {path} does not match its "
                              f"checksum in {where} (corrupt or replaced)")
     return manifest
@@ -126,11 +147,11 @@ def verify(folder: str | Path, *, nproc: int, layout: Optional[dict] = None,
 class Checkpointer:
     """Saves and restores one rank's training state in `folder`. `layout` and `model`
     (plain dicts) go into the manifest and are checked on resume; `group` is the process
-    group whose ranks save together (None: one process)."""
+    group whose ranks save together (None: one process); `shard`: this rank's data shard."""
 
     def __init__(self, folder: str | Path, every: int, rank: int = 0, resume: Any = False,
                  *, nproc: int = 1, layout: Optional[dict] = None,
-                 model: Optional[dict] = None, group: Any = None):
+                 model: Optional[dict] = None, group: Any = None, shard: int = 0):
         if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
             raise UsageError(f"checkpoint interval must be a positive integer, got {every!r}")
         folder = Path(folder)
@@ -143,126 +164,163 @@ class Checkpointer:
         except OSError as exc:
             raise UsageError(f"cannot create checkpoint folder {folder}: "
                              f"{exc.strerror or exc}") from None
-        self.folder, self.rank, self.nproc = folder, rank, nproc
-        self.path = folder / f"rank{rank}.pt"
+        self.folder, self.rank, self.nproc, self.shard = folder, rank, nproc, shard
         self.every = every
         self.resume = resume
         self.layout = layout or {"nproc": nproc}
         self.model = model or {}
         self.group = group
+        self.resharded = False      # the last restore came from another layout
+        self.data_restored = False  # ... and set the data generator (else: replay it)
+        self.guard_states: Optional[list] = None
+        self.note = ""              # what the last restore did, one line for the console
 
-    def restore(self, model: nn.Module, optimizer,
-                generator: torch.Generator) -> int:
-        """Load the last checkpoint when resuming; returns its step (0: start afresh).
-        `resume="auto"` starts afresh when the folder holds no checkpoint at all."""
-        if not self.resume:
-            return 0
-        if self.resume == "auto" and not has_checkpoint(self.folder):
+    def restore(self, parts, generator: torch.Generator, *, reshardable: bool = True) -> int:
+        """Load the last checkpoint into `parts` ((module, optimizer) pairs) and the data
+        `generator` when resuming; returns its step (0: start afresh). `resume="auto"`
+        starts afresh when the folder holds no checkpoint at all."""
+        from spikeguard.train.checkpoint_state import TrainingState
+
+        if not self.resume or (self.resume == "auto" and not has_checkpoint(self.folder)):
             return 0
         manifest = verify(self.folder, nproc=self.nproc, layout=self.layout, model=self.model)
+        self.resharded = not same_layout(manifest["layout"], self.layout)
+        if self.resharded and not reshardable:
+            raise UsageError(f"cannot resume from {self.folder / MANIFEST}: this run's model "
+                             f"is cut into pipeline stages, saved per rank")
+        saved = self.folder / manifest["folder"]
+        keys = TrainingState(parts, rank=self.rank, shard=self.shard, reshardable=reshardable)
+        import torch.distributed.checkpoint as dcp
+
         try:
-            state = torch.load(self.path, weights_only=True)
-            model.load_state_dict(state["model"])
-            optimizers = _as_list(optimizer)
-            saved = _as_list(state["optimizer"])
-            if len(saved) != len(optimizers):
-                raise ValueError(f"it holds {len(saved)} optimizer states, this rank has "
-                                 f"{len(optimizers)}")
-            for opt, opt_state in zip(optimizers, saved):
-                opt.load_state_dict(opt_state)
-            generator.set_state(state["generator"])
-            torch.set_rng_state(state["torch_rng"])
-            step = int(state["step"])
-        except Exception as err:   # the bytes are the manifest's: a checkpoint of other code
-            first = str(err).strip().splitlines()
-            raise UsageError(f"checkpoint {self.path} does not fit this run: "
-                             f"{' '.join(first[:2]) if first else type(err).__name__}") from None
+            reader = dcp.FileSystemReader(saved)
+            metadata = reader.read_metadata().state_dict_metadata
+            step, self.guard_states = keys.load(
+                lambda dest: _quiet(dcp.load, dest, storage_reader=reader,
+                                    process_group=self.group, no_dist=self.group is None),
+                metadata, same_layout=not self.resharded)
+        except (Exception, dcp.CheckpointException) as err:   # vouched bytes, other code
+            raise UsageError(f"checkpoint {saved} does not fit this run: "
+                             f"{_first_line(err)}") from None
         if step != manifest["step"]:
-            raise UsageError(f"checkpoint {self.path} is at step {step} but {self.folder / MANIFEST}"
+            raise UsageError(f"checkpoint {saved} is at step {step} but {self.folder / MANIFEST}"
                              f" says {manifest['step']}")
+        self.data_restored = keys.data_state is not None
+        self.note = f"checkpoint: resumed at step {step} from {saved}" + (
+            f", saved as {_layout_text(manifest['layout'])} and resharded into "
+            f"{_layout_text(self.layout)} (experts by global index; each data shard replays "
+            f"its draws to step {step}; the guards start cold)" if self.resharded else
+            ", the guards warm" if self.guard_states else "")
+        if keys.data_state is not None:
+            generator.set_state(keys.data_state)
+        if keys.rng_state is not None:
+            torch.set_rng_state(keys.rng_state)
         return step
 
-    def after_step(self, step: int, model: nn.Module, optimizer,
-                   generator: torch.Generator, last: bool) -> bool:
+    def restore_guards(self, guards) -> bool:
+        """Give the guards attached after `restore` what the saved ones had learned (same
+        layout only, and one saved state per guard); returns whether it did."""
+        states = self.guard_states
+        if self.resharded or not states or len(states) != len(guards):
+            return False
+        for guard, state in zip(guards, states):
+            guard.load_state_dict(state)
+        return True
+
+    def after_step(self, step: int, parts, generator: torch.Generator, last: bool, *,
+                   guards=(), reshardable: bool = True) -> bool:
         """Save when `step` is on the interval or the last; returns whether it saved."""
+        from spikeguard.train.checkpoint_state import TrainingState
+
         if step % self.every and not last:
             return False
-        state = {"step": step, "model": model.state_dict(),
-                 "optimizer": [o.state_dict() for o in optimizer]
-                 if isinstance(optimizer, (list, tuple)) else optimizer.state_dict(),
-                 "generator": generator.get_state(),
-                 "torch_rng": torch.get_rng_state()}
-        staged = _staged(self.path)
-        atomic_write(staged, overwrite=True, what="checkpoint",
-                     writer=lambda tmp: _save(state, tmp))
-        self._barrier()              # every rank's new file is written
+        keys = TrainingState(parts, rank=self.rank, shard=self.shard, reshardable=reshardable)
+        state = keys.to_save(step, generator, guards)
+        name = self._fresh_folder(step)
+        self._write(state, self.folder / name)
+        self._barrier()              # every rank's part is written, and DCP's .metadata
         if self.rank == 0:
-            self._write_manifest(step)
-        self._barrier()              # the manifest vouches for them: the commit point
-        try:
-            os.replace(staged, self.path)
-        except OSError as exc:       # the manifest's roll-forward finishes it on resume
-            raise OutputError(f"cannot write checkpoint {self.path}: "
-                              f"{exc.strerror or exc}") from None
+            self._write_manifest(step, name)
+        self._barrier()              # the manifest names the new folder: the commit point
+        if self.rank == 0:
+            self._remove_stale(keep=name)
         return True
+
+    def _fresh_folder(self, step: int) -> str:
+        """The new folder's name, never the one the manifest names now (a second save of
+        a step: --overwrite, --resume auto), emptied of what a dead save left there."""
+        name = f"{_STEP_FOLDER}{step}"
+        current = _committed_folder(self.folder)
+        if current == name:
+            name += "-b"
+        if self.rank == 0 and (self.folder / name).exists():
+            shutil.rmtree(self.folder / name, ignore_errors=True)
+        self._barrier()
+        return name
+
+    def _write(self, state: dict, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            _quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(path),
+                   process_group=self.group, no_dist=self.group is None)
+        except (OSError, RuntimeError, dcp.CheckpointException) as err:
+            if self.rank == 0:   # the manifest still names the last whole checkpoint
+                shutil.rmtree(path, ignore_errors=True)
+            raise OutputError(f"cannot write checkpoint {path}: {_first_line(err)}") from None
 
     def _barrier(self) -> None:
         if self.group is not None:
             import torch.distributed as dist
             dist.barrier(group=self.group)
 
-    def _write_manifest(self, step: int) -> None:
+    def _write_manifest(self, step: int, name: str) -> None:
         files = {}
-        for r in range(self.nproc):
-            path = _staged(self.folder / f"rank{r}.pt")
-            files[f"rank{r}.pt"] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
-        manifest = {"format": FORMAT, "version": VERSION, "step": step,
+        for path in sorted((self.folder / name).iterdir()):
+            files[f"{name}/{path.name}"] = {"bytes": path.stat().st_size,
+                                            "sha256": sha256_of(path)}
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "folder": name,
                     "layout": self.layout, "model": self.model, "files": files}
         atomic_write(self.folder / MANIFEST, json.dumps(manifest, indent=1) + "\n",
                      overwrite=True, what="checkpoint manifest")
 
+    def _remove_stale(self, keep: str) -> None:
+        """The folders of earlier saves (and of a save that died), no longer named, and
+        the per-rank files of the format before DCP (version 1) that --overwrite replaced."""
+        for path in self.folder.glob(f"{_STEP_FOLDER}*"):
+            if path.name != keep and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+        for path in [*self.folder.glob("rank*.pt"), *self.folder.glob("rank*.pt.next")]:
+            path.unlink(missing_ok=True)
 
-def _save(state: dict, path: Path) -> None:
-    """torch.save, whose failed writes are OSErrors: a full disk mid-file is torch's
-    RuntimeError "[enforce fail at inline_container.cc:672] . unexpected pos N vs M", a
-    folder it may not write "... open file failed with strerror: ..." (torch 2.13), which
-    files.atomic_write would not see as a write that failed."""
-    import errno
-    import shutil
 
+def _quiet(fn, *args, **kwargs):
+    """DCP's call without its warning that one process saves alone (torch 2.13 warns even
+    when told so with no_dist=True): one process is a layout of its own here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(*args, **kwargs)
+
+
+def _layout_text(layout: dict) -> str:
+    return " x ".join(f"{k} {layout[k]}" for k in ("pp", "dp", "ep") if k in layout) or \
+        f"nproc {layout.get('nproc')}"
+
+
+def _committed_folder(folder: Path) -> Optional[str]:
     try:
-        torch.save(state, path)
-    except RuntimeError as err:
-        text = " ".join(str(err).split())
-        if not any(mark in text for mark in ("inline_container", "PytorchStreamWriter",
-                                               "file write failed")):
-            raise   # not its file I/O layer: a bug, with its traceback
-        try:
-            full = shutil.disk_usage(path.parent).free == 0
-        except OSError:
-            full = False
-        raise OSError(errno.ENOSPC if full else errno.EIO,
-                      "no space left on device" if full else
-                      f"torch.save failed ({text[:120]})") from None
+        return json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("folder")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
-def _staged(path: Path) -> Path:
-    return path.with_name(path.name + ".next")
-
-
-def _roll_forward(path: Path, want: dict) -> None:
-    """A save that died after its manifest: the staged file the manifest vouches for is
-    renamed into place (idempotent; another rank may be doing the same)."""
-    staged = _staged(path)
-    if not staged.is_file() or (path.is_file() and sha256_of(path) == want.get("sha256")):
-        return
-    if staged.stat().st_size == want.get("bytes") and sha256_of(staged) == want.get("sha256"):
-        try:
-            os.replace(staged, path)
-        except FileNotFoundError:
-            pass   # renamed by another rank meanwhile
-
-
-def _as_list(value) -> list:
-    """One optimizer (or its state), or a pipeline rank's list of them (one per stage)."""
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def _first_line(err: BaseException) -> str:
+    """One line of an error; of DCP's CheckpointException, the first rank's cause."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    first = [line for line in str(err).strip().splitlines() if line.strip()]
+    text = " ".join(first[:2]) if first else type(err).__name__
+    return text if len(text) < 300 else text[:297] + "..."

@@ -129,7 +129,8 @@ def check_outputs_of(cfg: RunConfig, exist: bool = True) -> None:
     nproc = cfg.parallel.nproc
     logs = [rank_log(files.log, r) for r in range(nproc)] if files.log is not None else None
     ck = Path(files.checkpoint_dir) if files.checkpoint_dir is not None else None
-    ck_files = [ck / f"rank{r}.pt" for r in range(nproc)] + [ck / MANIFEST] if ck else None
+    # The manifest and what the saves wrote beside it (DCP's folders: train/checkpoint.py).
+    ck_files = [ck / MANIFEST] + sorted(ck.glob("step-*/*")) if ck else None
     inputs = {"--trace": files.trace, "--data": files.data,
               "--config": _config_path(cfg.argv)}
     if ck is not None and files.data is not None and Path(files.data).is_dir() and \

@@ -115,7 +115,8 @@ def add_train_parser(commands) -> None:
     runs.add_argument("--trace", metavar="FILE", default=None,
                       help="replay a recorded trace: the routers reproduce its counts exactly")
     runs.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                      help="save a checkpoint per rank here (atomically: write, then rename)")
+                      help="save checkpoints here: torch.distributed.checkpoint (DCP) "
+                           "folders step-N/, manifest.json written last (the commit point)")
     runs.add_argument("--tensorboard", metavar="DIR", default=None,
                       help="write each step's scalars (loss, tok/s, peak / budget / reserved "
                            "bytes, decisions, evictions, re-runs) as TensorBoard event files "
@@ -134,7 +135,8 @@ def add_train_parser(commands) -> None:
     runs.add_argument("--resume", nargs="?", const=True, default=None, choices=(True, "auto"),
                       type=_resume_value, metavar="auto",
                       help="continue from the checkpoint in --checkpoint-dir (verified "
-                           "against its manifest); 'auto': start afresh when it holds none; "
+                           "against its manifest; into another EP / DP layout too, without "
+                           "a pipeline); 'auto': start afresh when it holds none; "
                            "appends to an existing --log")
     runs.add_argument("--overwrite", action="store_true", default=None,
                       help="replace existing outputs (--log, --record-trace, a checkpoint "

@@ -63,14 +63,14 @@ class LocalEngine:
         self.guards: list = []
         self._blocks = family.moe_blocks(model)
 
-    @property
-    def state_module(self) -> nn.Module:
-        """What a checkpoint saves of the model on this rank."""
-        return self.model
+    # A checkpoint of the whole model keyed by global expert index reshards into another
+    # EP x DP layout (spikeguard.train.checkpoint_state).
+    reshardable = True
 
     @property
-    def checkpoint_optimizers(self):
-        return self.optimizers[0]
+    def checkpoint_parts(self) -> list:
+        """(module, optimizer) pairs a checkpoint saves of this rank."""
+        return [(self.model, self.optimizers[0])]
 
     @staticmethod
     def tokens_per_step(mine: int) -> int:
@@ -199,13 +199,11 @@ class PipelineEngine:
         # A validation batch goes through the schedule whole: M micro-batches' rows.
         self.eval_micro_batches = prank.micro_batches
 
-    @property
-    def state_module(self) -> nn.Module:
-        return self.prank.modules
+    reshardable = False   # each rank's stages are saved apart: resumed in the same layout
 
     @property
-    def checkpoint_optimizers(self):
-        return self.optimizers
+    def checkpoint_parts(self) -> list:
+        return list(zip(self.modules, self.optimizers))
 
     def tokens_per_step(self, mine: int) -> int:
         """The cluster's tokens: every data shard trains `mine`."""

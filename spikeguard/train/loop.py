@@ -139,8 +139,20 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
         val_batches = [family.draw(corpus, "val", train_cfg.batch_size * engine.eval_micro_batches,
                                    seq_len, val_gen) for _ in range(train_cfg.eval_batches)]
         engine.build_optimizers(lambda m: make_optimizer(m, train_cfg))
-        start = checkpoint.restore(engine.state_module, engine.checkpoint_optimizers,
-                                   train_gen) if checkpoint is not None else 0
+
+        def draw_step() -> list:
+            return [family.draw(corpus, "train", train_cfg.batch_size, seq_len, train_gen)
+                    for _ in range(train_cfg.micro_batches)]
+
+        start = checkpoint.restore(engine.checkpoint_parts, train_gen,
+                                   reshardable=engine.reshardable) if checkpoint is not None else 0
+        if start and not quiet:
+            console.print(checkpoint.note, soft_wrap=True, markup=False, highlight=False)
+        if start and not checkpoint.data_restored:
+            # Resumed into another layout: this shard's data stands where it would after
+            # `start` steps of this layout (every step, dropped ones too, draws once).
+            for _ in range(start):
+                draw_step()
         # Before the guard exists where it can (the initial weights' loss needs no memory
         # management); a pipeline's schedule is built once, with its guards, by its first
         # forward.
@@ -149,14 +161,12 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
         val_loss_init = engine.evaluate(val_batches) if start == 0 else None
         if guard_maker is not None and not engine.guards_before_first_forward:
             engine.attach_guards(guard_maker)
+        if start and engine.guards:
+            checkpoint.restore_guards(engine.guards)   # warm: what they had learned
         for module in engine.modules:
             module.train()
         records: list[dict[str, Any]] = []
         reporter = None if quiet else stack.enter_context(_reporter(console, train_cfg.steps))
-
-        def draw_step() -> list:
-            return [family.draw(corpus, "train", train_cfg.batch_size, seq_len, train_gen)
-                    for _ in range(train_cfg.micro_batches)]
 
         def finish(record: dict[str, Any]) -> None:
             """Keep, log, print and checkpoint a finished (or dropped) step."""
@@ -168,9 +178,9 @@ def run_loop(engine, train_cfg: TrainConfig, corpus: Corpus, *, seq_len: int,
                 reporter.line(step_line(record, train_cfg.steps))
                 reporter.advance()
             if checkpoint is not None:
-                checkpoint.after_step(record["step"], engine.state_module,
-                                      engine.checkpoint_optimizers, train_gen,
-                                      last=record["step"] == train_cfg.steps)
+                checkpoint.after_step(record["step"], engine.checkpoint_parts, train_gen,
+                                      last=record["step"] == train_cfg.steps,
+                                      guards=engine.guards, reshardable=engine.reshardable)
 
         for step in range(start + 1, train_cfg.steps + 1):
             if step in skip_steps:

@@ -154,7 +154,8 @@ class RankRun:
         return Checkpointer(files.checkpoint_dir, files.checkpoint_every, rank=self.rank,
                             resume=files.resume, nproc=self.cfg.parallel.nproc, layout=layout,
                             model=model,
-                            group=dist.group.WORLD if self.groups is not None else None)
+                            group=dist.group.WORLD if self.groups is not None else None,
+                            shard=self.groups.data_shard if self.groups is not None else 0)
 
     # ---- the guard ----------------------------------------------------------------------
     def _guard_maker(self):

@@ -34,7 +34,7 @@ def test_resume_continues_bitwise(tmp_path, capsys):
     resumed = _losses(tmp_path / "a.jsonl") + _losses(tmp_path / "b.jsonl")
     assert resumed == _losses(tmp_path / "full.jsonl")
     assert [json.loads(l)["step"] for l in open(tmp_path / "b.jsonl")] == [3, 4]
-    assert not list((tmp_path / "ck").glob("*.tmp"))   # the temporary file was renamed
+    assert not [p for p in (tmp_path / "ck").rglob("*") if "tmp" in p.name]   # renamed
 
 
 def test_skipped_steps_keep_later_data_aligned(tmp_path):
@@ -55,15 +55,18 @@ def test_save_interval_and_last(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     gen = torch.Generator().manual_seed(0)
     ck = Checkpointer(tmp_path, every=3)
-    assert [ck.after_step(s, model, opt, gen, last=s == 4) for s in range(1, 5)] == \
+    assert [ck.after_step(s, [(model, opt)], gen, last=s == 4) for s in range(1, 5)] == \
         [False, False, True, True]
-    assert torch.load(ck.path, weights_only=True)["step"] == 4
-    assert Checkpointer(tmp_path, every=3, resume=False).restore(model, opt, gen) == 0
-    assert Checkpointer(tmp_path, every=3, resume=True).restore(model, opt, gen) == 4
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert (manifest["step"], manifest["folder"]) == (4, "step-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "step-4"]
+    assert sorted(p.name for p in (tmp_path / "step-4").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert Checkpointer(tmp_path, every=3, resume=False).restore([(model, opt)], gen) == 0
+    assert Checkpointer(tmp_path, every=3, resume=True).restore([(model, opt)], gen) == 4
     other = build_model(model_config("tiny", d_model=64), seed=0)
     with pytest.raises(UsageError, match="does not fit this run"):
         Checkpointer(tmp_path, every=3, resume=True).restore(
-            other, torch.optim.AdamW(other.parameters()), gen)
+            [(other, torch.optim.AdamW(other.parameters()))], gen)
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -89,3 +92,18 @@ def test_bad_run_flags_exit_2_and_keep_files(tmp_path, capsys, extra, match):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0], err
     assert (tmp_path / "t.jsonl").read_text() == before
+
+
+def test_a_save_over_the_format_before_dcp_leaves_only_its_own(tmp_path):
+    """--overwrite of a version-1 checkpoint (per-rank rank{r}.pt files and their manifest):
+    the new manifest and its DCP folder replace it, nothing of the old format is left."""
+    from spikeguard.model import build_model, model_config
+
+    for name in ("rank0.pt", "rank1.pt", "rank1.pt.next"):
+        (tmp_path / name).write_bytes(b"old")
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "spikeguard-checkpoint",
+                                                        "version": 1}))
+    model = build_model(model_config("tiny"), seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(tmp_path, every=1).after_step(1, [(model, opt)], torch.Generator(), last=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "step-1"]
