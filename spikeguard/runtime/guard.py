@@ -173,6 +173,7 @@ class Guard:
 
     def state_dict(self) -> dict:   # for a checkpoint: what it learned (runtime/learned.py)
         return learned.state_of(self)
+
     def load_state_dict(self, state: dict) -> None:   # a resumed run starts warm
         learned.load_into(self, state)
 
