@@ -233,9 +233,10 @@ class FamilyAgreement(GroupAgreement):
 
 def issued(impl) -> Optional[int]:
     """How many collectives this rank has issued on `impl`'s EP group (the group's
-    sequence number, torch 2.13: gloo and NCCL count each collective as it is issued,
-    after its output is allocated; no public accessor), or None where the backend does
-    not count."""
+    sequence number; no public accessor), or None where the backend does not count.
+    Each collective counts once issued, and not when its output's allocation is refused
+    (checked: gloo, torch 2.13, CPU; NCCL, torch 2.11, one H200, a CUDA out-of-memory
+    at a functional all-to-all's output left the count as it was)."""
     try:
         return int(impl.ep_mesh.get_group()._get_sequence_number_for_group())
     except (AttributeError, RuntimeError):
