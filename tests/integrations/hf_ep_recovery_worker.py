@@ -14,6 +14,8 @@ as CUDA's allocator does. CHECK says where:
   combine    inside transformers' combine of layer 1, right after its all-to-all (where
              `empty_like(recv_out)` or the weighted sum is refused; the peer then goes
              on to its next flag point: a combine made again hung the job in gloo)
+  combine_output  inside that combine, at its all-to-all's output (not issued: the peer
+             waits in it)
   backward   in layer 1's backward (FSDP's and transformers' collectives under way)
 
 Each writes OUT_DIR/<check>_rank<r>.json: gradients against the uninterrupted layout's,
@@ -76,7 +78,7 @@ def arm(model, guard, budget: int, where: str):
                     ask()
                     return _window(*args)
                 sub.experts_forward = in_window
-    elif where in ("dispatch", "combine"):
+    elif where in ("dispatch", "combine", "combine_output"):
         arm_exchange(layer, ask, where)
     elif where == "backward":
         def hook(module, grad_output):
@@ -88,8 +90,8 @@ def arm_exchange(layer, ask, where: str) -> None:
     """The refusal inside transformers' own AllToAllEP phases of `layer` (v5.24), which
     call the module's `all_to_all_single` (the counts) and `all_to_all_single_autograd`
     (the dispatch's rows, then the combine's): the real collectives, with the allocation
-    asked just before the counts exchange ("dispatch") or just after the combine's
-    all-to-all ("combine"), in forward only."""
+    asked just before the counts exchange ("dispatch"), just after the combine's
+    all-to-all ("combine") or just before it ("combine_output"), in forward only."""
     from torch.distributed._functional_collectives import wait_tensor
     from transformers.distributed import expert_parallel as ep
 
@@ -105,6 +107,8 @@ def arm_exchange(layer, ask, where: str) -> None:
         return counts(*args, **kwargs)
 
     def rows_exchange(*args, **kwargs):
+        if where == "combine_output" and armed["on"] and armed["rows"] == 1:
+            ask()
         out = rows(*args, **kwargs)
         if armed["on"]:
             armed["rows"] += 1
