@@ -101,6 +101,9 @@ ALLOWED = {
     ("parallel/family_journal.py", "_C"),
     ("parallel/family_journal.py", "_current_graph_task_id"),
     ("parallel/family_journal.py", "_c10d_functional"),
+    # ... and how many collectives this rank has issued on the EP group (a refusal inside
+    # transformers' combine: was its all-to-all made?); torch 2.13 has no public count
+    ("parallel/family_journal.py", "_get_sequence_number_for_group"),
     # DDP's own way to leave parameters out of its all-reduce (the experts, sharded)
     ("parallel/pipeline_training.py", "_set_params_and_buffers_to_ignore_for_model"),
     # transformers v5 internals read to recognise its grouped_mm experts and layers that

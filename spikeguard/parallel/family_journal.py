@@ -17,10 +17,15 @@ model width. Every flag point is one all-gather of (note, vote) rows
 one, whichever it is. The span between two flag points is a *segment*; the journal knows
 how far the failed rank's segment got and makes, with zeros, what its peers wait in: the
 counts exchange (zero counts sent, the peers' received), the dispatch (no rows sent, the
-peers' rows received), the combine (rows of the received sizes sent back). Where it
-cannot know (a refusal inside FSDP's all-gather or inside transformers' dispatch, between
-its counts and its rows; any backward, which FSDP's reduce-scatters and prefetches run
-through), the job ends on every rank in one agreed line instead (GroupAgreement.end_job).
+peers' rows received), the combine (rows of the received sizes sent back). A refusal
+inside transformers' dispatch or combine (their own allocations around the all-to-alls)
+is placed by the EP group's count of collectives this rank has issued (its sequence
+number) since the phase began: a combine whose all-to-all was issued owes nothing (its
+peers have theirs and went on; making it again hung the job in gloo until its timeout),
+a dispatch that issued none owes all three. Where it cannot know (a refusal inside
+FSDP's all-gather or inside transformers' dispatch, between its counts and its rows; any
+backward, which FSDP's reduce-scatters and prefetches run through), the job ends on every
+rank in one agreed line instead (GroupAgreement.end_job).
 A rank that meets a peer's note, and the failed rank once it has settled, put FSDP back
 as every rank holds it then (`reset_iter_state`: every unit resharded), so that the
 re-run's all-gathers match.
@@ -47,7 +52,8 @@ class Segment:
     gathered: bool = True          # the FSDP unit's all-gather done (or none to make)
     impl: object = None            # the AllToAllEP of the unit's MoE layer, if it has one
     voted: bool = False
-    exchange: str = ""             # "", "dispatching", "dispatched", "combined"
+    exchange: str = ""             # "", "dispatching", "dispatched", "combining", "combined"
+    issued: Optional[int] = None   # the EP group's collectives issued when the phase began
     send_sizes: list = field(default_factory=list)
     recv_sizes: list = field(default_factory=list)
 
@@ -89,7 +95,7 @@ class FamilyAgreement(GroupAgreement):
         def dispatch_tokens(*args):
             if not (self.open and recording()):
                 return dispatch(*args)
-            self.segment.exchange = "dispatching"
+            self.segment.exchange, self.segment.issued = "dispatching", issued(impl)
             tokens, ids, weights, state = dispatch(*args)
             self.segment.send_sizes = list(state.send_sizes)
             self.segment.recv_sizes = list(state.recv_sizes)
@@ -97,9 +103,11 @@ class FamilyAgreement(GroupAgreement):
             return tokens, ids, weights, state
 
         def combine_tokens(*args):
+            if not (self.open and recording()):
+                return combine(*args)
+            self.segment.exchange, self.segment.issued = "combining", issued(impl)
             out = combine(*args)
-            if self.open and recording():
-                self.segment.exchange = "combined"
+            self.segment.exchange = "combined"
             return out
         impl._dispatch_tokens, impl._combine_tokens = dispatch_tokens, combine_tokens
         self.patched.append(impl)
@@ -180,8 +188,18 @@ class FamilyAgreement(GroupAgreement):
             return False
         if seg.impl is None or seg.exchange == "combined":
             return True
-        if seg.exchange == "dispatching":
-            return False   # between transformers' counts and rows: not known which
+        if seg.exchange in ("dispatching", "combining"):
+            made = _made_since(seg)
+            if seg.exchange == "combining":
+                if made is None:
+                    return False
+                if made:
+                    return True   # the combine's all-to-all is made: the peers went on
+                seg.exchange = "dispatched"
+            elif made != 0:
+                return False   # between transformers' counts and rows: not known which
+            else:
+                seg.exchange = ""   # refused before its counts: the whole exchange owed
         if seg.exchange == "":
             if self.votes and not seg.voted:
                 return True   # the flag point to come meets the peers' vote
@@ -211,6 +229,24 @@ class FamilyAgreement(GroupAgreement):
         iteration state cleared (torch 2.13 `reset_iter_state`, on the root)."""
         if isinstance(self.model, FSDPModule):
             self.model.reset_iter_state()
+
+
+def issued(impl) -> Optional[int]:
+    """How many collectives this rank has issued on `impl`'s EP group (the group's
+    sequence number; no public accessor), or None where the backend does not count.
+    Each collective counts once issued, and not when its output's allocation is refused
+    (checked: gloo, torch 2.13, CPU; NCCL, torch 2.11, one H200, a CUDA out-of-memory
+    at a functional all-to-all's output left the count as it was)."""
+    try:
+        return int(impl.ep_mesh.get_group()._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _made_since(seg: Segment) -> Optional[int]:
+    """The collectives issued on the EP group since `seg`'s phase began (None: unknown)."""
+    now = issued(seg.impl)
+    return None if now is None or seg.issued is None else now - seg.issued
 
 
 def _spans_peers(unit: nn.Module) -> bool:

@@ -10,6 +10,12 @@ as CUDA's allocator does. CHECK says where:
 
   window     inside layer 1's experts call (its counts and rows exchanged, not its combine)
   attention  in layer 1's attention (its vote made, none of its exchanges)
+  dispatch   inside transformers' dispatch of layer 1, before its counts exchange
+  combine    inside transformers' combine of layer 1, right after its all-to-all (where
+             `empty_like(recv_out)` or the weighted sum is refused; the peer then goes
+             on to its next flag point: a combine made again hung the job in gloo)
+  combine_output  inside that combine, at its all-to-all's output (not issued: the peer
+             waits in it)
   backward   in layer 1's backward (FSDP's and transformers' collectives under way)
 
 Each writes OUT_DIR/<check>_rank<r>.json: gradients against the uninterrupted layout's,
@@ -18,8 +24,10 @@ the step record, the independent meter's peak; or, where the job ends, the agree
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,11 +40,13 @@ from hf_ep_worker import batches, build, differ, record, run, world_max  # noqa:
 from meter import LiveMeter, model_state_tensors  # noqa: E402
 
 import spikeguard  # noqa: E402
+from spikeguard.parallel.launch import watch_parent  # noqa: E402
 from spikeguard.runtime import device_state  # noqa: E402
 from spikeguard.runtime.agreement import JobEnds  # noqa: E402
 from spikeguard.runtime.offload import HostPool  # noqa: E402
 
 HUGE = 1 << 40
+GROUP_TIMEOUT_S = 60   # a whole check takes a few seconds on 2 loaded cores
 REFUSING_RANK, LAYER = 1, 1
 
 
@@ -68,10 +78,49 @@ def arm(model, guard, budget: int, where: str):
                     ask()
                     return _window(*args)
                 sub.experts_forward = in_window
+    elif where in ("dispatch", "combine", "combine_output"):
+        arm_exchange(layer, ask, where)
     elif where == "backward":
         def hook(module, grad_output):
             ask()
         layer.mlp.register_full_backward_pre_hook(hook)
+
+
+def arm_exchange(layer, ask, where: str) -> None:
+    """The refusal inside transformers' own AllToAllEP phases of `layer` (v5.24), which
+    call the module's `all_to_all_single` (the counts) and `all_to_all_single_autograd`
+    (the dispatch's rows, then the combine's): the real collectives, with the allocation
+    asked just before the counts exchange ("dispatch"), just after the combine's
+    all-to-all ("combine") or just before it ("combine_output"), in forward only."""
+    from torch.distributed._functional_collectives import wait_tensor
+    from transformers.distributed import expert_parallel as ep
+
+    counts, rows = ep.all_to_all_single, ep.all_to_all_single_autograd
+    armed = {"on": False, "rows": 0}
+
+    def entered(module, args):
+        armed["on"] = torch.is_grad_enabled()
+
+    def counts_exchange(*args, **kwargs):
+        if where == "dispatch" and armed["on"]:
+            ask()
+        return counts(*args, **kwargs)
+
+    def rows_exchange(*args, **kwargs):
+        if where == "combine_output" and armed["on"] and armed["rows"] == 1:
+            ask()
+        out = rows(*args, **kwargs)
+        if armed["on"]:
+            armed["rows"] += 1
+            if where == "combine" and armed["rows"] == 2:
+                # Where transformers' next allocation is refused: its first use of the
+                # rows (`empty_like(recv_out)`) waits on the all-to-all before it allocates.
+                wait_tensor(out)
+                ask()
+        return out
+    layer.mlp.register_forward_pre_hook(entered)
+    layer.mlp.register_forward_hook(lambda m, a, out: armed.update(on=False))
+    ep.all_to_all_single, ep.all_to_all_single_autograd = counts_exchange, rows_exchange
 
 
 def metered_peak(model, guard) -> int:
@@ -127,7 +176,10 @@ def check(out_dir: Path, where: str) -> dict:
 def main() -> None:
     out_dir, where = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # A hang (a collective its peer never makes) fails the job in a minute, not gloo's
+    # default half hour; and a torchrun the test kills takes this rank with it.
+    watch_parent(None, signal.SIGKILL)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     rank = dist.get_rank()
     found = check(out_dir, where)
     (out_dir / f"{where}_rank{rank}.json").write_text(json.dumps(found))

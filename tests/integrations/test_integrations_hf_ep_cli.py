@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from spikeguard.parallel.launch import GROUP_TIMEOUT_S
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -22,12 +24,12 @@ TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32
 JOB_TIMEOUT_S = 150
 
 
-def spikeguard(*argv: str) -> subprocess.CompletedProcess:
+def spikeguard(*argv: str, timeout_s: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([sys.executable, "-m", "spikeguard", "train", *argv],
-                              capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"spikeguard train {' '.join(argv)} did not finish in {JOB_TIMEOUT_S} s")
+        pytest.fail(f"spikeguard train {' '.join(argv)} did not finish in {timeout_s} s")
 
 
 def test_train_hf_under_transformers_ep_on_two_ranks(tmp_path):
@@ -44,6 +46,24 @@ def test_train_hf_under_transformers_ep_on_two_ranks(tmp_path):
             assert sum(r["decisions"].values()) == 2      # two MoE layers, one micro-batch
             assert len(r["received_per_layer"]) == 2      # rows this rank's experts got
     assert "Traceback" not in done.stderr
+
+
+def test_out_of_memory_inside_transformers_combine_ends_the_job_in_one_line_exit_3():
+    """The default sizes at 15.4 MiB under `none`: rank 0's device refuses inside
+    transformers' combine of layer 1, after its all-to-all (this machine, CPU, emulated
+    device). The journal once made that combine again with zeros, which its peer never
+    joined: rank 1 waited out gloo's 120 s and printed a traceback, rank 0 died without
+    a word, exit 1. Now every rank holds the agreed line at once: exit 3, the rank's line
+    and the launcher's, no traceback; the subprocess's deadline is under the group's
+    timeout, so a hang fails here."""
+    done = spikeguard("--hf", "qwen3_moe", "--nproc", "2", "--ep", "2", "--steps", "3",
+                      "--threads", "1", "--policy", "none", "--budget", "15.4MiB",
+                      timeout_s=GROUP_TIMEOUT_S - 20)
+    assert done.returncode == 3, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2, done.stderr[-3000:]
+    assert lines[0].startswith("spikeguard: out of memory on rank "), lines
+    assert "ran out of memory (exit 3, its message is above)" in lines[1], lines
 
 
 REFUSED = [

@@ -5,7 +5,11 @@ budget 1.05 x the calm step's device peak. Rank 1's device refuses an allocation
 1, after layer 0's exchanges (hf_ep_recovery_worker.py), as CUDA's allocator does: at once,
 on that rank alone. In forward the family journal settles what rank 1's peer waits in and
 every rank re-runs the micro-batch with full recompute: gradients bitwise the
-uninterrupted layout's, the independent meter's peak under the budget on every rank. In
+uninterrupted layout's, the independent meter's peak under the budget on every rank; also
+where the refusal lands inside transformers' own dispatch (before its counts exchange) or
+combine (before its all-to-all, where the peer waits in it; after it, where the peer has
+gone on: settling a combine there hung the job until gloo's timeout, found by `train --hf qwen3_moe --nproc 2 --ep 2 --policy
+none --budget 15.4MiB`). In
 backward (FSDP's and transformers' collectives under way, not the journal's to make) every
 rank ends in the same line, within seconds.
 
@@ -48,7 +52,8 @@ def found(tmp_path: Path, where: str) -> list[dict]:
     return [json.loads((tmp_path / f"{where}_rank{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("where", ["window", "attention"])
+@pytest.mark.parametrize("where", ["window", "attention", "dispatch", "combine",
+                                   "combine_output"])
 def test_a_forward_refused_after_exchanges_is_re_run_by_every_rank_bitwise(tmp_path, where):
     ranks = found(tmp_path, where)
     for rank, got in enumerate(ranks):
