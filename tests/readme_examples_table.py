@@ -170,10 +170,9 @@ EXAMPLES: dict = {
                "same comparison, every policy, is tests/sim/test_sim_validation.py's"),
     "python -m spikeguard.sim.bench --reps 3":   # 188b alone at 100 steps: a few s
         Run(cap={"--reps": 1, "--steps": 100, "--presets": "188b"}, expect=("188b",)),
-    "git worktree add /tmp/sim-before 93685a4":
-        Listed("makes a checkout outside the repository, for the command below it"),
     "python -m spikeguard.sim.bench --reps 3 --before /tmp/sim-before":
-        Listed("needs the checkout the line above makes; the same bench without --before is "
+        Listed("needs the checkout `git worktree add` makes (the line above it); the same "
+               "bench without --before is "
                "run capped above (its --before path: tests/sim/test_sim_speed.py's reference "
                "figures are that commit's)"),
     "spikeguard simulate": Listed(NAME),
