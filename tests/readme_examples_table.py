@@ -174,8 +174,13 @@ EXAMPLES: dict = {
     "python -m spikeguard.sim.validate --steps 3 --reps 15 --pp-ep":
         Listed("minutes even at --reps 1 (its --help: 'a few minutes' for --pp-ep alone); the "
                "same comparison, every policy, is tests/sim/test_sim_validation.py's"),
-    "python -m spikeguard.sim.bench --reps 3":   # 1t alone at 100 steps: 26 s
+    "python -m spikeguard.sim.bench --reps 3":   # 188b alone at 100 steps: a few s
         Run(cap={"--reps": 1, "--steps": 100, "--presets": "188b"}, expect=("188b",)),
+    "python -m spikeguard.sim.bench --reps 3 --before /tmp/sim-before":
+        Listed("needs the checkout `git worktree add` makes (the line above it); the same "
+               "bench without --before is "
+               "run capped above (its --before path: tests/sim/test_sim_speed.py's reference "
+               "figures are that commit's)"),
     "spikeguard simulate": Listed(NAME),
     "spikeguard train --preset small --nproc 4 --pp 2 --ep 2 --skew production --spike-prob 0.5 "
     "--spike-max 2 --batch-size 4": Run(cap={"--steps": 2}, expect=DONE, timeout_s=240, long=True),

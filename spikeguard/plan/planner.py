@@ -94,11 +94,12 @@ class Planner:
         self._stale = False
 
     def _fixed_per_plan(self, plan: LayerPlan) -> tuple[int, int, tuple[str, ...]]:
-        if plan not in self._per_plan:
-            self._per_plan[plan] = (self.device_bytes_per_token(plan),
-                                    self.offload_bytes_per_token(plan),
-                                    self.cost.recompute_stages(plan))
-        return self._per_plan[plan]
+        hit = self._per_plan.get(plan)   # one hash of the plan, not two (every decision)
+        if hit is None:
+            hit = self._per_plan[plan] = (self.device_bytes_per_token(plan),
+                                          self.offload_bytes_per_token(plan),
+                                          self.cost.recompute_stages(plan))
+        return hit
 
     def ranked(self) -> list[Ranked]:
         if self._stale:
@@ -106,9 +107,14 @@ class Planner:
         return self._ranked
 
     def _keep_all(self) -> Optional[LayerPlan]:
-        """The menu's plan that neither recomputes nor offloads (first in every ranking)."""
-        return next((p for p in self.menu if not any(
-            a is not Action.SAVE for a in p.actions)), None)
+        """The menu's plan that neither recomputes nor offloads (first in every ranking);
+        found once per menu (an adapter may set its own menu after `__init__`), not at
+        every decision."""
+        found = self.__dict__.get("_keep_all_of")
+        if found is None or found[0] is not self.menu:
+            found = self._keep_all_of = (self.menu, next((p for p in self.menu if not any(
+                a is not Action.SAVE for a in p.actions)), None))
+        return found[1]
 
     def added_s(self, plan: LayerPlan, num_routed: int) -> float:
         return num_routed * (self.cost.recompute_s_per_token(plan)

@@ -100,6 +100,18 @@ class Reserve(NamedTuple):
     backward_bytes: int   # what the others hold while this micro-batch's backward runs
 
 
+def reserve_at(pos: SchedulePosition, whole_micro_batch_bytes: int, older_reload_bytes: int,
+               older_device_bytes: int) -> Reserve:
+    """`Residency.reserve`'s arithmetic, pure: one whole micro-batch for each forward still
+    to come before the next backward, and the largest layer of the older resident
+    micro-batches on the host (reloaded a layer at a time); beside this one's backward, the
+    forwards that run before it, less what the older ones hold now (their backward frees
+    it first). The simulator reads the older ones' bytes once per forward and calls this
+    at each decision (sim/residents.py)."""
+    return Reserve(pos.to_add * whole_micro_batch_bytes + older_reload_bytes,
+                   pos.at_backward * whole_micro_batch_bytes - older_device_bytes)
+
+
 @dataclass
 class Residency:
     """The forecast's pipeline hook; `micro_batch()` says which forward the guard is in."""
@@ -134,9 +146,8 @@ class Residency:
             return Reserve(0, 0)
         older = set(pos.older)
         reload = max((n for (mb, _), n in self.host_bytes().items() if mb in older), default=0)
-        reserved = pos.to_add * whole_micro_batch_bytes + reload
-        backward = (pos.at_backward * whole_micro_batch_bytes
-                    - sum(self.device_bytes(mb) for mb in older))
+        reserved, backward = reserve_at(pos, whole_micro_batch_bytes, reload,
+                                        sum(self.device_bytes(mb) for mb in older))
         key = (pos.forward, layer)
         if key not in self._seen:
             self._seen.add(key)

@@ -29,6 +29,7 @@ from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.decide import LayerFacts, decide_layer, entry_fallback
 from spikeguard.plan.room import EntryState, Seen, backward_above_end
 from spikeguard.plan.layer_room import LayerRoom
+from spikeguard.sim.layer_figures import LayerFigures
 
 HEAD = "head"
 
@@ -52,6 +53,7 @@ class Layer:
     num_routed: int
     kept: int
     storages: list                # (op, bytes) evictable, still on the device, save order
+    evictable: int                # their bytes
     on_host: Counter = field(default_factory=Counter)   # evicted bytes per op
 
     def evict(self, num_bytes: int) -> int:
@@ -61,6 +63,7 @@ class Layer:
             self.on_host[op] += size
             freed += size
         self.kept -= freed
+        self.evictable -= freed
         return freed
 
 
@@ -89,9 +92,10 @@ class ChunkEvictor:
         self.layers, self.probes = layers, probes
         self.residency, self.residents = residency, residents
         self.moved = 0   # bytes sent to host, from this micro-batch's layers and older ones
+        self.resident_moved = 0   # of them, older resident micro-batches' bytes
 
     def evictable(self) -> int:
-        own = sum(sum(n for _, n in layer.storages) for layer in self.layers)
+        own = sum(layer.evictable for layer in self.layers)
         return own + self.residency.evictable(self.residents)
 
     def evict(self, num_bytes: int) -> int:
@@ -106,7 +110,9 @@ class ChunkEvictor:
         if freed < num_bytes:
             before = sum(self.residents.evicted.values())
             self.residency.evict(self.residents, num_bytes - freed)
-            freed += sum(self.residents.evicted.values()) - before
+            resident = sum(self.residents.evicted.values()) - before
+            self.resident_moved += resident
+            freed += resident
         self.moved += freed
         return freed
 
@@ -154,6 +160,26 @@ class Chunk:
         self.w = walker
         dm = walker.dm
         self.lb, self.hb, self.T = dm.layer, dm.head, dm.tokens
+        self.figures = LayerFigures(dm.layer, dm.tokens)
+        self._plans: dict = {}   # id(plan) -> (plan, its actions counted, offload bytes/token)
+        self._base: dict = {}    # (counts, head FLOPs) -> walker.base_s
+
+    def _plan_facts(self, plan: LayerPlan) -> tuple[Counter, int]:
+        """What the chunk adds up per decided plan, found once per plan: its actions as
+        the runtime records them, and the bytes per routed copy it offloads."""
+        hit = self._plans.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            hit = self._plans[id(plan)] = (plan, Counter(a.value for a in plan.actions),
+                                           self.w.planner.offload_bytes_per_token(plan))
+        return hit[1], hit[2]
+
+    def _base_s(self, counts: tuple[int, ...], head_flops: float) -> float:
+        hit = self._base.get((counts, head_flops))
+        if hit is None:
+            if len(self._base) >= 1 << 16:
+                self._base.clear()
+            hit = self._base[(counts, head_flops)] = self.w.base_s(counts, head_flops)
+        return hit
 
     # ---- pieces shared by every policy ---------------------------------------------------
     def _ends(self, chunk: int) -> tuple[int, int, float]:
@@ -163,11 +189,15 @@ class Chunk:
         embed = dm.embed_bytes if w.first_chunk(chunk) else 0
         if w.last_chunk(chunk):
             return embed, self.hb.kept(T), dm.head_flops_per_token * T
-        return embed, self.lb.flow(T), 0.0   # the stage's output, alive until its backward
+        return embed, self.figures.flow, 0.0   # the stage's output, alive until its backward
 
     def _full_layer(self, count: int) -> Layer:
-        lb, T = self.lb, self.T
-        return Layer(None, count, lb.full_kept(T, count), [("attn", lb.flow(T))])
+        flow = self.figures.flow
+        return Layer(None, count, self.figures.full(count).kept, [("attn", flow)], flow)
+
+    def _planned_layer(self, plan: LayerPlan, count: int) -> Layer:
+        fig = self.figures.planned(plan, count)
+        return Layer(plan, count, fig.kept, list(fig.storages), fig.evictable)
 
     def backward(self, chunk: int, layers: list[Layer], tail: int,
                  first: bool) -> tuple[int, tuple]:
@@ -181,12 +211,10 @@ class Chunk:
             peak = head_peak
             where.append((HEAD, head_peak))
             r = -tail + lb.flow(T) + (w.dm.head_grad_bytes if first else 0)
+        backward_over = self.figures.backward_over
         for i in range(len(layers) - 1, -1, -1):
             layer = layers[i]
-            if layer.plan is None:
-                over = lb.full_backward_over(T, layer.num_routed, first)
-            else:
-                over = lb.backward_over(layer.plan, T, layer.num_routed, first, layer.on_host)
+            over = backward_over(layer.plan, layer.num_routed, first, layer.on_host)
             peak = max(peak, r + over)
             where.append((i, r + over))
             r += -layer.kept + (grads if first else 0)
@@ -206,7 +234,7 @@ class Chunk:
         return Forward(kept, peak, bwd, bwd_first, seconds, decisions,
                        host=tuple(extra.pop("host", ())), forward_where=tuple(forward_where),
                        backward_where=both, end=end,
-                       evictable=sum(n for layer in layers for _, n in layer.storages), **extra)
+                       evictable=sum(layer.evictable for layer in layers), **extra)
 
     # ---- static policies: Planner.fixed --------------------------------------------------
     def static(self, chunk: int, counts: tuple[int, ...], policy: Optional[str] = None) -> Forward:
@@ -222,15 +250,14 @@ class Chunk:
             start = embed + flow + sum(layer.kept for layer in layers)
             if policy == "full":
                 layer = self._full_layer(count)
-                forward_where.append((i, start + lb.full_forward_over(T, count)))
+                forward_where.append((i, start + self.figures.full(count).forward_over))
                 seconds += w.layer_compute_s(count)
                 decisions["recompute"] += len(OPS)
             else:
                 d = w.planner.fixed(POLICY_PLANS[policy], count)
-                layer = Layer(d.plan, count, lb.kept(d.plan, T, count),
-                              lb.storages(d.plan, T, count))
-                forward_where.append((i, start + lb.at_decision(T, count)
-                                      + lb.forward_over_decision(d.plan, T, count)))
+                layer = self._planned_layer(d.plan, count)
+                fig = self.figures.planned(d.plan, count)
+                forward_where.append((i, start + fig.at_decision + fig.over_decision))
                 seconds += d.added_s
                 decisions.update(a.value for a in d.plan.actions)
             layers.append(layer)
@@ -245,41 +272,41 @@ class Chunk:
         `grads_by_layer[i]`: gradients that exist by layer i's backward and not now."""
         from spikeguard.sim.residents import ResidentTracker, relative
 
-        w, lb, T, planner = self.w, self.lb, self.T, self.w.planner
+        w, T, planner, figures = self.w, self.T, self.w.planner, self.figures
         cap = int(w.capacity)
         embed, tail, head_flops = self._ends(chunk)
         forecast = self._forecast(chunk, len(counts), memory, residency)
-        layer_part, min_bpt = lb.layer_part(T), planner.min_bytes_per_token
-        seconds = w.base_s(counts, head_flops)
-        flow = lb.flow(T)
+        layer_part, min_bpt, flow = figures.layer_part, planner.min_bytes_per_token, figures.flow
+        seconds = self._base_s(counts, head_flops)
         layers: list[Layer] = []
         forward_where, probes, decisions = [], [], Counter()
         residents = ResidentTracker(evictable)
         seen, room = memory.seen, memory.room
         peaks = BackwardPeaks()
+        evictor = ChunkEvictor(layers, probes, residency, residents)
+        kept = [0]   # bytes this micro-batch's layers kept when they ran
 
         def now() -> int:
-            """The device's figure: what was in use, less what went to host, plus this
-            micro-batch's embedding, hidden state and layers so far."""
-            return (in_use - sum(residents.evicted.values()) + embed + flow
-                    + sum(layer.kept for layer in layers))
+            """The device's figure: what was in use, plus this micro-batch's embedding,
+            hidden state and layers so far, less what went to host (older ones' and these)."""
+            return in_use + embed + flow + kept[0] - evictor.moved
 
-        evictor = ChunkEvictor(layers, probes, residency, residents)
         for i, count in enumerate(counts):
             start = now()
             entry = EntryState(i, cap, start, T, min_bpt, seen, resident_backward)
             if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, peaks.note):
                 layers.append(self._full_layer(count))
+                kept[0] += layers[-1].kept
                 forward_where.append((i, now() - in_use - layers[-1].kept
-                                      + lb.full_forward_over(T, count)))
+                                      + figures.full(count).forward_over))
                 seconds += w.layer_compute_s(count)
                 # the runtime records every op of a layer recomputed whole
                 decisions.update(full_layer=1, recompute=len(OPS))
                 continue
             # The window remembers the device's growth since the layer's entry.
-            seen = seen.after(count, max(layer_part, lb.at_decision(T, count)), T)
-            at_decision = start + lb.at_decision(T, count)
-            probes.append((i, at_decision - in_use, count, sum(residents.evicted.values())))
+            seen = seen.after(count, max(layer_part, figures.at_decision(count)), T)
+            at_decision = start + figures.at_decision(count)
+            probes.append((i, at_decision - in_use, count, evictor.resident_moved))
             facts = LayerFacts(
                 layer=i, budget_bytes=cap, num_routed=count, layer_part_bytes=layer_part,
                 max_routed=seen.max_routed, num_tokens=T, min_bytes_per_token=min_bpt,
@@ -295,18 +322,18 @@ class Chunk:
                 net.memory = Memory(seen, room, memory.head_per_token)
                 return net
             d = out.decision
-            layers.append(Layer(d.plan, count, lb.kept(d.plan, T, count),
-                                lb.storages(d.plan, T, count)))
+            layers.append(self._planned_layer(d.plan, count))
+            kept[0] += layers[-1].kept
             # The device held all of it at the decision, before anything was evicted.
-            forward_where.append((i, max(at_decision, out.in_use_bytes + lb.forward_over_decision(
-                d.plan, T, count)) - in_use))
+            forward_where.append((i, max(at_decision, out.in_use_bytes + figures.planned(
+                d.plan, count).over_decision) - in_use))
             seconds += d.added_s
-            decisions.update(a.value for a in d.plan.actions)
+            decisions.update(self._plan_facts(d.plan)[0])
         if evictor.moved:
             seconds += w.copy_s(evictor.moved)
             decisions["evicted_bytes"] += evictor.moved
         out = self._finish(chunk, layers, embed, tail, seconds, decisions, forward_where,
-                           moved=sum(residents.evicted.values()), host=self._host(layers),
+                           moved=evictor.resident_moved, host=self._host(layers),
                            resident_evictions=relative(residency, residents),
                            probes=tuple(probes))
         head = self.hb.ledger(T) / T + room.head_backward_per_token if w.last_chunk(chunk) \
@@ -327,8 +354,7 @@ class Chunk:
 
     def _host(self, layers: list) -> list[int]:
         """Bytes each layer has on the host: evicted, and offloaded by its plan."""
-        offload = self.w.planner.offload_bytes_per_token
-        return [layer.on_host.total() + (offload(layer.plan) * layer.num_routed
+        return [layer.on_host.total() + (self._plan_facts(layer.plan)[1] * layer.num_routed
                                          if layer.plan else 0) for layer in layers]
 
     def safety_net(self, chunk: int, counts: tuple[int, ...], layer: int) -> Forward:

@@ -4,7 +4,8 @@
     result.policies["adaptive"].mfu
 
 Per step, each stage walks its schedule for each distinct load of the step (spikeguard.sim.
-walk), memoised per (policy, stage, load). The step's time is the slowest stage's busy
+walk), memoised per (policy, stage, load, state); a step that repeats (the same loads and
+states) is looked up whole (spikeguard.sim.steps). The step's time is the slowest stage's busy
 time plus the pipeline bubble, (pp - 1)/v of that stage's mean micro-batch time; within a
 stage the slowest expert-parallel rank sets the pace (every all-to-all waits for it).
 A step where any rank runs out of memory is a crash: a cold restart (run.restart_s), the
@@ -32,6 +33,7 @@ from spikeguard.sim.config import STATIC_CANDIDATES, SimConfig
 from spikeguard.sim.loads import Loads
 from spikeguard.sim.schedule import bubble_micro_batches
 from spikeguard.sim.shape import DeviceModel, build
+from spikeguard.sim.steps import PolicySteps
 from spikeguard.sim.walk import StageWalker
 
 
@@ -104,11 +106,8 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     check_fits(cfg, dm, cost)
     loads = Loads(cfg, dm.tokens)
     steps = cfg.workload.steps
-    walkers = {p: [StageWalker(cfg, dm, st, p, cost) for st in dm.stages] for p in needed}
-    cache: dict = {p: {} for p in needed}
-    # What each rank's guard carries from step to step (StepState), per (stage, load
-    # group): the ranks of a group share their loads, hence their state.
-    states: dict = {p: {} for p in needed}
+    runs = {p: PolicySteps(dm.stages, [StageWalker(cfg, dm, st, p, cost) for st in dm.stages])
+            for p in needed}
     lay = cfg.layout
     bubble = bubble_micro_batches(lay.pp, lay.virtual_stages) / lay.micro_batches
     step_s = {p: np.zeros(steps) for p in needed}
@@ -116,36 +115,23 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     peak_step = {p: np.zeros(steps, dtype=np.int64) for p in needed}
     peak_ss = {p: np.zeros((steps, lay.pp), dtype=np.int64) for p in needed}
     peak_stage = {p: [0] * lay.pp for p in needed}
-    decisions = {p: Counter() for p in needed}
     decisions_step = {p: [] for p in needed}
     spikes = np.zeros(steps, dtype=bool)
     for step in range(steps):
         groups = loads.groups(step)
         spikes[step] = loads.is_spike(step)
         for p in needed:
-            busy = []
-            decisions_step[p].append(Counter())
-            for st, walker in zip(dm.stages, walkers[p]):
-                worst = 0.0
-                for group, (load, num_ranks) in enumerate(groups):
-                    state = states[p].get((st.stage, group)) or walker.initial_state()
-                    key = (st.stage, _key(load, st), state)
-                    res = cache[p].get(key)
-                    if res is None:
-                        res = cache[p][key] = walker.walk(load, state)
-                    states[p][(st.stage, group)] = res.state
-                    worst = max(worst, res.seconds)
-                    crashed[p][step] |= res.crashed
-                    peak_step[p][step] = max(peak_step[p][step], res.peak_bytes)
-                    peak_ss[p][step, st.stage] = max(peak_ss[p][step, st.stage], res.peak_bytes)
-                    peak_stage[p][st.stage] = max(peak_stage[p][st.stage], res.peak_bytes)
-                    decisions[p].update({k: v * num_ranks for k, v in res.decisions.items()})
-                    decisions_step[p][-1].update({k: v * num_ranks for k, v in res.decisions.items()})
-                busy.append(worst)
-            slowest = max(busy)
-            step_s[p][step] = slowest * (1 + bubble)
+            f = runs[p].step(groups)
+            step_s[p][step] = f.slowest_s * (1 + bubble)
+            crashed[p][step] = f.crashed
+            peak_step[p][step] = f.peak
+            for st, stage_peak in zip(dm.stages, f.peak_by_stage):
+                peak_ss[p][step, st.stage] = stage_peak
+                peak_stage[p][st.stage] = max(peak_stage[p][st.stage], stage_peak)
+            decisions_step[p].append(Counter(f.decisions))
         if progress is not None:
             progress(step)
+    decisions = {p: runs[p].total_decisions() for p in needed}
     policies = {p: _account(cfg, dm, PolicyResult(p, step_s[p], crashed[p], peak_step[p],
                                                    peak_stage[p], peak_ss[p], decisions[p],
                                                    decisions_step[p]))
@@ -179,13 +165,6 @@ def check_steps_fit(cfg: SimConfig, num_policies: int) -> None:
                          f"per-step results, more than this machine's "
                          f"{format_bytes(have)} of memory; at most "
                          f"{have // step_bytes(cfg, num_policies):,} steps fit")
-
-
-def _key(load, stage) -> object:
-    if isinstance(load, (int, np.integer)):
-        return int(load)
-    layers = [x for chunk in stage.chunks for x in chunk]
-    return load[:, layers].tobytes()
 
 
 def _account(cfg: SimConfig, dm: DeviceModel, r: PolicyResult) -> PolicyResult:

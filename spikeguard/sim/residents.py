@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from spikeguard.plan.residency import Reserve, Residency, positions, reserve_at
+
 
 def positions_of(ops: list) -> list:
     """The runtime's own reading of a schedule (plan/residency.positions), fed
     the attributes it reads from torch's pipeline IR. All chunks of a stage count as one
     (under the interleaved schedule the unit resident is a micro-batch chunk)."""
-    from spikeguard.plan.residency import positions
-
     actions = [SimpleNamespace(computation_type=SimpleNamespace(value=op.kind), stage_index=0)
                for op in ops]
     return positions(actions, 0)
@@ -30,6 +30,7 @@ class ResidentTracker:
     def __init__(self, evictable: dict):
         self.left = dict(evictable)
         self.evicted: dict = {}
+        self.changes = 0   # evictions so far: what ForwardResidency's sum is valid for
 
     def evictable(self, micro_batch: int, before_layer: int) -> int:
         return self.left.get(micro_batch, 0)
@@ -38,6 +39,7 @@ class ResidentTracker:
         take = min(num_bytes, self.left.get(micro_batch, 0))
         if take > 0:
             self.left[micro_batch] -= take
+            self.changes += 1
             self.evicted[micro_batch] = self.evicted.get(micro_batch, 0) + take
         return max(take, 0)
 
@@ -52,7 +54,54 @@ def relative(residency, residents: ResidentTracker) -> tuple:
 
 def residency(schedule_positions, forward: int, host: dict, device: dict):
     """The runtime's Residency object, reading this walk's host and device bytes."""
-    from spikeguard.plan.residency import Residency
+    return ForwardResidency(schedule_positions, micro_batch=lambda: forward,
+                            host_bytes=lambda: dict(host),
+                            device_bytes=lambda k: device.get(k, 0))
 
-    return Residency(schedule_positions, micro_batch=lambda: forward,
-                     host_bytes=lambda: dict(host), device_bytes=lambda k: device.get(k, 0))
+
+class ForwardResidency(Residency):
+    """plan/residency.py's Residency as one forward of the walk consults it. What the
+    older resident micro-batches hold, on host and device, does not change while one
+    forward decides (the walk applies that forward's evictions after it returns), so
+    `reserve` reads it once per forward, not at each of its three calls per layer (a
+    fifth of the adaptive walk's time on `1t`), and keeps no log (the walk reads none).
+    The arithmetic is the runtime's, `reserve_at`."""
+
+    _older = None
+    _order = None
+
+    def position(self):
+        """The forward's place in the schedule: fixed for this object's life."""
+        if self._order is None:
+            self._pos = super().position()
+            self._order = ()   # set: the base _evict_order asks position() again
+            self._order = super()._evict_order()
+        return self._pos
+
+    def _evict_order(self) -> list[int]:
+        self.position()
+        return self._order
+
+    def evictable(self, tracker) -> int:
+        """The base's sum, again only after the tracker moved something (it is asked at
+        every decision, over up to pp older micro-batches)."""
+        if self.__dict__.get("_evictable_at") != (tracker, tracker.changes):
+            self._evictable = super().evictable(tracker)
+            self._evictable_at = (tracker, tracker.changes)
+        return self._evictable
+
+    def reserve(self, layer: int, whole_micro_batch_bytes: int) -> Reserve:
+        pos = self.position()
+        if pos is None or not self.enabled:
+            return Reserve(0, 0)
+        if self._older is None:
+            older = set(pos.older)
+            reload = max((n for (mb, _), n in self.host_bytes().items() if mb in older),
+                         default=0)
+            self._older = (reload, sum(self.device_bytes(mb) for mb in older))
+            self._reserves = {}
+        hit = self._reserves.get(whole_micro_batch_bytes)
+        if hit is None:   # a decision asks twice (forward headroom, backward room)
+            hit = self._reserves[whole_micro_batch_bytes] = reserve_at(
+                pos, whole_micro_batch_bytes, *self._older)
+        return hit

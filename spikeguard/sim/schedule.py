@@ -14,6 +14,7 @@ The bubble of a step is (pp - 1)/v micro-batch times (each stage idles that long
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -26,7 +27,13 @@ class Op:
 
 
 def stage_ops(stage: int, pp: int, micro_batches: int, virtual: int = 1) -> list[Op]:
-    """The ordered forwards and backwards of one stage in one step."""
+    """The ordered forwards and backwards of one stage in one step (a fresh list; the
+    order itself is worked out once per arguments: every policy's walker asks)."""
+    return list(_stage_ops(stage, pp, micro_batches, virtual))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_ops(stage: int, pp: int, micro_batches: int, virtual: int) -> tuple[Op, ...]:
     total = micro_batches * virtual
     if virtual == 1:
         warm = min(pp - stage - 1, micro_batches)
@@ -58,7 +65,7 @@ def stage_ops(stage: int, pp: int, micro_batches: int, virtual: int = 1) -> list
                     break
                 to_add += 1
         out.append(Op(kind, mb, chunk, to_add))
-    return out
+    return tuple(out)
 
 
 def max_in_flight(ops: list[Op]) -> int:

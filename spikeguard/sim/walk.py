@@ -50,6 +50,7 @@ from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MICRO_BATCH_CODES, La
                                         expert_grads)
 from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
+from spikeguard.sim.uniform import walk_uniform_static
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,13 @@ class StageWalker:
         self.ep = lay.ep
         self.chunks = Chunk(self)
         self._memo: dict = {}
+        self._grads: dict = {}   # grads_by_layer's answers
+        self._next: dict = {}    # id(memory) -> (memory, its next micro-batch's, number)
+        self._memory_ids: dict = {}   # memory -> its number in the memo key
         self.positions = _positions(self.ops) if policy == "adaptive" else []
-        self._is_f = np.array([op.kind == "F" for op in self.ops])
-        self._chunk_of = np.array([op.chunk for op in self.ops])
+        # per op of the schedule: a forward?, its chunk (sim/uniform.py's cumulative sum)
+        self.is_forward = np.array([op.kind == "F" for op in self.ops])
+        self.chunk_of = np.array([op.chunk for op in self.ops])
         # The runtime calibrates its layer peaks from the emulated device only.
         self.calibrates = policy == "adaptive" and not self.cuda
         self.head_layer = len(stage.chunks[0])   # the runtime's code of the head's backward
@@ -148,9 +153,11 @@ class StageWalker:
         """`load`: an int (every micro-batch and layer) or counts[micro_batch, layer]."""
         state = state or self.initial_state()
         if self.policy != "adaptive" and isinstance(load, (int, np.integer)):
-            return self._walk_uniform_static(int(load), state)
+            peak, seconds, crashed, decisions = walk_uniform_static(self, int(load), state)
+            return WalkResult(peak, seconds, crashed, decisions,
+                              state if crashed else StepState(True, state.memory))
         st = self.stage
-        w = _Walk(in_use=self._static(state), lingering=self._lingering())
+        w = _Walk(in_use=self.static_bytes(state), lingering=self.lingering())
         if not self.dm.lazy_state:
             w.in_use += sum(st.chunk_grad_bytes)
             w.grads_done = set(range(len(st.chunks)))
@@ -175,13 +182,15 @@ class StageWalker:
         """One chunk's backward; True when the device runs out."""
         done = w.live.pop((op.micro_batch, op.chunk))
         fwd = w.fwds.pop(done)
-        others = sum(n for o, n in w.device.items() if o != done)
-        w.probes += [replace(p, others_added=others - before)
-                     for p, before in w.waiting.pop(done, ())]
+        if self.calibrates:
+            others = sum(n for o, n in w.device.items() if o != done)
+            w.probes += [replace(p, others_added=others - before)
+                         for p, before in w.waiting.pop(done, ())]
         first = op.chunk not in w.grads_done
         top = w.in_use + (fwd.bwd_first if first else fwd.bwd)
         w.peak = max(w.peak, top)
-        if self.last_chunk(op.chunk):   # the loss's gradient starts the head's backward
+        # the loss's gradient starts the head's backward
+        if self.calibrates and self.last_chunk(op.chunk):
             w.head_probes[(self.head_layer, op.micro_batch)] = (w.in_use, self.dm.tokens)
         for layer, rel, rel_first in fwd.backward_where:
             key = (BACKWARD, self.head_layer if layer == HEAD else layer,
@@ -202,8 +211,9 @@ class StageWalker:
         counts, k = self._counts(load, op), w.k
         to_come = self.stage.chunk_grad_bytes[op.chunk] if op.chunk not in w.grads_done else 0
         resident = max((f.pending for f in w.fwds.values()), default=0)
+        grads = self.grads_by_layer(len(counts), k, to_come)
         fwd = self.forward(op.chunk, counts, w.in_use, k, w.host, w.device, w.memory, to_come,
-                           resident, w.evictable)
+                           resident, w.evictable, grads)
         if self.policy == "adaptive" and w.in_use + fwd.peak > self.capacity and not fwd.failed:
             # An allocation past the device in forward: the safety net re-runs it.
             net = self.chunks.safety_net(op.chunk, counts, len(counts) - 1)
@@ -216,12 +226,12 @@ class StageWalker:
         for layer, rel in fwd.forward_where:
             key = (FORWARD, layer, op.micro_batch % MICRO_BATCH_CODES)
             w.where[key] = max(w.where.get(key, 0), w.in_use + rel)
-        part = self.dm.layer.layer_part(self.dm.tokens)
-        others = sum(w.device.values())   # the live forwards before this one
-        grads = self.grads_by_layer(len(counts), k, to_come)
-        w.waiting[k] = [(Probe(op.micro_batch, layer, w.in_use + rel, n, grads[layer], part),
-                         others - sent)
-                        for layer, rel, n, sent in fwd.probes]
+        if self.calibrates:   # the window's probes, for the calibration after the step
+            part = self.chunks.figures.layer_part
+            others = sum(w.device.values())   # the live forwards before this one
+            w.waiting[k] = [(Probe(op.micro_batch, layer, w.in_use + rel, n, grads[layer], part),
+                             others - sent)
+                            for layer, rel, n, sent in fwd.probes]
         if fwd.failed or top > self.capacity:
             return True
         if fwd.resident_evictions:   # the older resident micro-batches it sent to host
@@ -257,43 +267,7 @@ class StageWalker:
             self._full = StageWalker(self.cfg, self.dm, self.stage, "full", self.planner.cost)
         return self._full
 
-    def _walk_uniform_static(self, count: int, state: StepState) -> WalkResult:
-        """A static policy under one load: every chunk's forward is the same whatever is in
-        use, so the walk is a cumulative sum over the schedule (numpy)."""
-        st, lazy = self.stage, self.dm.lazy_state
-        fwds = [self.forward(c, (count,) * len(chunk), 0, 0)
-                for c, chunk in enumerate(st.chunks)]
-        kept = np.array([f.kept for f in fwds], dtype=np.int64)[self._chunk_of]
-        fwd_over = np.array([f.peak for f in fwds], dtype=np.int64)[self._chunk_of]
-        bwd_over = np.array([f.bwd for f in fwds], dtype=np.int64)[self._chunk_of]
-        secs = np.array([f.seconds for f in fwds])[self._chunk_of] * self._is_f
-        delta = np.where(self._is_f, kept, -kept)
-        over = np.where(self._is_f, fwd_over, bwd_over)
-        static = self._static(state)
-        if lazy:   # each chunk's first backward makes its gradients
-            for c, f in enumerate(fwds):
-                first = np.flatnonzero(~self._is_f & (self._chunk_of == c))
-                if first.size:
-                    over[first[0]] = f.bwd_first
-                    delta[first[0]] += st.chunk_grad_bytes[c]
-        backwards = np.flatnonzero(~self._is_f)
-        if backwards.size:
-            delta[backwards[0]] += self._lingering()
-        before = static + np.concatenate(([0], np.cumsum(delta)[:-1]))
-        tops = before + over
-        decisions: Counter = Counter()
-        for c, f in enumerate(fwds):
-            n = int(np.sum(self._is_f & (self._chunk_of == c)))
-            decisions.update({k: v * n for k, v in f.decisions.items()})
-        done = StepState(True, state.memory)
-        bad = np.flatnonzero(tops > self.capacity)
-        if bad.size:
-            end = bad[0] + 1
-            return WalkResult(int(max(static, tops[:end].max())), float(secs[:end].sum()), True,
-                              decisions, state)
-        return WalkResult(int(max(static, tops.max())), float(secs.sum()), False, decisions, done)
-
-    def _static(self, state: StepState) -> int:
+    def static_bytes(self, state: StepState) -> int:
         """On the device before the step's first forward: weights, the pipeline's receive
         buffers, (persistent, or from the first optimizer step on) the optimizer's state;
         the gradients too unless the step's backward makes them."""
@@ -306,7 +280,7 @@ class StageWalker:
             out += sum(st.chunk_grad_bytes)
         return out
 
-    def _lingering(self) -> int:
+    def lingering(self) -> int:
         """torch's pipelining: a stage's last sent output stays until the next exchange
         (from its first backward on, one hidden state on every stage but the last)."""
         if not self.dm.torch_buffers or self.cfg.layout.pp == 1 or self.stage.has_head:
@@ -322,7 +296,8 @@ class StageWalker:
     def forward(self, chunk: int, counts: tuple[int, ...], in_use: int, k: int = 0,
                 host: dict | None = None, device: dict | None = None,
                 memory: Optional[Memory] = None, grads_to_come: int = 0,
-                resident_backward: int = 0, evictable: dict | None = None) -> Forward:
+                resident_backward: int = 0, evictable: dict | None = None,
+                grads: Optional[tuple] = None) -> Forward:
         """The k-th forward of the stage. Adaptive decisions depend on the bytes in use,
         the gradients still to come, the guard's memory and, through the residency
         forecast, on the schedule position and what the older resident micro-batches hold
@@ -334,16 +309,15 @@ class StageWalker:
                 hit = self._memo[key] = self.chunks.static(chunk, counts)
             return hit
         host, device, evictable = host or {}, device or {}, evictable or {}
-        memory = memory or self.initial_state().memory
-        memory = replace(memory, seen=memory.seen.next_micro_batch())
+        memory, memory_id = self._next_micro_batch(memory or self.initial_state().memory)
         pos = self.positions[k]
         older = set(pos.older)
         reload = max((n for (o, _), n in host.items() if o in older), default=0)
-        grads = self.grads_by_layer(len(counts), k, grads_to_come)
+        grads = grads or self.grads_by_layer(len(counts), k, grads_to_come)
         key = (chunk, counts, in_use, grads, resident_backward, pos.to_add,
                pos.at_backward, reload,
                tuple((device.get(o, 0), evictable.get(o, 0)) for o in sorted(older, reverse=True)),
-               memory)
+               memory_id)
         hit = self._memo.get(key)
         if hit is None:
             residency = _residency(self.positions, k, host, device)
@@ -357,12 +331,30 @@ class StageWalker:
         forward's backward there, as the runtime's guard counts them (runtime/grads.py:
         the layer's own and those above; plan/residency.py, grads_at_backward: all of
         them when an older resident micro-batch's backward runs first)."""
-        lg = self.dm.layer_grad_bytes
-        by_layer = {i: max(0, grads_to_come - i * lg) if grads_to_come else 0
-                    for i in range(num_layers)}
-        pos = self.positions[k] if k < len(self.positions) else None
-        by_layer = grads_at_backward(by_layer, pos)
-        return tuple(by_layer[i] for i in range(num_layers))
+        key = (num_layers, k, grads_to_come)
+        hit = self._grads.get(key)
+        if hit is None:
+            lg = self.dm.layer_grad_bytes
+            by_layer = {i: max(0, grads_to_come - i * lg) if grads_to_come else 0
+                        for i in range(num_layers)}
+            pos = self.positions[k] if k < len(self.positions) else None
+            by_layer = grads_at_backward(by_layer, pos)
+            hit = self._grads[key] = tuple(by_layer[i] for i in range(num_layers))
+        return hit
+
+    def _next_micro_batch(self, memory: Memory) -> tuple[Memory, int]:
+        """The guard's memory as the next micro-batch starts (`Seen.next_micro_batch`),
+        and a number that stands for its value in the forwards' memo key (equal memories,
+        equal numbers): remembered per memory object, since a walk hands the same one on
+        again and again and hashing one is hashing its slopes and window state."""
+        hit = self._next.get(id(memory))
+        if hit is None or hit[0] is not memory:
+            if len(self._next) >= 1 << 12:
+                self._next.clear()
+            after = replace(memory, seen=memory.seen.next_micro_batch())
+            number = self._memory_ids.setdefault(after, len(self._memory_ids))
+            hit = self._next[id(memory)] = (memory, after, number)
+        return hit[1], hit[2]
 
     # ---- pieces the chunk uses -----------------------------------------------------------
     def first_chunk(self, chunk: int) -> bool:
