@@ -141,7 +141,7 @@ class TrainingState:
         for module, optimizer, osd, groups, key in parts:
             saved = from_bytes(dest[key])
             if set(saved) != set(groups):
-                raise UsageError(f"its optimizer hyperparameters name other parameters")
+                raise UsageError("its optimizer hyperparameters name other parameters")
             osd.update({k: tuple(v) if isinstance(groups[k], tuple) else v
                         for k, v in saved.items()})
             set_optimizer_state_dict(module, optimizer, osd, options=_FLAT)
