@@ -160,31 +160,56 @@ def least_budget(problem: Problem) -> int:
 
 # ---- from the planner's byte model ---------------------------------------------------
 @dataclass(frozen=True)
+class Choice:
+    """An option's label on the model: the layer's plan, and whether all it still keeps
+    on the device (attention part, shared expert, the plan's saved tensors) moves to host
+    at the next layer's decision, as adaptive's evictions move earlier layers."""
+
+    plan: LayerPlan
+    evict: bool = False
+
+    def describe(self) -> str:
+        return self.plan.describe() + (" +evict" if self.evict else "")
+
+
+@dataclass(frozen=True)
 class LayerFigures:
     """What the decision window measures at one layer with everything saved below it (the
-    bench reads them off a probe step): the inputs of `layer_from_model`."""
+    bench reads them off a probe step): the inputs of `problem_from_model`."""
 
     in_use_bytes: int        # at the decision, every layer below keeping all
     num_routed: int
     grads_to_come: int
-    layer_part_bytes: int
+    layer_part_bytes: int    # its attention and router part (the window's figure)
     prefetch_margin_bytes: int = 0
+    # All the layer holds at its decision (the part and its dispatched rows): with the
+    # next layer's, what the layer keeps after its forward (0: not measured, no eviction).
+    layer_bytes: int = 0
 
 
-def layer_options(planner: Planner, room: LayerRoom, f: LayerFigures,
-                  menu: Optional[Sequence[LayerPlan]] = None) -> tuple[Option, ...]:
-    """Every plan of the menu (default: the catalogue's), as the planner costs and sizes
-    it at this layer: its kept bytes, its own peak (the layer's own forward and backward
-    peaks, `LayerRoom.needs`, and the planner's backward check), its added seconds."""
+def layer_options(planner: Planner, room: LayerRoom, f: LayerFigures, kept_all_bytes: int,
+                  evictable: bool, menu: Optional[Sequence[LayerPlan]] = None
+                  ) -> tuple[Option, ...]:
+    """Every plan of the menu (default: the catalogue's) as the planner costs and sizes it
+    at this layer: what the layer keeps for those above (`kept_all_bytes` with everything
+    saved, less what the plan moves off), its own peak (the layer's own forward and
+    backward peaks, `LayerRoom.needs`, and the planner's backward check), its seconds;
+    and, when `evictable`, each plan followed by the eviction of all the layer keeps."""
     forward, backward = room.needs(f.in_use_bytes, f.num_routed, f.grads_to_come,
                                    f.layer_part_bytes)
     own_layer = max(forward, backward) - f.in_use_bytes
+    all_saved = planner.fixed(ALL_SAVE, f.num_routed).device_bytes
     out = []
     for plan in menu or valid_plans():
         kept = planner.fixed(plan, f.num_routed).device_bytes
         reloaded = planner.offload_bytes_per_token(plan) * f.num_routed
         own = max(own_layer, kept + reloaded + f.prefetch_margin_bytes)
-        out.append(Option(plan, kept, own, planner.added_s(plan, f.num_routed)))
+        seconds = planner.added_s(plan, f.num_routed)
+        keeps = kept_all_bytes - (all_saved - kept)
+        out.append(Option(Choice(plan), keeps, own, seconds))
+        if evictable:
+            out.append(Option(Choice(plan, True), 0, own,
+                              seconds + planner.cost.offload_s_for_bytes(keeps)))
     return tuple(out)
 
 
@@ -192,12 +217,20 @@ def problem_from_model(planner: Planner, room: LayerRoom, figures: Sequence[Laye
                        end_in_use_bytes: int, budget_bytes: int,
                        menu: Optional[Sequence[LayerPlan]] = None) -> Problem:
     """One micro-batch's problem from figures measured with everything saved:
-    `end_in_use_bytes` is the head's backward peak then (every layer keeping all). The
-    bytes the layers below keep with everything saved are taken out of each base, so the
-    plans put back what they keep."""
-    layers, saved_below = [], 0
-    for f in figures:
-        layers.append(Layer(f.in_use_bytes - saved_below,
-                            layer_options(planner, room, f, menu)))
-        saved_below += planner.fixed(ALL_SAVE, f.num_routed).device_bytes
-    return Problem(tuple(layers), budget_bytes, end_in_use_bytes - saved_below)
+    `end_in_use_bytes` is the head's backward peak then (every layer keeping all). What
+    each layer keeps with everything saved is taken out of the bases above it, and its
+    options put back what they keep. A layer keeps, with everything saved, the growth of
+    the device from its decision to the next one's, less what the next one holds there,
+    plus what it held itself (`layer_bytes`); without those figures, or for the last
+    layer (no later decision to evict it at), its expert path's saved bytes only."""
+    layers, kept_below = [], 0
+    for i, f in enumerate(figures):
+        nxt = figures[i + 1] if i + 1 < len(figures) else None
+        measured = nxt is not None and f.layer_bytes and nxt.layer_bytes
+        all_saved = planner.fixed(ALL_SAVE, f.num_routed).device_bytes
+        kept_all = (nxt.in_use_bytes - nxt.layer_bytes - f.in_use_bytes + f.layer_bytes
+                    if measured else all_saved)
+        layers.append(Layer(f.in_use_bytes - kept_below,
+                            layer_options(planner, room, f, kept_all, bool(measured), menu)))
+        kept_below += kept_all
+    return Problem(tuple(layers), budget_bytes, end_in_use_bytes - kept_below)

@@ -22,7 +22,7 @@ from spikeguard.plan.cost import CostModel
 from spikeguard.plan.decide import LayerFacts, decide_layer
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.layer_room import LayerRoom
-from spikeguard.plan.oracle import (Layer, LayerFigures, Option, Problem, exhaustive,
+from spikeguard.plan.oracle import (Choice, Layer, LayerFigures, Option, Problem, exhaustive,
                                     least_budget, peak_of, problem_from_model, solve)
 from spikeguard.plan.planner import Planner
 
@@ -120,7 +120,33 @@ def test_catalogue_menu_on_the_planner_byte_model_matches_exhaustive(fraction):
     if want.feasible:
         assert got.seconds == pytest.approx(want.seconds, rel=1e-12, abs=1e-15)
     if fraction == 1.0:   # the all-saved peak fits: nothing to pay
-        assert got.seconds == 0.0 and set(got.labels(problem)) == {ALL_SAVE}
+        assert got.seconds == 0.0 and set(got.labels(problem)) == {Choice(ALL_SAVE)}
+
+
+def test_whole_layer_eviction_reaches_budgets_the_plans_alone_cannot():
+    # Measured layers: each keeps its attention part and a shared part beside its expert
+    # path; evicting it all at the next decision is the option adaptive's evictor has.
+    planner = Planner(SHAPE, _cost())
+    room = LayerRoom.from_shape(SHAPE.bytes_per_token())
+    plain = _figures([900, 1500, 1200])
+    shared = 15_000
+    figures, grow = [], 0
+    for f in plain:
+        figures.append(LayerFigures(f.in_use_bytes + grow, f.num_routed, f.grads_to_come,
+                                    f.layer_part_bytes, layer_bytes=f.layer_part_bytes))
+        grow += shared
+    end = figures[-1].in_use_bytes + planner.fixed(ALL_SAVE, 1200).device_bytes + 30_000
+    no_evict = [LayerFigures(f.in_use_bytes, f.num_routed, f.grads_to_come, f.layer_part_bytes)
+                for f in figures]
+    least_plain = solve(problem_from_model(planner, room, no_evict, end, 1)).least_budget_bytes
+    problem = problem_from_model(planner, room, figures, end, least_plain - 1)
+    assert len(problem.layers[0].options) == 2 * len(problem.layers[2].options)
+    sol = solve(problem)
+    assert sol.feasible and any(c.evict for c in sol.labels(problem))
+    # Two layers' worth of it against every combination (192 x 192 x 96).
+    small = Problem(problem.layers[1:], problem.budget_bytes, problem.end_bytes)
+    want = exhaustive(small)
+    assert solve(small).seconds == pytest.approx(want.seconds, rel=1e-12, abs=1e-15)
 
 
 def test_a_cut_on_the_model_moves_the_layer_with_most_routed_copies_first():
@@ -131,7 +157,7 @@ def test_a_cut_on_the_model_moves_the_layer_with_most_routed_copies_first():
     sol = solve(problem)
     assert sol.feasible
     for static in (ALL_OFFLOAD, EXPERTS_RECOMPUTE):
-        idx = [list(l.options).index(next(o for o in l.options if o.label == static))
+        idx = [list(l.options).index(next(o for o in l.options if o.label == Choice(static)))
                for l in problem.layers]
         if peak_of(problem, idx) <= problem.budget_bytes:
             assert sol.seconds <= sum(l.options[i].seconds for l, i in zip(problem.layers, idx))
@@ -178,7 +204,7 @@ def _adaptive_walk(counts, problem: Problem, figures, head_bytes: int):
         in_use = layer.base_bytes + sum(kept)
         out = decide_layer(facts, in_use, room, forecast, planner, evictor)
         evicted += in_use - out.in_use_bytes
-        opt = next(o for o in layer.options if o.label == out.decision.plan)
+        opt = next(o for o in layer.options if o.label == Choice(out.decision.plan))
         peak = max(peak, out.in_use_bytes + opt.own_peak_bytes)
         seconds += opt.seconds
         kept.append(opt.kept_bytes)

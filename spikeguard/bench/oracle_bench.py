@@ -1,0 +1,334 @@
+"""Adaptive against the oracle, the static policies and the ceiling, at budgets that cut.
+
+    .venv/bin/python -m spikeguard.bench.oracle_bench --preset small --reps 11
+
+One process, the same data every step for every policy (spikeguard/bench/runtime_ratios.py's
+setup: no optimizer step, so every policy's model stays the same and every step routes
+alike), at each fraction of the true peak (the all-saved step's whole device count,
+measured by a probe with no limit). The rows, timed interleaved round by round:
+
+  ceiling        the plain model, no guard, no limit
+  full           every layer recomputed whole
+  none, experts, offload
+                 the catalogue's static plans in every layer (one that runs out of the
+                 budget is shown so, and not timed)
+  oracle         the best plan with hindsight (spikeguard/plan/oracle.py): per micro-batch
+                 and layer, from the probe's exact routed counts and in-use, every
+                 combination of the catalogue's plans on the planner's byte model (the
+                 adaptive guard's calibrated layer peaks and cost model), RUN FOR REAL: a
+                 guard whose `decide` seam returns the oracle's plan for each layer
+  adaptive       the guard as shipped
+  static in advance   the static plan the byte model predicts fits at least cost (full
+                 when none does): what one would pick before running
+  static in hindsight the fastest static policy that ran within the budget, measured here
+
+Ratios are per round (each policy's seconds against the ceiling's or the oracle's in the
+same round), median and range over the rounds; the first round warms up and is dropped.
+CPU figures, emulated device (the CPU allocator counting every live storage).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+import spikeguard
+from spikeguard.data.corpus import load_corpus
+from spikeguard.errors import DeviceOutOfMemory, UsageError
+from spikeguard.memory.budget import format_bytes
+from spikeguard.model import build_model, model_config
+from spikeguard.plan.catalogue import POLICY_PLANS
+from spikeguard.plan.oracle import Choice, LayerFigures, peak_of, problem_from_model, solve
+from spikeguard.bench.runtime_ratios import decision_cells, plain_step, time_interleaved
+
+STATICS = ("none", "experts", "offload")
+
+
+class Recorder:
+    """A guard's `decide` seam that notes what the window knows at each decision (the
+    probe's all-saved figures) and decides as the window would."""
+
+    def __init__(self, guard):
+        self.guard, self.seen = guard, []
+
+    def decide(self, layer: int, num_routed: int):
+        w = self.guard.window
+        mb = w.ctx.micro_batch
+        part = w.ledger.bytes_by(mb, layer) - w.ledger.bytes_by(mb, layer, "dispatch")
+        self.seen.append((mb, layer, w.ledger.in_use(), num_routed, w.grads_to_come.get(layer, 0),
+                          part, w.num_tokens, w.ledger.bytes_by(mb, layer)))
+        return w.decide(layer, num_routed)
+
+
+class PlanTable:
+    """A guard's `decide` seam that returns a fixed plan per (micro-batch, layer): the
+    oracle's, computed before the step from its routed counts; the layers it evicts are
+    moved to host at the next layer's decision, counted as the guard counts evictions."""
+
+    def __init__(self, guard, choices: dict):
+        self.guard, self.choices = guard, choices
+
+    def decide(self, layer: int, num_routed: int):
+        mb = self.guard.window.ctx.micro_batch
+        if layer > 0 and self.choices[(mb, layer - 1)].evict:
+            freed = self.guard.tracker.evict_layer(mb, layer - 1)
+            step = self.guard.recorder
+            if step is not None:
+                step.evicted_bytes += freed
+        return self.guard.planner.fixed(self.choices[(mb, layer)].plan, num_routed)
+
+
+def probe(cfg, seed: int, batches) -> tuple[int, list]:
+    """The true all-saved peak and the window's figures at every decision."""
+    guard = spikeguard.attach(build_model(cfg, seed=seed), budget=1 << 50, policy="none")
+    rec = Recorder(guard)
+    guard.decide = rec.decide
+    guard.run_step(lambda: plain_step(guard.model, batches))
+    peak = guard.history[-1]["peak_bytes"]
+    guard.detach()
+    return peak, rec.seen
+
+
+def oracle_problems(seen: list, guard, budget: int) -> dict:
+    """Micro-batch -> the oracle's problem, on `guard`'s (adaptive, warmed up) byte model:
+    its calibrated layer peaks, cost model, prefetch margin and the head's bytes per token
+    its forecast measured (plan/room.py's to-come at the last layer)."""
+    planner, room, fc = guard.planner, guard.layer_room.room, guard.forecast
+    num_layers = max(s[1] for s in seen) + 1
+    by_mb: dict[int, list] = {}
+    for mb, layer, in_use, routed, grads, part, tokens, holds in seen:
+        margin = part if guard.engine.prefetch_enabled and layer < num_layers - 1 else 0
+        by_mb.setdefault(mb, []).append(
+            (layer, LayerFigures(in_use, routed, grads, part, margin, holds), tokens))
+    out = {}
+    for mb, rows in by_mb.items():
+        rows.sort(key=lambda r: r[0])
+        figures = [f for _, f, _ in rows]
+        last, tokens = figures[-1], rows[-1][2]
+        per_token = fc.head_bytes_per_token + fc.post_bytes_per_token + fc.combine_bytes_per_token
+        end = (last.in_use_bytes + planner.fixed(POLICY_PLANS["none"], last.num_routed).device_bytes
+               + int(per_token * tokens))
+        out[mb] = problem_from_model(planner, room, figures, end, budget)
+    return out
+
+
+def static_in_advance(problems: dict) -> tuple[str, float]:
+    """The static plan the byte model predicts fits at least predicted cost ('full' when
+    none does), and that cost in seconds."""
+    best = ("full", float("inf"))
+    for name in STATICS:
+        plan, fits, seconds = POLICY_PLANS[name], True, 0.0
+        for p in problems.values():
+            idx = [next(i for i, o in enumerate(l.options) if o.label == Choice(plan))
+                   for l in p.layers]
+            fits &= peak_of(p, idx) <= p.budget_bytes
+            seconds += sum(l.options[i].seconds for l, i in zip(p.layers, idx))
+        if fits and seconds < best[1]:
+            best = (name, seconds)
+    return best
+
+
+def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, reps: int) -> dict:
+    """Every row at one budget, timed interleaved."""
+    budget = int(fraction * peak)
+    models = {"ceiling": build_model(cfg, seed=seed)}
+    guards = {}
+    for name in ("full",) + STATICS + ("oracle", "adaptive"):
+        models[name] = build_model(cfg, seed=seed)
+        guards[name] = spikeguard.attach(models[name], budget=budget,
+                                         policy="none" if name == "oracle" else name)
+    # The adaptive guard's first step calibrates the byte model the oracle is solved on.
+    guards["adaptive"].run_step(lambda: plain_step(models["adaptive"], batches))
+    problems = oracle_problems(seen, guards["adaptive"], budget)
+    solutions = {mb: solve(p) for mb, p in problems.items()}
+    notes = {"oracle": _oracle_note(problems, solutions)}
+    if all(s.feasible for s in solutions.values()):
+        plans = {(mb, layer): label for mb, s in solutions.items()
+                 for layer, label in enumerate(s.labels(problems[mb]))}
+        guards["oracle"].decide = PlanTable(guards["oracle"], plans).decide
+    else:
+        _drop(models, guards, "oracle")
+    for name in STATICS + ("oracle",):
+        if name in guards:   # a static plan that does not fit dies of it, as a job would
+            try:
+                guards[name].run_step(lambda: plain_step(models[name], batches))
+            except DeviceOutOfMemory as err:
+                notes[name] = f"out of memory: {str(err).splitlines()[0][:90]}"
+                _drop(models, guards, name)
+    times = time_interleaved(models, guards, batches, reps, list(models), step=plain_step)
+    advance, _ = static_in_advance(problems)
+    return summarize(times, guards, notes, budget, peak, fraction, advance)
+
+
+def _drop(models: dict, guards: dict, name: str) -> None:
+    guards.pop(name).detach()
+    models.pop(name)
+
+
+def _oracle_note(problems: dict, solutions: dict) -> str:
+    if not all(s.feasible for s in solutions.values()):
+        least = max(s.least_budget_bytes for s in solutions.values())
+        return f"no combination fits: the least budget any does is {format_bytes(least)}"
+    plans = {}
+    for mb, s in solutions.items():
+        for label in s.labels(problems[mb]):
+            plans[label.describe()] = plans.get(label.describe(), 0) + 1
+    predicted = sum(s.seconds for s in solutions.values())
+    return (f"predicted +{predicted * 1e3:.1f} ms a step; plans: "
+            + "; ".join(f"{n}x {d}" for d, n in sorted(plans.items(), key=lambda kv: -kv[1])))
+
+
+def _ratio(num: list, den: list) -> dict:
+    """Per-round ratio of tokens/s (den's seconds over num's): median, quartiles, range,
+    and the rounds a median within +-0.01 would need (95%: the median's standard error is
+    about 1.25 sd / sqrt(n) for a normal spread)."""
+    r = sorted(d / n for n, d in zip(num, den))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0], r[0], r[0]]
+    sd = statistics.stdev(r) if len(r) > 1 else 0.0
+    return {"median": statistics.median(r), "q1": q[0], "q3": q[2], "min": r[0], "max": r[-1],
+            "n": len(r), "n_for_0.01": math.ceil((1.96 * 1.2533 * sd / 0.01) ** 2)
+            if len(r) > 1 else None}
+
+
+def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fraction: float,
+              advance: str) -> dict:
+    """Per policy: tokens/s, ratio to the ceiling per round, memory and decisions."""
+    rows = {}
+    for p, seconds in times.items():
+        hist = guards[p].history[1:] if p in guards else []
+        rows[p] = {"median_s": statistics.median(seconds),
+                   "vs_ceiling": _ratio(seconds, times["ceiling"]),
+                   "peak_bytes": max((h["peak_bytes"] for h in hist), default=peak),
+                   "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
+                   "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
+                   "decisions": hist[-1]["decisions"] if hist else {},
+                   "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
+                   "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
+                   "note": notes.get(p, "")}
+    ran = [p for p in ("full",) + STATICS if p in times]
+    hindsight = min(ran, key=lambda p: rows[p]["median_s"])
+    out = {"fraction": fraction, "budget_bytes": budget, "true_peak_bytes": peak,
+           "static_in_advance": advance if advance in times else None,
+           "static_in_hindsight": hindsight, "policies": rows, "not_run": {
+               p: n for p, n in notes.items() if p not in times}}
+    if "oracle" in times:
+        out["adaptive_over_oracle"] = _ratio(times["adaptive"], times["oracle"])
+    out["adaptive_over_ceiling"] = rows["adaptive"]["vs_ceiling"]
+    full, ad = rows["full"]["vs_ceiling"]["median"], rows["adaptive"]["vs_ceiling"]["median"]
+    out["gap_closed"] = (ad - full) / (1 - full) if full < 1 else float("nan")
+    return out
+
+
+def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fractions,
+            seed: int = 0) -> dict:
+    cfg = model_config(preset)
+    gen = torch.Generator().manual_seed(seed)
+    corpus = load_corpus(None)
+    batches = [corpus.get_batch("train", batch_size, cfg.seq_len, gen)
+               for _ in range(micro_batches)]
+    peak, seen = probe(cfg, seed, batches)
+    return {"preset": preset, "reps": reps, "batch_size": batch_size,
+            "micro_batches": micro_batches, "tokens_per_step": batch_size * micro_batches
+            * cfg.seq_len, "true_peak_bytes": peak,
+            "budgets": [one_budget(cfg, seed, batches, peak, seen, f, reps) for f in fractions]}
+
+
+def _cell(r: dict) -> str:
+    return f"{r['median']:.3f} ({r['q1']:.2f}-{r['q3']:.2f})"
+
+
+def table_lines(result: dict) -> list[str]:
+    """The markdown table per budget (what docs/oracle.md shows)."""
+    lines = []
+    tokens = result["tokens_per_step"]
+    for b in result["budgets"]:
+        lines += ["", f"`{result['preset']}` at {b['fraction']:.2f}x: budget "
+                  f"{format_bytes(b['budget_bytes'])}, true peak {format_bytes(b['true_peak_bytes'])} "
+                  f"(CPU, emulated device; medians of {result['reps']} rounds, quartiles in brackets)", "",
+                  "| policy | tok/s | vs ceiling | peak / budget | overruns | re-runs "
+                  "| save / recompute / offload (last step) | evicted (last step) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, row in b["policies"].items():
+            tag = {b["static_in_advance"]: " (static in advance)"}.get(name, "")
+            if name == b["static_in_hindsight"]:
+                tag += " (static in hindsight)"
+            lines.append(f"| {name}{tag} | {tokens / row['median_s']:.0f} | {_cell(row['vs_ceiling'])} "
+                         f"| {format_bytes(row['peak_bytes'])} / "
+                         f"{'none' if name == 'ceiling' else format_bytes(b['budget_bytes'])} "
+                         f"| {row['overruns']} | {row['safety_net_reruns']} | "
+                         + " | ".join(decision_cells(row)) + " |")
+        for name, note in b["not_run"].items():
+            lines.append(f"| {name} | - | - | - | - | - | {note} | - |")
+        lines += ["", f"static in advance (the byte model's pick): {b['static_in_advance'] or 'none fits'}; "
+                  f"static in hindsight (fastest that ran): {b['static_in_hindsight']}", ""]
+        if "adaptive_over_oracle" in b:
+            ao = b["adaptive_over_oracle"]
+            lines.append(f"adaptive/oracle {_cell(ao)} (range {ao['min']:.2f}-{ao['max']:.2f}; "
+                         f"about {ao['n_for_0.01'] or '-'} rounds would resolve +-0.01), ")
+        lines[-1] += (f"adaptive/ceiling {_cell(b['adaptive_over_ceiling'])}, gap closed "
+                      f"{b['gap_closed']:.0%}; oracle: {b['policies'].get('oracle', {}).get('note') or b['not_run'].get('oracle', '')}")
+    return lines
+
+
+def main(argv=None) -> int:
+    from spikeguard.errors import ArgumentParser
+    from spikeguard.train.config import MAX_THREADS
+
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--fractions", default="0.85,0.7",
+                        help="budgets as fractions of the true peak, comma-separated")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, metavar="FILE")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json")
+    try:
+        args = parser.parse_args(argv)
+        fractions = _check(args, MAX_THREADS)
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(0)
+        result = measure(args.preset, args.batch_size, args.micro_batches, args.reps, fractions)
+        print("\n".join(table_lines(result)))
+        if args.json:
+            from spikeguard.files import atomic_write
+            atomic_write(args.json, json.dumps(result, indent=1) + "\n",
+                         overwrite=args.overwrite, what="--json")
+    except UsageError as err:
+        print(f"spikeguard: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check(args, max_threads: int) -> list[float]:
+    """Every argument checked before anything runs; the fractions parsed."""
+    for name in ("batch_size", "micro_batches", "reps"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    try:
+        fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        raise UsageError(f"--fractions must be numbers separated by commas, got "
+                         f"{args.fractions!r}") from None
+    if not all(0 < f <= 1 for f in fractions):
+        raise UsageError(f"--fractions must each be in (0, 1], got {args.fractions!r}")
+    if not 0 < args.threads <= max_threads:
+        raise UsageError(f"--threads must be in [1, {max_threads}], got {args.threads}")
+    from spikeguard.model.config import activation_bytes_floor, check_trainable_size
+    cfg = model_config(args.preset)
+    check_trainable_size(cfg.num_params, activation_bytes_floor(
+        args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
+        f"model {args.preset}")
+    if args.json:
+        from spikeguard.files import check_output
+        check_output("--json", args.json, overwrite=args.overwrite)
+    return fractions
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
