@@ -12,19 +12,16 @@ measured by a probe with no limit). The rows, timed interleaved round by round:
   none, experts, offload
                  the catalogue's static plans in every layer (one that runs out of the
                  budget is shown so, and not timed)
-  oracle         the best plan with hindsight (spikeguard/plan/oracle.py): per micro-batch
-                 and layer, from the probe's exact routed counts and in-use, every
-                 combination of the catalogue's plans on the planner's byte model (the
-                 adaptive guard's calibrated layer peaks and cost model), RUN FOR REAL: a
-                 guard whose `decide` seam returns the oracle's plan for each layer
+  oracle         the best plans and evictions with hindsight (plan/oracle_evict.py) from
+                 the probe's exact counts and in-use, on the adaptive guard's calibrated
+                 byte and cost model, RUN FOR REAL through the guard's `decide` seam
   adaptive       the guard as shipped
-  static in advance   the static plan the byte model predicts fits at least cost (full
-                 when none does): what one would pick before running
-  static in hindsight the fastest static policy that ran within the budget, measured here
+  static in advance / in hindsight: the static plan the byte model predicts fits at
+                 least cost (full when none does) / the fastest that ran within the budget
 
-Ratios are per round (each policy's seconds against the ceiling's or the oracle's in the
-same round), median and range over the rounds; the first round warms up and is dropped.
-CPU figures, emulated device (the CPU allocator counting every live storage).
+Ratios are per round against the ceiling's or the oracle's seconds in the same round
+(median, quartiles, range); the first round warms up and is dropped. CPU figures,
+emulated device (the CPU allocator counting every live storage).
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ import json
 import math
 import statistics
 import sys
+from typing import Optional
 
 import torch
 
@@ -42,15 +40,15 @@ from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.memory.budget import format_bytes
 from spikeguard.model import build_model, model_config
 from spikeguard.plan.catalogue import POLICY_PLANS
-from spikeguard.plan.oracle import Choice, LayerFigures, peak_of, problem_from_model, solve
+from spikeguard.plan.oracle import Choice, LayerFigures, peak_of, problem_from_model
+from spikeguard.plan.oracle_evict import solve_evict
 from spikeguard.bench.runtime_ratios import decision_cells, plain_step, time_interleaved
 
 STATICS = ("none", "experts", "offload")
 
 
 class Recorder:
-    """A guard's `decide` seam that notes what the window knows at each decision (the
-    probe's all-saved figures) and decides as the window would."""
+    """A `decide` seam noting what the window knows at each decision, deciding as it does."""
 
     def __init__(self, guard):
         self.guard, self.seen = guard, []
@@ -66,19 +64,24 @@ class Recorder:
 
 class PlanTable:
     """A guard's `decide` seam that returns a fixed plan per (micro-batch, layer): the
-    oracle's, computed before the step from its routed counts; the layers it evicts are
-    moved to host at the next layer's decision, counted as the guard counts evictions."""
+    oracle's, computed before the step from its routed counts. Its evictions are made at
+    the decisions it planned them for: `evict_at[(mb, layer)]` bytes of the layers below,
+    earliest first as adaptive's evictor moves them, and a whole layer chosen with
+    `Choice.evict` at the next decision; counted as the guard counts evictions."""
 
-    def __init__(self, guard, choices: dict):
-        self.guard, self.choices = guard, choices
+    def __init__(self, guard, choices: dict, evict_at: Optional[dict] = None):
+        self.guard, self.choices, self.evict_at = guard, choices, evict_at or {}
 
     def decide(self, layer: int, num_routed: int):
         mb = self.guard.window.ctx.micro_batch
+        freed = 0
         if layer > 0 and self.choices[(mb, layer - 1)].evict:
-            freed = self.guard.tracker.evict_layer(mb, layer - 1)
-            step = self.guard.recorder
-            if step is not None:
-                step.evicted_bytes += freed
+            freed += self.guard.tracker.evict_layer(mb, layer - 1)
+        if self.evict_at.get((mb, layer)):
+            freed += self.guard.tracker.evict(mb, layer, self.evict_at[(mb, layer)])
+        step = self.guard.recorder
+        if step is not None:
+            step.evicted_bytes += freed
         return self.guard.planner.fixed(self.choices[(mb, layer)].plan, num_routed)
 
 
@@ -112,7 +115,8 @@ def oracle_problems(seen: list, guard, budget: int) -> dict:
         per_token = fc.head_bytes_per_token + fc.post_bytes_per_token + fc.combine_bytes_per_token
         end = (last.in_use_bytes + planner.fixed(POLICY_PLANS["none"], last.num_routed).device_bytes
                + int(per_token * tokens))
-        out[mb] = problem_from_model(planner, room, figures, end, budget)
+        out[mb] = problem_from_model(planner, room, figures, end, budget,
+                                     whole_layer_evictions=False)
     return out
 
 
@@ -132,6 +136,43 @@ def static_in_advance(problems: dict) -> tuple[str, float]:
     return best
 
 
+class Tally:
+    """A `decide` seam deciding as the window does, noting each layer's plan and routed
+    count of the step, to cost adaptive's plans on the oracle's cost model afterwards."""
+
+    def __init__(self, guard):
+        self.guard, self.last = guard, []
+
+    def decide(self, layer: int, num_routed: int):
+        decision = self.guard.window.decide(layer, num_routed)
+        if layer == 0 and self.guard.window.ctx.micro_batch == 0:   # a step, or its re-run
+            self.last = []
+        self.last.append((decision.plan, num_routed))
+        return decision
+
+
+def predicted(seen: list, guard, budget: int, tally: Tally, oracle_choices) -> dict:
+    """Added seconds a step, on the adaptive guard's cost model as it ended the run (the
+    same model for both): the oracle solved again on it, the oracle's plans as run, and
+    adaptive's last step (its plans and the round trip of what it evicted; a layer it
+    recomputed whole at its entry is not in it, `full_layers` counts those)."""
+    problems = oracle_problems(seen, guard, budget)
+    evict_s = guard.cost.offload_s_for_bytes
+    best = [solve_evict(p, evict_s) for p in problems.values()]
+    out = {"oracle_s": sum(b.seconds for b in best) if all(b.feasible for b in best) else None}
+    if oracle_choices is not None:
+        choices, evict_at = oracle_choices
+        out["oracle_run_s"] = sum(
+            next(o.seconds for o in p.layers[layer].options if o.label == choices[(mb, layer)])
+            for mb, p in problems.items() for layer in range(len(p.layers))) + sum(
+            evict_s(n) for n in evict_at.values())
+    record = guard.history[-1]
+    out["adaptive_s"] = (sum(guard.planner.added_s(plan, n) for plan, n in tally.last)
+                         + guard.cost.offload_s_for_bytes(record["evicted_bytes"]))
+    out["adaptive_full_layers"] = record["full_layers"]
+    return out
+
+
 def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, reps: int) -> dict:
     """Every row at one budget, timed interleaved."""
     budget = int(fraction * peak)
@@ -141,15 +182,21 @@ def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, 
         models[name] = build_model(cfg, seed=seed)
         guards[name] = spikeguard.attach(models[name], budget=budget,
                                          policy="none" if name == "oracle" else name)
+    tally = Tally(guards["adaptive"])
+    guards["adaptive"].decide = tally.decide
     # The adaptive guard's first step calibrates the byte model the oracle is solved on.
     guards["adaptive"].run_step(lambda: plain_step(models["adaptive"], batches))
     problems = oracle_problems(seen, guards["adaptive"], budget)
-    solutions = {mb: solve(p) for mb, p in problems.items()}
+    evict_s = guards["adaptive"].cost.offload_s_for_bytes
+    solutions = {mb: solve_evict(p, evict_s) for mb, p in problems.items()}
     notes = {"oracle": _oracle_note(problems, solutions)}
+    plans = None
     if all(s.feasible for s in solutions.values()):
-        plans = {(mb, layer): label for mb, s in solutions.items()
-                 for layer, label in enumerate(s.labels(problems[mb]))}
-        guards["oracle"].decide = PlanTable(guards["oracle"], plans).decide
+        choices = {(mb, i): problems[mb].layers[i].options[c].label
+                   for mb, s in solutions.items() for i, c in enumerate(s.choices)}
+        evict_at = {(mb, i): n for mb, s in solutions.items() for i, n in enumerate(s.evict_at)}
+        plans = (choices, evict_at)
+        guards["oracle"].decide = PlanTable(guards["oracle"], choices, evict_at).decide
     else:
         _drop(models, guards, "oracle")
     for name in STATICS + ("oracle",):
@@ -161,24 +208,26 @@ def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, 
                 _drop(models, guards, name)
     times = time_interleaved(models, guards, batches, reps, list(models), step=plain_step)
     advance, _ = static_in_advance(problems)
-    return summarize(times, guards, notes, budget, peak, fraction, advance)
+    out = summarize(times, guards, notes, budget, peak, fraction, advance)
+    out["predicted"] = predicted(seen, guards["adaptive"], budget, tally, plans)
+    return out
 
 
 def _drop(models: dict, guards: dict, name: str) -> None:
-    guards.pop(name).detach()
-    models.pop(name)
+    guards.pop(name).detach(), models.pop(name)
 
 
 def _oracle_note(problems: dict, solutions: dict) -> str:
     if not all(s.feasible for s in solutions.values()):
-        least = max(s.least_budget_bytes for s in solutions.values())
-        return f"no combination fits: the least budget any does is {format_bytes(least)}"
+        return "no combination fits, even evicting everything below each layer"
     plans = {}
     for mb, s in solutions.items():
-        for label in s.labels(problems[mb]):
-            plans[label.describe()] = plans.get(label.describe(), 0) + 1
+        for layer, c in zip(problems[mb].layers, s.choices):
+            d = layer.options[c].label.describe()
+            plans[d] = plans.get(d, 0) + 1
     predicted = sum(s.seconds for s in solutions.values())
-    return (f"predicted +{predicted * 1e3:.1f} ms a step; plans: "
+    evict = sum(s.evict_bytes for s in solutions.values())
+    return (f"predicted +{predicted * 1e3:.1f} ms a step, evicting {format_bytes(evict)}; plans: "
             + "; ".join(f"{n}x {d}" for d, n in sorted(plans.items(), key=lambda kv: -kv[1])))
 
 
@@ -267,11 +316,27 @@ def table_lines(result: dict) -> list[str]:
                   f"static in hindsight (fastest that ran): {b['static_in_hindsight']}", ""]
         if "adaptive_over_oracle" in b:
             ao = b["adaptive_over_oracle"]
-            lines.append(f"adaptive/oracle {_cell(ao)} (range {ao['min']:.2f}-{ao['max']:.2f}; "
-                         f"about {ao['n_for_0.01'] or '-'} rounds would resolve +-0.01), ")
-        lines[-1] += (f"adaptive/ceiling {_cell(b['adaptive_over_ceiling'])}, gap closed "
-                      f"{b['gap_closed']:.0%}; oracle: {b['policies'].get('oracle', {}).get('note') or b['not_run'].get('oracle', '')}")
+            lines += [f"adaptive/oracle {_cell(ao)} (range {ao['min']:.2f}-{ao['max']:.2f}; "
+                      f"about {ao['n_for_0.01'] or '-'} rounds would resolve +-0.01); "
+                      f"adaptive/ceiling {_cell(b['adaptive_over_ceiling'])}, gap from full "
+                      f"to the ceiling closed {b['gap_closed']:.0%}", ""]
+        oracle = b["policies"].get("oracle", {}).get("note") or b["not_run"].get("oracle", "")
+        lines += [_predicted_line(b["predicted"]) + ".", "", f"oracle: {oracle}"]
     return lines
+
+
+def _predicted_line(p: dict) -> str:
+    """The cost model's added time a step, noise-free: the oracle's bound against adaptive."""
+    ad = p["adaptive_s"] * 1e3
+    if p["oracle_s"] is None:
+        return f"on the cost model adaptive adds {ad:.1f} ms a step; the oracle finds no plan"
+    orc = p["oracle_s"] * 1e3
+    ratio = f" ({ad / orc:.2f}x the oracle's)" if orc > 0 else ""
+    full = p["adaptive_full_layers"]
+    return (f"on the cost model (no noise) a step adds {orc:.1f} ms under the oracle, "
+            f"{ad:.1f} ms under adaptive{ratio}"
+            + (f", besides the {full} layer(s) adaptive recomputed whole (not costed)"
+               if full else ""))
 
 
 def main(argv=None) -> int:

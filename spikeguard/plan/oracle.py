@@ -215,14 +215,17 @@ def layer_options(planner: Planner, room: LayerRoom, f: LayerFigures, kept_all_b
 
 def problem_from_model(planner: Planner, room: LayerRoom, figures: Sequence[LayerFigures],
                        end_in_use_bytes: int, budget_bytes: int,
-                       menu: Optional[Sequence[LayerPlan]] = None) -> Problem:
+                       menu: Optional[Sequence[LayerPlan]] = None,
+                       whole_layer_evictions: bool = True) -> Problem:
     """One micro-batch's problem from figures measured with everything saved:
     `end_in_use_bytes` is the head's backward peak then (every layer keeping all). What
     each layer keeps with everything saved is taken out of the bases above it, and its
     options put back what they keep. A layer keeps, with everything saved, the growth of
     the device from its decision to the next one's, less what the next one holds there,
     plus what it held itself (`layer_bytes`); without those figures, or for the last
-    layer (no later decision to evict it at), its expert path's saved bytes only."""
+    layer (no later decision to evict it at), its expert path's saved bytes only.
+    `whole_layer_evictions` False leaves those options out (plan/oracle_evict.py evicts
+    to the byte instead)."""
     layers, kept_below = [], 0
     for i, f in enumerate(figures):
         nxt = figures[i + 1] if i + 1 < len(figures) else None
@@ -231,6 +234,7 @@ def problem_from_model(planner: Planner, room: LayerRoom, figures: Sequence[Laye
         kept_all = (nxt.in_use_bytes - nxt.layer_bytes - f.in_use_bytes + f.layer_bytes
                     if measured else all_saved)
         layers.append(Layer(f.in_use_bytes - kept_below,
-                            layer_options(planner, room, f, kept_all, bool(measured), menu)))
+                            layer_options(planner, room, f, kept_all,
+                                          bool(measured) and whole_layer_evictions, menu)))
         kept_below += kept_all
     return Problem(tuple(layers), budget_bytes, end_in_use_bytes - kept_below)
