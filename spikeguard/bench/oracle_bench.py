@@ -96,11 +96,12 @@ def probe(cfg, seed: int, batches) -> tuple[int, list]:
     return peak, rec.seen
 
 
-def oracle_problems(seen: list, guard, budget: int) -> dict:
+def oracle_problems(seen: list, guard, budget: int, room=None) -> dict:
     """Micro-batch -> the oracle's problem, on `guard`'s (adaptive, warmed up) byte model:
-    its calibrated layer peaks, cost model, prefetch margin and the head's bytes per token
-    its forecast measured (plan/room.py's to-come at the last layer)."""
-    planner, room, fc = guard.planner, guard.layer_room.room, guard.forecast
+    its calibrated layer peaks (or `room`), cost model, prefetch margin and the head's
+    bytes per token its forecast measured (plan/room.py's to-come at the last layer)."""
+    planner, fc = guard.planner, guard.forecast
+    room = room or guard.layer_room.room
     num_layers = max(s[1] for s in seen) + 1
     by_mb: dict[int, list] = {}
     for mb, layer, in_use, routed, grads, part, tokens, holds in seen:
@@ -138,25 +139,27 @@ def static_in_advance(problems: dict) -> tuple[str, float]:
 
 class Tally:
     """A `decide` seam deciding as the window does, noting each layer's plan and routed
-    count of the step, to cost adaptive's plans on the oracle's cost model afterwards."""
+    count of the step, to cost adaptive's plans on the oracle's cost model afterwards; and
+    the layer peaks the step decided with (`room`: a step's end recalibrates them)."""
 
     def __init__(self, guard):
-        self.guard, self.last = guard, []
+        self.guard, self.last, self.room = guard, [], None
 
     def decide(self, layer: int, num_routed: int):
-        decision = self.guard.window.decide(layer, num_routed)
         if layer == 0 and self.guard.window.ctx.micro_batch == 0:   # a step, or its re-run
-            self.last = []
+            self.last, self.room = [], self.guard.layer_room.room
+        decision = self.guard.window.decide(layer, num_routed)
         self.last.append((decision.plan, num_routed))
         return decision
 
 
 def predicted(seen: list, guard, budget: int, tally: Tally, oracle_choices) -> dict:
-    """Added seconds a step, on the adaptive guard's cost model as it ended the run (the
-    same model for both): the oracle solved again on it, the oracle's plans as run, and
-    adaptive's last step (its plans and the round trip of what it evicted; a layer it
-    recomputed whole at its entry is not in it, `full_layers` counts those)."""
-    problems = oracle_problems(seen, guard, budget)
+    """Added seconds a step, on the adaptive guard's cost model as it ended the run and the
+    layer peaks its last step decided with (the same model for both): the oracle solved
+    again on it, the oracle's plans as run, and adaptive's last step (its plans and the
+    round trip of what it evicted, at layer entries too; a layer it recomputed whole at
+    its entry is not in it, `full_layers` counts those)."""
+    problems = oracle_problems(seen, guard, budget, tally.room)
     evict_s = guard.cost.offload_s_for_bytes
     best = [solve_evict(p, evict_s) for p in problems.values()]
     out = {"oracle_s": sum(b.seconds for b in best) if all(b.feasible for b in best) else None}
@@ -259,7 +262,7 @@ def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fr
                    "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
                    "note": notes.get(p, "")}
     ran = [p for p in ("full",) + STATICS if p in times]
-    hindsight = min(ran, key=lambda p: rows[p]["median_s"])
+    hindsight = max(ran, key=lambda p: rows[p]["vs_ceiling"]["median"])   # as the column
     out = {"fraction": fraction, "budget_bytes": budget, "true_peak_bytes": peak,
            "static_in_advance": advance if advance in times else None,
            "static_in_hindsight": hindsight, "policies": rows, "not_run": {
@@ -313,7 +316,7 @@ def table_lines(result: dict) -> list[str]:
         for name, note in b["not_run"].items():
             lines.append(f"| {name} | - | - | - | - | - | {note} | - |")
         lines += ["", f"static in advance (the byte model's pick): {b['static_in_advance'] or 'none fits'}; "
-                  f"static in hindsight (fastest that ran): {b['static_in_hindsight']}", ""]
+                  f"static in hindsight (the best median vs ceiling that ran): {b['static_in_hindsight']}", ""]
         if "adaptive_over_oracle" in b:
             ao = b["adaptive_over_oracle"]
             lines += [f"adaptive/oracle {_cell(ao)} (range {ao['min']:.2f}-{ao['max']:.2f}; "
@@ -327,14 +330,11 @@ def table_lines(result: dict) -> list[str]:
 
 def _predicted_line(p: dict) -> str:
     """The cost model's added time a step, noise-free: the oracle's bound against adaptive."""
-    ad = p["adaptive_s"] * 1e3
+    ad, orc, full = p["adaptive_s"] * 1e3, (p["oracle_s"] or 0) * 1e3, p["adaptive_full_layers"]
     if p["oracle_s"] is None:
         return f"on the cost model adaptive adds {ad:.1f} ms a step; the oracle finds no plan"
-    orc = p["oracle_s"] * 1e3
-    ratio = f" ({ad / orc:.2f}x the oracle's)" if orc > 0 else ""
-    full = p["adaptive_full_layers"]
     return (f"on the cost model (no noise) a step adds {orc:.1f} ms under the oracle, "
-            f"{ad:.1f} ms under adaptive{ratio}"
+            f"{ad:.1f} ms under adaptive" + (f" ({ad / orc:.2f}x the oracle's)" if orc else "")
             + (f", besides the {full} layer(s) adaptive recomputed whole (not costed)"
                if full else ""))
 
