@@ -64,24 +64,22 @@ class Recorder:
 
 class PlanTable:
     """A guard's `decide` seam that returns a fixed plan per (micro-batch, layer): the
-    oracle's, computed before the step from its routed counts. Its evictions are made at
-    the decisions it planned them for: `evict_at[(mb, layer)]` bytes of the layers below,
-    earliest first as adaptive's evictor moves them, and a whole layer chosen with
-    `Choice.evict` at the next decision; counted as the guard counts evictions."""
+    oracle's (plan/oracle_evict.py), computed before the step from its routed counts. Its
+    evictions are made at the decisions it planned them for: `evict_at[(mb, layer)]` bytes
+    of the layers below, earliest first as adaptive's evictor moves them, counted as the
+    guard counts evictions. (plan/oracle.py's whole-layer evictions are not run here.)"""
 
     def __init__(self, guard, choices: dict, evict_at: Optional[dict] = None):
         self.guard, self.choices, self.evict_at = guard, choices, evict_at or {}
 
     def decide(self, layer: int, num_routed: int):
         mb = self.guard.window.ctx.micro_batch
-        freed = 0
-        if layer > 0 and self.choices[(mb, layer - 1)].evict:
-            freed += self.guard.tracker.evict_layer(mb, layer - 1)
+        assert not self.choices[(mb, layer)].evict, "whole-layer evictions are not run here"
         if self.evict_at.get((mb, layer)):
-            freed += self.guard.tracker.evict(mb, layer, self.evict_at[(mb, layer)])
-        step = self.guard.recorder
-        if step is not None:
-            step.evicted_bytes += freed
+            freed = self.guard.tracker.evict(mb, layer, self.evict_at[(mb, layer)])
+            step = self.guard.recorder
+            if step is not None:
+                step.evicted_bytes += freed
         return self.guard.planner.fixed(self.choices[(mb, layer)].plan, num_routed)
 
 

@@ -218,12 +218,6 @@ class SavedTensorTracker:
                 return freed
         return freed
 
-    def evict_layer(self, micro_batch: int, layer: int) -> int:
-        """Offload every saved tensor of one layer of `micro_batch` still on the device; the
-        bytes freed. The oracle's plans (spikeguard/plan/oracle.py) evict whole layers,
-        which `evict`'s earliest-first order cannot name."""
-        return self._evict_layer(micro_batch, layer, 0, 1 << 62)
-
     def _evict_layer(self, micro_batch: int, layer: int, freed: int, num_bytes: int) -> int:
         """Evict `layer` of `micro_batch` until `num_bytes` are freed in all; the total."""
         for ref in self.holders.get((micro_batch, layer), []):
