@@ -242,6 +242,9 @@ _BLOCKS = [
     Block("runtime-ratios", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset small "
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
     Block("oracle-small", ORACLE, oracle_bench, output="oracle.json", timeout_s=3000),
+    Block("oracle-medium", ".venv/bin/python -m spikeguard.bench.oracle_bench --preset medium "
+          "--batch-size 4 --reps 3 --json oracle.json", oracle_bench, output="oracle.json",
+          timeout_s=3600),
     Block("titan-loss-outside", ".venv/bin/spikeguard train --titan deepseek_v3 --steps 6 "
           "--policy adaptive --budget 15666016", _last_lines, timeout_s=600),
 ]

@@ -320,7 +320,7 @@ def table_lines(result: dict) -> list[str]:
             lines += [f"adaptive/oracle {_cell(ao)} (range {ao['min']:.2f}-{ao['max']:.2f}; "
                       f"about {ao['n_for_0.01'] or '-'} rounds would resolve +-0.01); "
                       f"adaptive/ceiling {_cell(b['adaptive_over_ceiling'])}, gap from full "
-                      f"to the ceiling closed {b['gap_closed']:.0%}", ""]
+                      f"to the ceiling closed {'-' if math.isnan(b['gap_closed']) else format(b['gap_closed'], '.0%')}", ""]
         oracle = b["policies"].get("oracle", {}).get("note") or b["not_run"].get("oracle", "")
         lines += [_predicted_line(b["predicted"]) + ".", "", f"oracle: {oracle}"]
     return lines
