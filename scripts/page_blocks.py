@@ -120,6 +120,14 @@ def runtime_ratios(record: dict) -> str:
             + _example(record, "read the ratios as +-0.03"))
 
 
+def oracle_bench(record: dict) -> str:
+    from spikeguard.bench.oracle_bench import table_lines
+
+    return ("\n".join(table_lines(record["output"])).strip() + "\n\n"
+            + _example(record, "read the ratios with their ranges; which operator moves "
+                       "follows the cost model's timings"))
+
+
 PUBLISHED = {"ceiling": "", "none": "30%, crashing", "full": "24.6%", "adaptive":
              "32.9% average, 35% best"}   # the production run's figures (DESIGN.md), quoted
 
@@ -200,6 +208,8 @@ def _from_json(path: str) -> Callable[[dict], str]:
 SIM = ".venv/bin/spikeguard simulate --preset 1t --calibrate-mfu 0.246 --json sim.json"
 SIM_DOCS = (".venv/bin/spikeguard simulate --preset 1t --calibrate-mfu 0.246 --scaling "
             "--scaling-steps 300 --json sim.json")   # docs/simulator.md's command, its run
+ORACLE = (".venv/bin/python -m spikeguard.bench.oracle_bench --preset small --reps 11 "
+          "--json oracle.json")
 VARIES = "which operator moves, and how much is evicted, follow the cost model's timings"
 
 _BLOCKS = [
@@ -231,6 +241,10 @@ _BLOCKS = [
           timeout_s=1800, links=("scripts", "tests")),
     Block("runtime-ratios", ".venv/bin/python -m spikeguard.bench.runtime_ratios --preset small "
           "--reps 15 --json ratios.json", runtime_ratios, output="ratios.json", timeout_s=1800),
+    Block("oracle-small", ORACLE, oracle_bench, output="oracle.json", timeout_s=3000),
+    Block("oracle-medium", ".venv/bin/python -m spikeguard.bench.oracle_bench --preset medium "
+          "--batch-size 4 --reps 3 --json oracle.json", oracle_bench, output="oracle.json",
+          timeout_s=3600),
     Block("titan-loss-outside", ".venv/bin/spikeguard train --titan deepseek_v3 --steps 6 "
           "--policy adaptive --budget 15666016", _last_lines, timeout_s=600),
 ]

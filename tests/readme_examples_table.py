@@ -124,6 +124,12 @@ EXAMPLES: dict = {
     "--overwrite": Run(cap={"--steps": 10}, expect=("adaptive",), long=True),   # 100 steps: 42 s
     "python -m spikeguard.bench.runtime_ratios --preset small --reps 15":
         Run(cap={"--reps": 1}, expect=("evicted", "adaptive"), long=True),
+    "python -m spikeguard.bench.oracle_bench --preset small --reps 11":
+        Run(cap={"--reps": 1, "--fractions": "0.7"}, expect=("adaptive/oracle", "evicted"),
+            long=True),
+    "python -m spikeguard.bench.oracle_bench --preset medium --batch-size 4 --reps 3":
+        Listed("`medium` steps take seconds each here (one round about 2 min at load 4): "
+               "the same code as the `small` line above, which is run capped"),
     "make bench-pp": Run(cap={"--steps": 2, "--segments": 1, "--checkpoint-every": 1},
                          expect=("adaptive",), timeout_s=300, long=True),   # 48 steps: 2.2 min
     "python -m spikeguard.plan.room": Run(expect=("per decision",)),

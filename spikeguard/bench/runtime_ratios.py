@@ -27,8 +27,9 @@ from spikeguard.model import build_model, model_config
 POLICIES = ("ceiling", "full", "adaptive")
 
 
-def _step(model, batches) -> float:
-    """Forward and backward of every micro-batch; seconds."""
+def plain_step(model, batches) -> float:
+    """Forward and backward of every micro-batch; seconds (the step every policy of this
+    bench and spikeguard/bench/oracle_bench.py runs)."""
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     for idx_BT, targets_BT in batches:
@@ -37,7 +38,7 @@ def _step(model, batches) -> float:
 
 
 def _guarded_step(model, guard, batches) -> float:
-    return guard.run_step(lambda: _step(model, batches))
+    return guard.run_step(lambda: plain_step(model, batches))
 
 
 def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fraction: float,
@@ -67,7 +68,7 @@ def time_interleaved(models: dict, guards: dict, batches, reps: int, policies,
     without a guard (the ceiling) runs plainly (its allocations still pass through the
     emulated device's allocator, uncounted: the counter's cost is paid alike). `step(model, batches) -> seconds` runs
     one step's forwards and backwards (default: the built-in model's)."""
-    step = step or _step
+    step = step or plain_step
     times = {p: [] for p in policies}
     for rep in range(reps + 1):
         for p in policies:
