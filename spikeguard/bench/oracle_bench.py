@@ -42,7 +42,8 @@ from spikeguard.model import build_model, model_config
 from spikeguard.plan.catalogue import POLICY_PLANS
 from spikeguard.plan.oracle import Choice, LayerFigures, peak_of, problem_from_model
 from spikeguard.plan.oracle_evict import solve_evict
-from spikeguard.bench.runtime_ratios import decision_cells, plain_step, time_interleaved
+from spikeguard.bench.runtime_ratios import (check_workload, decision_cells, plain_step,
+                                             time_interleaved, workload_parser)
 
 STATICS = ("none", "experts", "offload")
 
@@ -338,22 +339,13 @@ def _predicted_line(p: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from spikeguard.errors import ArgumentParser
-    from spikeguard.train.config import MAX_THREADS
-
-    parser = ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--micro-batches", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=7)
+    parser = workload_parser(__doc__.splitlines()[0])
     parser.add_argument("--fractions", default="0.85,0.7",
                         help="budgets as fractions of the true peak, comma-separated")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None, metavar="FILE")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json")
     try:
         args = parser.parse_args(argv)
-        fractions = _check(args, MAX_THREADS)
+        fractions = _fractions(args.fractions)
+        check_workload(args)
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         result = measure(args.preset, args.batch_size, args.micro_batches, args.reps, fractions)
@@ -368,30 +360,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _check(args, max_threads: int) -> list[float]:
-    """Every argument checked before anything runs; the fractions parsed."""
-    for name in ("batch_size", "micro_batches", "reps"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+def _fractions(text: str) -> list[float]:
+    """--fractions parsed and checked."""
     try:
-        fractions = [float(f) for f in args.fractions.split(",")]
+        fractions = [float(f) for f in text.split(",")]
     except ValueError:
         raise UsageError(f"--fractions must be numbers separated by commas, got "
-                         f"{args.fractions!r}") from None
+                         f"{text!r}") from None
     if not all(0 < f <= 1 for f in fractions):
-        raise UsageError(f"--fractions must each be in (0, 1], got {args.fractions!r}")
-    if not 0 < args.threads <= max_threads:
-        raise UsageError(f"--threads must be in [1, {max_threads}], got {args.threads}")
-    from spikeguard.model.config import activation_bytes_floor, check_trainable_size
-    cfg = model_config(args.preset)
-    check_trainable_size(cfg.num_params, activation_bytes_floor(
-        args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
-        f"model {args.preset}")
-    if args.json:
-        from spikeguard.files import check_output
-        check_output("--json", args.json, overwrite=args.overwrite)
+        raise UsageError(f"--fractions must each be in (0, 1], got {text!r}")
     return fractions
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -154,39 +154,52 @@ def _decisions(counts: dict) -> str:
     return " / ".join(str(counts.get(a, 0)) for a in ("save", "recompute", "offload"))
 
 
-def main(argv=None) -> int:
+def workload_parser(description: str):
+    """The arguments of both one-process benches (this one and oracle_bench): the model,
+    its micro-batches, the rounds, the threads and the JSON output."""
     from spikeguard.errors import ArgumentParser
-    from spikeguard.train.config import MAX_THREADS
 
-    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=description)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--fraction", type=float, default=0.85)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: steadier on a shared machine)")
     parser.add_argument("--json", default=None, metavar="FILE",
                         help="also write the figures as JSON (scripts/pages.py renders the "
-                             "README's table from it); an existing file needs --overwrite")
+                             "docs' tables from it); an existing file needs --overwrite")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --json")
+    return parser
+
+
+def check_workload(args) -> None:
+    """workload_parser's arguments, checked before anything runs (one line each)."""
+    from spikeguard.model.config import activation_bytes_floor, check_trainable_size
+    from spikeguard.train.config import MAX_THREADS
+
+    for name in ("batch_size", "micro_batches", "reps"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if not 0 < args.threads <= MAX_THREADS:
+        raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
+    cfg = model_config(args.preset)   # an unknown preset: one line
+    check_trainable_size(cfg.num_params, activation_bytes_floor(   # train's own check
+        args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
+        f"model {args.preset}")
+    if args.json:
+        from spikeguard.files import check_output
+        check_output("--json", args.json, overwrite=args.overwrite)
+
+
+def main(argv=None) -> int:
+    parser = workload_parser(__doc__.splitlines()[0])
+    parser.add_argument("--fraction", type=float, default=0.85)
     try:
         args = parser.parse_args(argv)   # a mistake is one line (UsageError), no abbreviation
-        for name in ("batch_size", "micro_batches", "reps"):
-            if getattr(args, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive")
         if not 0 < args.fraction <= 1:
             raise UsageError(f"--fraction must be in (0, 1], got {args.fraction}")
-        if not 0 < args.threads <= MAX_THREADS:
-            raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
-        from spikeguard.model.config import activation_bytes_floor, check_trainable_size
-        cfg = model_config(args.preset)   # an unknown preset: one line
-        check_trainable_size(cfg.num_params, activation_bytes_floor(   # train's own check
-            args.batch_size * cfg.seq_len, cfg.vocab_size, cfg.d_model, cfg.num_layers),
-            f"model {args.preset}")
-        if args.json:
-            from spikeguard.files import check_output
-            check_output("--json", args.json, overwrite=args.overwrite)
+        check_workload(args)
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         result = measure(args.preset, args.batch_size, args.micro_batches, args.reps,
