@@ -5,8 +5,10 @@ The runtime's decision window (spikeguard/runtime/window.py), its hookless proof
 each collect their numbers (the device's in-use, the layer's measured attention part, its
 routed count) and call these functions; none of them repeats the steps:
 
-    at a layer's entry   entry_fallback: would even its least plan overflow? then it is
-                         recomputed whole, and room is made now for its whole backward
+    at a layer's entry   entry_fallback: would even its least plan overflow? then the
+                         layers below make room where that costs less than its
+                         recompute; else it is recomputed whole, and room is made now for
+                         its whole backward
     after routing        decide_layer: window state -> planner inputs (plan/room.py) ->
                          evict first if the layer's own peaks do not fit -> the planner's
                          least-cost plan -> evict what that plan still needs
@@ -25,7 +27,7 @@ from typing import Callable, Protocol
 
 from spikeguard.plan.planner import Decision, Planner
 from spikeguard.plan.room import (EntryState, ToCome, WindowState, decision_inputs,
-                                  entry_estimate, layer_cannot_fit)
+                                  entry_estimate, entry_overflow, layer_cannot_fit)
 
 
 class Evictor(Protocol):
@@ -124,31 +126,57 @@ def decide_layer(facts: LayerFacts, in_use: int, slopes: Slopes, forecast: ToCom
         state = window_state(facts, in_use, evictor.evictable(), slopes)
         note_backward(state.layer_backward_peak_bytes, in_use)
         room = decision_inputs(state, forecast)
-    decision = planner.decide(*room.planner_args())
+    # What only the rest of the micro-batch needs is left to its later layers to move, as
+    # far as they will be able to (the parts they and this layer leave): evicted lazily,
+    # it is evicted only if the rest of the micro-batch really comes to need it.
+    later = forecast.later_evictable(facts.layer, facts.layer_part_bytes)
+    decision = planner.decide(*room.planner_args(),
+                              deferrable_bytes=min(room.to_come_bytes, later))
     if decision.evict_bytes:
         in_use -= evictor.evict(decision.evict_bytes)
     return LayerDecision(decision, in_use)
 
 
 def entry_fallback(entry: EntryState, forecast: ToCome, slopes: Slopes, grads_to_come: int,
-                   evictor: Evictor, note_backward: NoteBackward = _ignore,
+                   evictor: Evictor, planner: Planner, note_backward: NoteBackward = _ignore,
                    fixed_backward: tuple[int, int] = (0, 0)) -> bool:
     """Before a layer's forward: would it overflow even with its expert path at the least
-    the planner can keep? Then it is recomputed whole (True) rather than discovered
-    mid-layer; recomputed whole it still comes back whole in its backward, with its
-    gradients, beside what the layers below keep: that is made to fit now, by eviction."""
-    if not layer_cannot_fit(entry, forecast):
+    the planner can keep? Where the layers below can give the bytes for less than the
+    layer's recompute would cost, they do (what its own forward needs, now; the rest as
+    later layers come) and it runs planned (False). Else it is recomputed whole (True)
+    rather than discovered mid-layer; recomputed whole it still comes back whole in its
+    backward, with its gradients, beside what the layers below keep: that is made to fit
+    now, by eviction."""
+    overflow, own = entry_overflow(entry, forecast)
+    if overflow <= 0:
         return False
-    estimate = entry_estimate(entry)
-    if estimate is not None:
-        part, routed = estimate
-        backward = slopes.whole_backward(entry.in_use_bytes, part, int(routed), grads_to_come,
-                                         fixed_backward)
-        note_backward(backward, entry.in_use_bytes)
-        short = backward + entry.resident_backward_bytes - entry.budget_bytes
-        if short > 0:
-            evictor.evict(short)
+    part, routed = entry_estimate(entry)
+    if _evicting_pays(entry, overflow, own, part, int(routed), forecast, evictor, planner):
+        if own > 0:
+            evictor.evict(own)
+        return False
+    backward = slopes.whole_backward(entry.in_use_bytes, part, int(routed), grads_to_come,
+                                     fixed_backward)
+    note_backward(backward, entry.in_use_bytes)
+    short = backward + entry.resident_backward_bytes - entry.budget_bytes
+    if short > 0:
+        evictor.evict(short)
     return True
+
+
+def _evicting_pays(entry: EntryState, overflow: int, own: int, part: int, routed: int,
+                   forecast: ToCome, evictor: Evictor, planner: Planner) -> bool:
+    """Can the layers below give a layer's overflow, evicting lazily, for less than its
+    recompute? Its own forward's part must be evictable now; the rest by the time it is
+    needed (what is evictable now, and the attention parts this layer and the later ones
+    leave). Recomputed whole, a layer frees about what its least plan keeps, for at least
+    its expert path's forward again: that many bytes' round trip is the price to beat."""
+    evictable = evictor.evictable()
+    if own > evictable or overflow > evictable + forecast.later_evictable(entry.layer, part):
+        return False
+    freed_by_recompute = part + entry.min_bytes_per_token * routed
+    return (planner.cost.offload_s_for_bytes(min(overflow, freed_by_recompute))
+            <= planner.whole_recompute_s(routed))
 
 
 def fits_unaided(entry: EntryState, facts: LayerFacts, in_use: int, slopes: Slopes,

@@ -90,6 +90,13 @@ class Forecast:
         resident = self.resident_bytes + self._pipeline(layer, whole)[0]
         return int(post + remaining * per_layer + head + resident)
 
+    def later_evictable(self, layer: int, layer_part_bytes: int) -> int:
+        """Bytes that will be on the device to evict before this micro-batch's forward ends
+        and are not yet: this layer's and the later layers' attention parts (saved tensors
+        the tracker holds), each movable once the layer after it runs; the last layer's is
+        not counted."""
+        return max(0, self.num_layers - layer - 1) * layer_part_bytes
+
     def backward_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
                          min_expert_bytes_per_token: int, num_tokens: int) -> int:
         """Bytes the other micro-batches of the pipeline will hold on this stage while this

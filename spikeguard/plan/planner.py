@@ -121,9 +121,11 @@ class Planner:
                              + self.cost.offload_s_per_token(plan, self.shape))
 
     def decide(self, num_routed: int, headroom_bytes: int, evictable_bytes: int = 0,
-               backward_room: Optional[int] = None) -> Decision:
+               backward_room: Optional[int] = None, deferrable_bytes: int = 0) -> Decision:
         """Least added time within `headroom_bytes` (and `backward_room`, when given);
-        evicts or raises when nothing fits."""
+        evicts or raises when nothing fits. `deferrable_bytes`: of a forward shortfall,
+        what only the rest of the micro-batch needs and its later layers will be able to
+        move then (the decision evicts only the rest now)."""
         keep_all = self._keep_all()
         if keep_all is not None:
             need = self._fixed_per_plan(keep_all)[0] * num_routed + self.layer_bytes(keep_all)[0]
@@ -135,29 +137,28 @@ class Planner:
                 return Decision(r.plan, need, r.s_per_token * num_routed)
         # Nothing fits: take the plan with the smallest shortfall over both passes, and
         # evict that much from earlier layers (evicted bytes leave the device in both).
-        def shortfall_of(r: Ranked) -> int:
+        def shortfalls(r: Ranked) -> tuple[int, int]:
             fixed_device, fixed_offload = self.layer_bytes(r.plan)
             need = r.device_bytes_per_token * num_routed + fixed_device
-            short = need - headroom_bytes
-            if backward_room is not None:
-                short = max(short, need + r.offload_bytes_per_token * num_routed
-                            + fixed_offload - backward_room)
-            return short
+            backward = (need + r.offload_bytes_per_token * num_routed + fixed_offload
+                        - backward_room) if backward_room is not None else 0
+            return need - headroom_bytes, backward
 
-        smallest = min(self.ranked(), key=lambda r: (shortfall_of(r), r.s_per_token))
+        smallest = min(self.ranked(), key=lambda r: (max(shortfalls(r)), r.s_per_token))
         need = smallest.device_bytes_per_token * num_routed + self.layer_bytes(smallest.plan)[0]
-        shortfall = shortfall_of(smallest)
-        if shortfall <= evictable_bytes:
-            return Decision(smallest.plan, need, smallest.s_per_token * num_routed, shortfall)
+        forward, backward = shortfalls(smallest)
+        now = max(forward - deferrable_bytes, backward)
+        if now <= evictable_bytes:
+            return Decision(smallest.plan, need, smallest.s_per_token * num_routed, max(0, now))
         room = f"forward headroom {format_bytes(headroom_bytes)}"
         if backward_room is not None:
             room += f", backward room {format_bytes(backward_room)}"
         raise BudgetInfeasible(
             f"no plan fits: the least this layer's expert path can keep on the device is "
             f"{format_bytes(need)} ({format_bytes(smallest.offload_bytes_per_token * num_routed)} "
-            f"more come back from host in backward), {format_bytes(shortfall - evictable_bytes)} "
+            f"more come back from host in backward), {format_bytes(now - evictable_bytes)} "
             f"more than the room left after evicting earlier layers ({room})",
-            needed_bytes=shortfall - evictable_bytes)
+            needed_bytes=now - evictable_bytes)
 
     def _fits(self, r: Ranked, num_routed: int, headroom_bytes: int,
               backward_room: Optional[int]) -> Optional[int]:
@@ -177,6 +178,11 @@ class Planner:
         test, without the ranking's choice (the hookless proof asks it of later layers)."""
         return any(self._fits(r, num_routed, headroom_bytes, backward_room) is not None
                    for r in self.ranked())
+
+    def whole_recompute_s(self, num_routed: int) -> float:
+        """The seconds of recomputing every stage of the expert path for `num_routed`
+        copies: the least a layer recomputed whole (attention too) costs."""
+        return num_routed * max(self.cost.recompute_s_per_token(r.plan) for r in self.ranked())
 
     def least(self, num_routed: int) -> Decision:
         """The plan keeping the least on the device (when nothing fits and the forward must

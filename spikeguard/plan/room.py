@@ -36,6 +36,8 @@ class ToCome(Protocol):
     def backward_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
                          min_expert_bytes_per_token: int, num_tokens: int) -> int: ...
 
+    def later_evictable(self, layer: int, layer_part_bytes: int) -> int: ...
+
 
 @dataclass(frozen=True)
 class Seen:
@@ -198,19 +200,27 @@ def entry_estimate(state: EntryState) -> Optional[tuple[int, float]]:
             max(seen.max_routed, seen.routed_per_token * tokens))
 
 
-def layer_cannot_fit(state: EntryState, forecast: ToCome) -> bool:
-    """Would the layer overflow even with its expert path at the least the planner can
-    keep? (Then it is recomputed whole rather than discovered mid-layer.) Never before an
-    attention part was measured."""
+def entry_overflow(state: EntryState, forecast: ToCome) -> tuple[int, int]:
+    """(overflow, own overflow) at a layer's entry with its expert path at the least the
+    planner can keep: the bytes over budget with what is still to come in the micro-batch,
+    and without it (what must leave the device before this layer's own forward can run).
+    Not positive where it fits; (0, 0) before an attention part was measured."""
     estimate = entry_estimate(state)
     if estimate is None:
-        return False
+        return 0, 0
     layer_part, routed = estimate
     least = layer_part + state.min_bytes_per_token * routed
     to_come = forecast.still_to_come(state.layer, layer_part, routed, state.min_bytes_per_token,
                                      state.num_tokens)
-    return (state.in_use_bytes + least + to_come + state.resident_backward_bytes
-            + state.forward_extra_bytes > state.budget_bytes)
+    own = (state.in_use_bytes + least + state.resident_backward_bytes
+           + state.forward_extra_bytes - state.budget_bytes)
+    return int(own + to_come), int(own)
+
+
+def layer_cannot_fit(state: EntryState, forecast: ToCome) -> bool:
+    """Would the layer overflow even with its expert path at the least the planner can
+    keep, evicting nothing? Never before an attention part was measured."""
+    return entry_overflow(state, forecast)[0] > 0
 
 
 def _measure(reps: int = 300) -> None:

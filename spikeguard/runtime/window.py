@@ -210,7 +210,7 @@ class DecisionWindow:
         # Its backward is a working set later micro-batches must leave room for too.
         if not entry_fallback(entry, self.forecast, self.layer_room.room,
                               self.grads_to_come.get(layer, 0), self._evictor(mb, layer),
-                              functools.partial(self._predicted_backward, mb),
+                              self.planner, functools.partial(self._predicted_backward, mb),
                               self.layer_room.fsdp.layer_backward(layer)):
             return False
         step = self.recorder()

@@ -294,7 +294,8 @@ class Chunk:
         for i, count in enumerate(counts):
             start = now()
             entry = EntryState(i, cap, start, T, min_bpt, seen, resident_backward)
-            if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, peaks.note):
+            if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, planner,
+                              peaks.note):
                 layers.append(self._full_layer(count))
                 kept[0] += layers[-1].kept
                 forward_where.append((i, now() - in_use - layers[-1].kept

@@ -154,7 +154,8 @@ def test_evicting_earlier_layers_keeps_gradients_bitwise(plain_grads):
         mb = guard.ctx.micro_batch
         return sum(guard.ledger.bytes_by(mb, layer) for layer in range(-1, CFG.num_layers - 1))
 
-    def decide(num_routed, headroom_bytes, evictable_bytes=0, backward_room=None):
+    def decide(num_routed, headroom_bytes, evictable_bytes=0, backward_room=None,
+               deferrable_bytes=0):
         # Everything saved, and at the last layer: evict all that earlier layers can give.
         if guard.ctx.layer == CFG.num_layers - 1:
             seen.append((evictable_bytes, earlier_bytes()))

@@ -56,10 +56,10 @@ def _record(monkeypatch, module) -> dict:
         seen["calls"].append("decide_layer")
         return real_layer(*args, **kwargs)
 
-    def decide(self, *args):
+    def decide(self, *args, **kwargs):
         seen["decides"].append(args)
         seen["events"].append(("decide", args))
-        return real_decide(self, *args)
+        return real_decide(self, *args, **kwargs)
 
     monkeypatch.setattr(procedure, "decision_inputs", inputs)
     monkeypatch.setattr(module, "entry_fallback", entry)
@@ -140,10 +140,12 @@ def test_the_walk_remembers_as_the_window_does(monkeypatch, walker):
     stage_walker, dm = walker
     T, K = dm.tokens, 2
     calls = _record(monkeypatch, chunk)
-    real_fit = procedure.layer_cannot_fit
+    real_overflow = procedure.entry_overflow
     # layer 2 of the first micro-batch is recomputed whole, whatever its estimate says
-    monkeypatch.setattr(procedure, "layer_cannot_fit",
-                        lambda s, f: real_fit(s, f) or (s.layer == 2 and len(calls["entries"]) < 4))
+    # (an overflow no eviction can cover)
+    monkeypatch.setattr(procedure, "entry_overflow",
+                        lambda s, f: (1 << 50, 1 << 50) if s.layer == 2 and len(
+                            calls["entries"]) < 4 else real_overflow(s, f))
     spike, calm = 3 * T * K, T * K
     load = np.array([[calm, spike, 4 * T * K, calm], [calm, calm, calm, calm]])
     stage_walker.walk(load)

@@ -14,7 +14,9 @@ run's summary. The configurations exercise every path of the walk: the CPU prese
 whose layer slopes calibrate after each step, a pipeline with spikes (evictions,
 whole-layer recompute), the interleaved schedule, and a device small enough for the
 forward's safety net and step re-runs. Rewrite the file only for a change that is meant
-to move a figure, and say so in its commit.
+to move a figure, and say so in its commit. Rewritten once since: when a layer's entry
+first asked the layers below for the bytes it lacks (plan/decide.py `entry_fallback`),
+which moved adaptive's figures on the pipeline configurations (fewer whole layers).
 """
 
 import json
