@@ -12,7 +12,9 @@ first pays the Trainer's and the guard's setup). The ceiling is the Trainer with
 full and adaptive run under `guard_trainer` at `--fraction` x the ceiling's peak (the
 device's own peak counter with everything kept, the worst rank's). Each round's ratio is
 the ceiling's median step time over the policy's; printed: the median over rounds and the
-25th-75th percentile, with each policy's largest device peak. On a CPU-only machine the
+quartiles and the rounds a +-0.01 would need (spikeguard.bench.spread), with each policy's
+largest device peak (the guard's meter at each step's end: the optimizer step included;
+the ceiling's from a Trainer under a guard that keeps everything). On a CPU-only machine the
 device is emulated by the CPU allocator: CPU figures, not GPU ones.
 
 Under `--ep` a step's time is the group's: per step the slowest rank's wall seconds.
@@ -33,6 +35,8 @@ import statistics
 import time
 
 import torch
+
+from spikeguard.bench.spread import needed, spread
 
 POLICIES = ("ceiling", "full", "adaptive")
 HUGE = 1 << 40
@@ -129,13 +133,6 @@ def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: i
             "cpu_ratios": cpu_ratios, "peaks": peaks, "reruns": reruns}
 
 
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -158,14 +155,15 @@ def main() -> None:
         print(f"transformers Trainer, qwen3_moe 4 layers D=F=128{layout}; CPU, emulated device; "
               f"budget {a.fraction} x ceiling peak = {found['budget']} B; {a.reps} rounds")
         for policy, values in found["ratios"].items():
-            low, high = _quartiles(values)
-            cpu = found["cpu_ratios"][policy]
-            cpu_low, cpu_high = _quartiles(cpu)
-            print(f"  {policy:9s} / ceiling  median {statistics.median(values):.3f}  "
-                  f"(25-75%: {low:.3f}-{high:.3f})  cpu {statistics.median(cpu):.3f} "
-                  f"({cpu_low:.3f}-{cpu_high:.3f})  peak {found['peaks'][policy]} B "
+            wall, cpu = spread(values), spread(found["cpu_ratios"][policy])
+            print(f"  {policy:9s} / ceiling  median {wall['median']:.3f}  "
+                  f"(25-75%: {wall['q1']:.3f}-{wall['q3']:.3f})  cpu {cpu['median']:.3f} "
+                  f"({cpu['q1']:.3f}-{cpu['q3']:.3f})  peak {found['peaks'][policy]} B "
                   f"<= budget: {found['peaks'][policy] <= found['budget']}  "
-                  f"re-runs {found['reruns'][policy]}")
+                  f"re-runs {found['reruns'][policy]}  rounds for +-0.01: {needed(wall)} "
+                  f"(cpu {needed(cpu)})")
+        print("  (per-round ratios; peak: the device's whole count, the optimizer step "
+              "included: the guard's meter at each step's end)")
     if a.ep > 1:
         torch.distributed.destroy_process_group()
 
