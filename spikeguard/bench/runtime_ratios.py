@@ -130,7 +130,7 @@ def print_table(result: dict) -> None:
                       f"{vs['q1']:.2f}-{vs['q3']:.2f}", "-" if name == "ceiling" else needed(vs),
                       format_bytes(row["peak_bytes"]), str(row["overruns"]),
                       str(row["safety_net_reruns"]), *decision_cells(row))
-    console = Console(width=140)
+    console = Console(width=160)
     console.print(table)
     console.print(f"adaptive/ceiling {result['adaptive_over_ceiling']:.3f} | "
                   f"full/ceiling {result['full_over_ceiling']:.3f} | "

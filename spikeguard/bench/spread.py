@@ -10,8 +10,8 @@ Quartiles are `statistics.quantiles(..., method="inclusive")`: they stay inside 
 (the default, "exclusive", puts the first quartile of 2 rounds below the smaller one).
 `n_for_0.01`: the rounds for which a 95% interval of the median is +-0.01, the median's
 standard error being about 1.2533 sd / sqrt(n) for a normal spread:
-ceil((1.96 x 1.2533 x sd / 0.01)^2), sd the rounds' sample standard deviation (None from
-one round: no spread to scale).
+ceil((1.96 x 1.2533 x sd / 0.01)^2), at least 1, sd the rounds' sample standard deviation
+(None from one round: no spread to scale).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ MEDIAN_SE = 1.2533   # sqrt(pi / 2): the median's standard error over the mean's
 
 def rounds_for(sd: float, half_width: float = HALF_WIDTH) -> int:
     """Repetitions for a 95% interval of the median of +-half_width, given the spread sd."""
-    return math.ceil((Z_95 * MEDIAN_SE * sd / half_width) ** 2)
+    return max(1, math.ceil((Z_95 * MEDIAN_SE * sd / half_width) ** 2))
 
 
 def spread(values: Sequence[float]) -> dict:

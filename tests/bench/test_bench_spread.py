@@ -22,6 +22,7 @@ def test_quartiles_range_and_rounds_for_0_01_by_hand():
     assert s["n_for_0.01"] == 25
     # sd 0.005: ceil((1.96 x 1.2533 x 0.5)^2) = ceil(1.2282^2) = ceil(1.509) = 2
     assert spread.rounds_for(0.005) == 2
+    assert spread.rounds_for(0.0) == 1   # no spread seen: one round says it
     assert spread.cell(s) == "1.000 (0.99-1.01)"
     assert spread.needed(s) == "~25"
     assert spread.rounds_text(s) == "3 rounds, range 0.98-1.02, ~25 resolve +-0.01"
