@@ -28,6 +28,7 @@ from spikeguard.model import build_model, model_config
 from spikeguard.bench.spread import needed, ratio_spread
 
 POLICIES = ("ceiling", "full", "adaptive")
+ACTIONS = ("save", "recompute", "offload")
 
 
 def plain_step(model, batches) -> float:
@@ -149,6 +150,15 @@ def decision_cells(row: dict) -> tuple[str, str]:
             _evicted(row.get("evicted_bytes"), row.get("prefetched_bytes")))
 
 
+def moved_of(history: list[dict]) -> dict:
+    """Per-operator decisions and evictions summed over a guard's steps (`history`), in the
+    fields decision_cells reads: for the benches that show a run's sum, not its last step."""
+    return {"decisions": {a: sum((h.get("decisions") or {}).get(a, 0) for h in history)
+                          for a in ACTIONS},
+            "evicted_bytes": sum(h.get("evicted_bytes", 0) for h in history),
+            "prefetched_bytes": sum(h.get("prefetched_bytes", 0) for h in history)}
+
+
 def _evicted(num_bytes, back_bytes=None) -> str:
     """'61.3 MiB (61.3 MiB back)': evicted, and brought back for backward; '0'; '-'."""
     if num_bytes is None:
@@ -162,7 +172,7 @@ def _evicted(num_bytes, back_bytes=None) -> str:
 def _decisions(counts: dict) -> str:
     if not counts:
         return "-"
-    return " / ".join(str(counts.get(a, 0)) for a in ("save", "recompute", "offload"))
+    return " / ".join(str(counts.get(a, 0)) for a in ACTIONS)
 
 
 def workload_parser(description: str):

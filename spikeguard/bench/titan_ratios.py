@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from spikeguard.bench.runtime_ratios import ACTIONS, decision_cells, moved_of
 from spikeguard.bench.spread import cell, needed, ratio_spread
 from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned
@@ -92,10 +93,11 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
             peak = max(one_step(guard, i) for i in range(steps))
             torch.distributed.barrier()
             seconds = time.perf_counter() - start
+            moved = {} if guard is None else moved_of(guard.history)
             if guard is not None:
                 guard.detach()
             rows.append({"rep": rep, "setting": setting, "s": seconds, "peak": peak,
-                         "tokens": steps * 2 * batch * seq})
+                         "tokens": steps * 2 * batch * seq, **moved})
     (Path(out) / f"{rank}.json").write_text(json.dumps({"budget": budget, "rows": rows}))
     del model, opt, guard, probe
     close_gloo()
@@ -138,17 +140,25 @@ def main(argv=None) -> int:
 
 
 def table(rows: list[dict], peaks: dict) -> list[str]:
-    """The markdown table from rank 0's rows and the worst rank's peaks."""
+    """The markdown table from rank 0's rows and the worst rank's peaks; decisions and
+    evictions are rank 0's, summed over the timed rounds' steps."""
     ceiling = {r["rep"]: r["s"] for r in rows if r["setting"] == "ceiling"}
-    lines = ["| setting | tokens/s (rank 0) | vs ceiling | rounds for +-0.01 | peak (worst rank) |",
-             "|---|---|---|---|---|"]
+    lines = ["| setting | tokens/s (rank 0) | vs ceiling | rounds for +-0.01 | peak (worst rank) "
+             "| save / recompute / offload (rank 0) | evicted (rank 0) |",
+             "|---|---|---|---|---|---|---|"]
     for s in SETTINGS:
         mine = [r for r in rows if r["setting"] == s and r["rep"] > 0]
         tps = statistics.median(r["tokens"] / r["s"] for r in mine)
         vs = ratio_spread([r["s"] for r in mine], [ceiling[r["rep"]] for r in mine])
         peak = f"{peaks[s] / 2**20:.2f} MiB" if peaks[s] else "-"
+        guarded = [r for r in mine if "decisions" in r]
+        moved = {"decisions": {a: sum(r["decisions"][a] for r in guarded) for a in ACTIONS},
+                 "evicted_bytes": sum(r["evicted_bytes"] for r in guarded),
+                 "prefetched_bytes": sum(r["prefetched_bytes"] for r in guarded)} \
+            if guarded else {"decisions": {}}
         lines.append(f"| {s} | {tps:.0f} | {cell(vs)} | "
-                     f"{'-' if s == 'ceiling' else needed(vs)} | {peak} |")
+                     f"{'-' if s == 'ceiling' else needed(vs)} | {peak} | "
+                     + " | ".join(decision_cells(moved)) + " |")
     return lines
 
 

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from spikeguard.bench.runtime_ratios import ACTIONS, decision_cells, moved_of
 from spikeguard.bench.spread import needed, spread
 
 POLICIES = ("ceiling", "full", "adaptive")
@@ -56,6 +57,7 @@ class _Clock:
         from transformers import TrainerCallback
         clock = self
         self.seconds, self.cpu_seconds, self.peak, self.reruns = [], [], 0, 0
+        self.moved: dict = {}
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
@@ -90,6 +92,7 @@ def train(policy: str, budget: int, steps: int, batch: int, ep: int, rank: int) 
     guard = getattr(trainer, "spikeguard", None)
     if guard is not None:
         clock.reruns = sum(len(r["safety_net"]) for r in guard.history)
+        clock.moved = moved_of(guard.history)
     return clock
 
 
@@ -117,6 +120,7 @@ def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: i
     cpu_ratios = {p: [] for p in ratios}
     peaks = {p: 0 for p in ratios}
     reruns = {p: 0 for p in ratios}
+    moved = {p: [] for p in ratios}   # this rank's, per round
     for _ in range(reps):
         medians, cpu = {}, {}
         for policy in POLICIES:
@@ -126,11 +130,19 @@ def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: i
             if policy in peaks:
                 peaks[policy] = max(peaks[policy], _world_max(clock.peak, ep))
                 reruns[policy] += clock.reruns
+                moved[policy].append(clock.moved)
         for policy in ratios:
             ratios[policy].append(medians["ceiling"] / medians[policy])
             cpu_ratios[policy].append(cpu["ceiling"] / cpu[policy])
     return {"ceiling_peak": ceiling_peak, "budget": budget, "ratios": ratios,
-            "cpu_ratios": cpu_ratios, "peaks": peaks, "reruns": reruns}
+            "cpu_ratios": cpu_ratios, "peaks": peaks, "reruns": reruns,
+            "moved": {p: _summed(m) for p, m in moved.items()}}
+
+
+def _summed(rounds: list[dict]) -> dict:
+    """Decisions and evictions summed over the rounds (runtime_ratios.moved_of's fields)."""
+    return {"decisions": {a: sum(m["decisions"][a] for m in rounds) for a in ACTIONS},
+            **{k: sum(m[k] for m in rounds) for k in ("evicted_bytes", "prefetched_bytes")}}
 
 
 def main() -> None:
@@ -161,9 +173,11 @@ def main() -> None:
                   f"({cpu['q1']:.3f}-{cpu['q3']:.3f})  peak {found['peaks'][policy]} B "
                   f"<= budget: {found['peaks'][policy] <= found['budget']}  "
                   f"re-runs {found['reruns'][policy]}  rounds for +-0.01: {needed(wall)} "
-                  f"(cpu {needed(cpu)})")
+                  f"(cpu {needed(cpu)})  save / recompute / offload "
+                  + "  evicted ".join(decision_cells(found["moved"][policy])))
         print("  (per-round ratios; peak: the device's whole count, the optimizer step "
-              "included: the guard's meter at each step's end)")
+              "included: the guard's meter at each step's end; decisions and evictions: "
+              "rank 0's, summed over every round's steps)")
     if a.ep > 1:
         torch.distributed.destroy_process_group()
 

@@ -69,15 +69,25 @@ def test_runtime_ratios_table_shows_each_ratio_with_its_spread_and_rounds(capsys
 
 
 def test_titan_table_shows_each_ratio_with_its_spread_and_rounds():
+    from spikeguard.bench.runtime_ratios import moved_of
     from spikeguard.bench.titan_ratios import SETTINGS, table
 
     seconds = {"ceiling": [9.0, 1.0, 1.0, 1.0], "none": [9.0, 1.1, 1.0, 1.2],
                "full": [9.0, 2.0, 1.8, 1.6], "adaptive": [9.0, 1.1, 1.3, 1.2]}
-    rows = [{"rep": rep, "setting": s, "s": seconds[s][rep], "tokens": 100}
-            for rep in range(4) for s in SETTINGS]
+    mib = 1 << 20
+    # Adaptive's segments, as moved_of sums them from a guard's history: rep 0 (warm-up)
+    # evicted too, and is not counted.
+    moved = moved_of([{"decisions": {"save": 7, "offload": 1}, "evicted_bytes": mib,
+                       "prefetched_bytes": mib}, {"decisions": {"save": 8}}])
+    assert moved == {"decisions": {"save": 15, "recompute": 0, "offload": 1},
+                     "evicted_bytes": mib, "prefetched_bytes": mib}
+    rows = [{"rep": rep, "setting": s, "s": seconds[s][rep], "tokens": 100,
+             **(moved if s == "adaptive" else {})} for rep in range(4) for s in SETTINGS]
     lines = table(rows, {s: 2**20 for s in SETTINGS})
-    assert "rounds for +-0.01" in lines[0]
+    assert "rounds for +-0.01" in lines[0] and "evicted" in lines[0]
     by = {line.split(" | ")[0].strip("| "): line for line in lines[2:]}
     for s in ("none", "full", "adaptive"):   # rep 0 is the warm-up, dropped
         want = spread.ratio_spread(seconds[s][1:], seconds["ceiling"][1:])
         assert f"| {spread.cell(want)} | {spread.needed(want)} |" in by[s]
+    assert by["adaptive"].endswith("| 45 / 0 / 3 | 3 MiB (3 MiB back) |")   # 3 timed rounds
+    assert by["ceiling"].endswith("| - | - |")
