@@ -101,21 +101,30 @@ def bench_readme(record: dict) -> str:
 
 def runtime_ratios(record: dict) -> str:
     from spikeguard.bench.runtime_ratios import decision_cells
+    from spikeguard.bench.spread import cell, needed
     from spikeguard.memory.budget import format_bytes
 
     r = record["output"]
     ceiling = r["policies"]["ceiling"]["tokens_per_s"]
-    rows = ["| policy (`%s`, CPU, emulated device) | tokens/s | vs ceiling | peak / budget | "
+    spread = all("vs_ceiling" in p for p in r["policies"].values())   # per-round ratios
+    rows = ["| policy (`%s`, CPU, emulated device) | tokens/s | vs ceiling | %speak / budget | "
             "overruns | save / recompute / offload (last step) | evicted (last step) |"
-            % r["preset"], "|---|---|---|---|---|---|---|"]
+            % (r["preset"], "rounds for +-0.01 | " if spread else ""),
+            "|---|---|---|---|---|---|---|" + ("---|" if spread else "")]
     for name, p in r["policies"].items():
         budget = "none" if name == "ceiling" else format_bytes(r["budget_bytes"])
-        rows.append(f"| {name} | {p['tokens_per_s']:.0f} | {p['tokens_per_s'] / ceiling:.3f} | "
+        ratio = f"{p['tokens_per_s'] / ceiling:.3f} | "
+        if spread:
+            n = "-" if name == "ceiling" else needed(p["vs_ceiling"])
+            ratio = f"{cell(p['vs_ceiling'])} | {n} | "
+        rows.append(f"| {name} | {p['tokens_per_s']:.0f} | {ratio}"
                     f"{format_bytes(p['peak_bytes'])} / {budget} | {p['overruns']} | "
                     f"{' | '.join(decision_cells(p))} |")
     return ("\n".join(rows) + f"\n\nadaptive/ceiling {r['adaptive_over_ceiling']:.3f}, "
             f"full/ceiling {r['full_over_ceiling']:.3f}: adaptive closes "
-            f"{r['gap_closed']:.0%} of the gap; medians of {r['reps']}, budget "
+            f"{r['gap_closed']:.0%} of the gap; "
+            + ("per-round ratios, the median (quartiles) of " if spread else "medians of ")
+            + f"{r['reps']}, budget "
             f"{r['budget_bytes'] / r['ceiling_peak_bytes']:.2f}x the ceiling's true peak. "
             + _example(record, "read the ratios as +-0.03"))
 

@@ -390,8 +390,12 @@ def _rich_tables(text: str) -> list[dict]:
 
 
 def _spreads(table: dict) -> dict:
-    """{policy: (low, high)} from the `spread (25-75th pct ...)` line under a table."""
+    """{policy: (low, high)} from the `spread (25-75th pct ...)` line under a table, or
+    from its `quartiles` column (runtime_ratios.print_table prints it since)."""
     line = next((a for a in table.get("after", []) if a.startswith("spread")), "")
+    if not line:
+        return {r["policy"]: tuple(float(x) for x in r["quartiles"].split("-"))
+                for r in table["rows"] if "-" in r.get("quartiles", "")}
     return {k: (float(lo), float(hi)) for k, lo, hi in
             re.findall(r"(\w[\w-]*) (\d\.\d+)-(\d\.\d+)", line.split(":", 1)[-1])}
 

@@ -116,6 +116,11 @@ EXAMPLES: dict = {
     "make bench": Run(cap={"--steps": 4, "--segments": 1, "--checkpoint-every": 2},
                       expect=("adaptive", "evicted"), timeout_s=300, long=True),   # 200: 5.9 min
     BENCH: Listed("`make bench`'s recipe (test_make_targets_run_what_the_pages_say), run capped"),
+    # the README's short run; uncapped 2.4 min at load 8-9
+    "spikeguard bench --steps 24 --segments 4 --batch-size 2 --pattern one-hot-rank "
+    "--spike-prob 0.1 --checkpoint-every 6":
+        Run(cap={"--steps": 4, "--segments": 1, "--checkpoint-every": 2},
+            expect=("segments for +-0.01", "adaptive"), timeout_s=300, long=True),
     "spikeguard bench --help": Run(expect=("--restart-cost",)),
     "spikeguard report RUN.jsonl --plots DIR":
         Run(before=(".venv/bin/spikeguard train --preset tiny --steps 3 "

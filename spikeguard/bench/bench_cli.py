@@ -36,7 +36,10 @@ def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="every policy on the same routing spikes, "
                                               "side by side (crashes and restarts included)")
     work = bench.add_argument_group("workload")
-    work.add_argument("--preset", default="small", help="model preset (default small)")
+    work.add_argument("--preset", default="small",
+                      help="model preset (default small; tiny's 1-2 ms steps are too short "
+                           "to time: for a short run keep small and lower --steps and "
+                           "--batch-size)")
     work.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
     work.add_argument("--pp", type=int, default=1,
                       help="pipeline stages (default 1: none); processes = pp x ep x dp")

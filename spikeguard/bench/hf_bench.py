@@ -4,7 +4,8 @@
 
 One process, the same batches for every policy, runs interleaved (ceiling, none, full,
 experts, adaptive, ceiling, ...) so machine noise hits all alike; medians of the reps
-after one warm-up round. The ceiling is the plain transformers model, no guard, no limit;
+after one warm-up round, each ratio per round with its spread. The ceiling is the plain
+transformers model, no guard, no limit;
 "none" is the guard with an unlimited budget (its bookkeeping alone); the rest run under
 `--fraction` x the ceiling's peak (the device's true peak with everything kept). On a
 CPU-only machine the device is emulated by the CPU allocator (every live storage): these
@@ -17,13 +18,13 @@ Under transformers' own expert parallelism, every model laid out with
         -m spikeguard.bench.hf_bench --hf qwen3_moe --ep 2
 
 The budget is the fraction of the worst rank's ceiling peak; the times are rank 0's (the
-exchanges keep the ranks in step); rank 0 prints, with each policy's spread over the reps
-(the 25th to 75th percentile of its per-round ratio to that round's ceiling).
+exchanges keep the ranks in step); rank 0 prints. Every ratio is per round, the ceiling's
+seconds over the policy's in the same round: the median over the reps with its quartiles
+and the rounds a +-0.01 would need (spikeguard.bench.spread, as runtime_ratios prints it).
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -86,20 +87,10 @@ def measure(source: str, sizes: HFSizes, batch_size: int, micro_batches: int, re
     layout = f", transformers' EP {ep} x FSDP2, rank 0's times" if ep > 1 else ""
     result = summarize_ratios(times, guards, tokens, ceiling_peak, budget,
                               f"{source} (transformers{layout})")
-    result["ratio_spread"] = {p: _spread([c / t for c, t in zip(times["ceiling"], times[p])])
-                              for p in POLICIES}
     # Under EP: every rank's worst peak against the budget (the table shows rank 0's).
     result["world_peak_bytes"] = {p: _world_max(result["policies"][p]["peak_bytes"], ep)
                                   for p in POLICIES}
     return result
-
-
-def _spread(values: list[float]) -> tuple[float, float]:
-    """The 25th and 75th percentiles (one round: its value twice)."""
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
 
 
 def main(argv=None) -> int:
@@ -140,8 +131,6 @@ def main(argv=None) -> int:
                          args.fraction, ep=args.ep, rank=rank)
         if rank == 0:
             print_table(result)
-            print("spread (25-75th pct of per-round ratio to the ceiling): " + " | ".join(
-                f"{p} {lo:.3f}-{hi:.3f}" for p, (lo, hi) in result["ratio_spread"].items()))
             print("worst rank's peak: " + " | ".join(
                 f"{p} {v / 2**20:.2f} MiB" for p, v in result["world_peak_bytes"].items()))
     except UsageError as err:

@@ -44,6 +44,7 @@ from spikeguard.plan.oracle import Choice, LayerFigures, peak_of, problem_from_m
 from spikeguard.plan.oracle_evict import solve_evict
 from spikeguard.bench.runtime_ratios import (check_workload, decision_cells, plain_step,
                                              time_interleaved, workload_parser)
+from spikeguard.bench.spread import cell, needed, ratio_spread
 
 STATICS = ("none", "experts", "offload")
 
@@ -233,18 +234,6 @@ def _oracle_note(problems: dict, solutions: dict) -> str:
             + "; ".join(f"{n}x {d}" for d, n in sorted(plans.items(), key=lambda kv: -kv[1])))
 
 
-def _ratio(num: list, den: list) -> dict:
-    """Per-round ratio of tokens/s (den's seconds over num's): median, quartiles, range,
-    and the rounds a median within +-0.01 would need (95%: the median's standard error is
-    about 1.25 sd / sqrt(n) for a normal spread)."""
-    r = sorted(d / n for n, d in zip(num, den))
-    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0], r[0], r[0]]
-    sd = statistics.stdev(r) if len(r) > 1 else 0.0
-    return {"median": statistics.median(r), "q1": q[0], "q3": q[2], "min": r[0], "max": r[-1],
-            "n": len(r), "n_for_0.01": math.ceil((1.96 * 1.2533 * sd / 0.01) ** 2)
-            if len(r) > 1 else None}
-
-
 def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fraction: float,
               advance: str) -> dict:
     """Per policy: tokens/s, ratio to the ceiling per round, memory and decisions."""
@@ -252,7 +241,7 @@ def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fr
     for p, seconds in times.items():
         hist = guards[p].history[1:] if p in guards else []
         rows[p] = {"median_s": statistics.median(seconds),
-                   "vs_ceiling": _ratio(seconds, times["ceiling"]),
+                   "vs_ceiling": ratio_spread(seconds, times["ceiling"]),
                    "peak_bytes": max((h["peak_bytes"] for h in hist), default=peak),
                    "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
                    "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
@@ -267,7 +256,7 @@ def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fr
            "static_in_hindsight": hindsight, "policies": rows, "not_run": {
                p: n for p, n in notes.items() if p not in times}}
     if "oracle" in times:
-        out["adaptive_over_oracle"] = _ratio(times["adaptive"], times["oracle"])
+        out["adaptive_over_oracle"] = ratio_spread(times["adaptive"], times["oracle"])
     out["adaptive_over_ceiling"] = rows["adaptive"]["vs_ceiling"]
     full, ad = rows["full"]["vs_ceiling"]["median"], rows["adaptive"]["vs_ceiling"]["median"]
     out["gap_closed"] = (ad - full) / (1 - full) if full < 1 else float("nan")
@@ -288,10 +277,6 @@ def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fractio
             "budgets": [one_budget(cfg, seed, batches, peak, seen, f, reps) for f in fractions]}
 
 
-def _cell(r: dict) -> str:
-    return f"{r['median']:.3f} ({r['q1']:.2f}-{r['q3']:.2f})"
-
-
 def table_lines(result: dict) -> list[str]:
     """The markdown table per budget (what docs/oracle.md shows)."""
     lines = []
@@ -299,28 +284,31 @@ def table_lines(result: dict) -> list[str]:
     for b in result["budgets"]:
         lines += ["", f"`{result['preset']}` at {b['fraction']:.2f}x: budget "
                   f"{format_bytes(b['budget_bytes'])}, true peak {format_bytes(b['true_peak_bytes'])} "
-                  f"(CPU, emulated device; medians of {result['reps']} rounds, quartiles in brackets)", "",
-                  "| policy | tok/s | vs ceiling | peak / budget | overruns | re-runs "
-                  "| save / recompute / offload (last step) | evicted (last step) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  f"(CPU, emulated device; per-round ratios: medians of {result['reps']} "
+                  f"interleaved rounds, quartiles in brackets)", "",
+                  "| policy | tok/s | vs ceiling | rounds for +-0.01 | peak / budget | overruns "
+                  "| re-runs | save / recompute / offload (last step) | evicted (last step) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, row in b["policies"].items():
             tag = {b["static_in_advance"]: " (static in advance)"}.get(name, "")
             if name == b["static_in_hindsight"]:
                 tag += " (static in hindsight)"
-            lines.append(f"| {name}{tag} | {tokens / row['median_s']:.0f} | {_cell(row['vs_ceiling'])} "
+            lines.append(f"| {name}{tag} | {tokens / row['median_s']:.0f} "
+                         f"| {cell(row['vs_ceiling'])} "
+                         f"| {'-' if name == 'ceiling' else needed(row['vs_ceiling'])} "
                          f"| {format_bytes(row['peak_bytes'])} / "
                          f"{'none' if name == 'ceiling' else format_bytes(b['budget_bytes'])} "
                          f"| {row['overruns']} | {row['safety_net_reruns']} | "
                          + " | ".join(decision_cells(row)) + " |")
         for name, note in b["not_run"].items():
-            lines.append(f"| {name} | - | - | - | - | - | {note} | - |")
+            lines.append(f"| {name} | - | - | - | - | - | - | {note} | - |")
         lines += ["", f"static in advance (the byte model's pick): {b['static_in_advance'] or 'none fits'}; "
                   f"static in hindsight (the best median vs ceiling that ran): {b['static_in_hindsight']}", ""]
         if "adaptive_over_oracle" in b:
             ao = b["adaptive_over_oracle"]
-            lines += [f"adaptive/oracle {_cell(ao)} (range {ao['min']:.2f}-{ao['max']:.2f}; "
-                      f"about {ao['n_for_0.01'] or '-'} rounds would resolve +-0.01); "
-                      f"adaptive/ceiling {_cell(b['adaptive_over_ceiling'])}, gap from full "
+            lines += [f"adaptive/oracle {cell(ao)} (range {ao['min']:.2f}-{ao['max']:.2f}; "
+                      f"{needed(ao)} rounds would resolve +-0.01); "
+                      f"adaptive/ceiling {cell(b['adaptive_over_ceiling'])}, gap from full "
                       f"to the ceiling closed {'-' if math.isnan(b['gap_closed']) else format(b['gap_closed'], '.0%')}", ""]
         oracle = b["policies"].get("oracle", {}).get("note") or b["not_run"].get("oracle", "")
         lines += [_predicted_line(b["predicted"]) + ".", "", f"oracle: {oracle}"]

@@ -10,7 +10,10 @@ Definitions (also in docs/bench.md):
                           median of per-segment ratios (used before) dropped the heavy
                           segments and disagreed with the tok/s beside it (0.692 next to
                           5,111 / 9,235 = 0.55). The per-segment ratios are kept
-                          (segment_ratios) and shown as the spread, never as the ratio.
+                          (segment_ratios) and shown as the spread, never as the ratio;
+                          segment_spread: their median, quartiles, range and `n_for_0.01`,
+                          the segments of this length a +-0.01 would need
+                          (spikeguard.bench.spread).
   lost_seconds            measured: per crash, the time of the steps the restart re-does
                           (as they first ran) + the crashed job's wall time beyond its
                           completed steps (the partial step, the dying worker's teardown,
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from spikeguard.bench import spread
 from spikeguard.bench.runner import PolicyRun
 from spikeguard.train.log import evicted_per_rank
 
@@ -128,6 +132,8 @@ def add_ratios(figures: dict[str, dict]) -> None:
     base = ceiling["tokens_per_s"] if ceiling is not None else None
     for f in figures.values():
         f["segment_ratios"] = segment_ratios(f, ceiling) if ceiling is not None else []
+        # Their median, quartiles, range and the segments a +-0.01 would need.
+        f["segment_spread"] = spread.of(f["segment_ratios"])
         f["relative_to_ceiling"] = ratio(f["tokens_per_s"], base)
         f["effective_relative_to_ceiling"] = ratio(f["effective_tokens_per_s"], base)
         f["effective_relative_at_restart_cost"] = ratio(

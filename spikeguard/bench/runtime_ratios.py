@@ -3,7 +3,9 @@
     .venv/bin/python -m spikeguard.bench.runtime_ratios --preset small --reps 7
 
 One process, the same data for every policy, runs interleaved (ceiling, full, adaptive,
-ceiling, ...) so machine noise hits all alike; medians are quoted; decisions and `evicted`
+ceiling, ...) so machine noise hits all alike; each ratio is per round (the ceiling's
+seconds over the policy's in the same round), quoted as the median with its quartiles and
+the rounds a +-0.01 would need (spikeguard.bench.spread); decisions and `evicted`
 (earlier layers' saved tensors moved to host) are the last step's. The ceiling is the plain
 model with no guard and no limit. On a CPU-only machine the device is emulated by the
 CPU allocator (every live storage): the ratios are CPU figures.
@@ -23,8 +25,10 @@ from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import UsageError
 from spikeguard.memory.budget import format_bytes
 from spikeguard.model import build_model, model_config
+from spikeguard.bench.spread import needed, ratio_spread
 
 POLICIES = ("ceiling", "full", "adaptive")
+ACTIONS = ("save", "recompute", "offload")
 
 
 def plain_step(model, batches) -> float:
@@ -83,14 +87,17 @@ def time_interleaved(models: dict, guards: dict, batches, reps: int, policies,
 
 def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, budget: int,
                      preset: str) -> dict:
-    """Medians, memory and decisions per policy, and the ratios to the ceiling."""
+    """Medians, memory and decisions per policy, and the ratios to the ceiling: per round,
+    the ceiling's seconds over the policy's in the same round (spikeguard.bench.spread:
+    median, quartiles, range, rounds for +-0.01); the summary ratios are those medians."""
     result = {"preset": preset, "tokens_per_step": tokens, "ceiling_peak_bytes": ceiling_peak,
-              "budget_bytes": budget, "policies": {}}
+              "budget_bytes": budget, "reps": len(times["ceiling"]), "policies": {}}
     for p in times:
         med = statistics.median(times[p])
         hist = guards[p].history[1:] if p in guards else []
         result["policies"][p] = {
             "median_s": med, "tokens_per_s": tokens / med,
+            "vs_ceiling": ratio_spread(times[p], times["ceiling"]),
             "peak_bytes": max((h["peak_bytes"] for h in hist), default=ceiling_peak),
             "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
             "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
@@ -100,11 +107,11 @@ def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, 
             "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
             "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
         }
-    tps = {p: result["policies"][p]["tokens_per_s"] for p in times}
-    result["adaptive_over_ceiling"] = tps["adaptive"] / tps["ceiling"]
-    result["full_over_ceiling"] = tps["full"] / tps["ceiling"]
-    gap = tps["ceiling"] - tps["full"]
-    result["gap_closed"] = (tps["adaptive"] - tps["full"]) / gap if gap > 0 else float("nan")
+    ratio = {p: result["policies"][p]["vs_ceiling"]["median"] for p in times}
+    result["adaptive_over_ceiling"] = ratio["adaptive"]
+    result["full_over_ceiling"] = ratio["full"]
+    gap = 1 - ratio["full"]
+    result["gap_closed"] = (ratio["adaptive"] - ratio["full"]) / gap if gap > 0 else float("nan")
     return result
 
 
@@ -115,19 +122,24 @@ def print_table(result: dict) -> None:
     table = Table(title=f"{result['preset']}: budget {format_bytes(result['budget_bytes'])} "
                         f"= {result['budget_bytes'] / result['ceiling_peak_bytes']:.2f}x ceiling peak "
                         f"(CPU; emulated device: every live storage)")
-    for col in ("policy", "tokens/s", "vs ceiling", "peak", "overruns", "reruns",
-                "save / recompute / offload", "evicted"):
+    for col in ("policy", "tokens/s", "vs ceiling", "quartiles", "rounds for +-0.01", "peak",
+                "overruns", "reruns", "save / recompute / offload", "evicted"):
         table.add_column(col)
-    ceiling = result["policies"]["ceiling"]["tokens_per_s"]
     for name, row in result["policies"].items():
-        table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{row['tokens_per_s'] / ceiling:.3f}",
+        vs = row["vs_ceiling"]
+        table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{vs['median']:.3f}",
+                      f"{vs['q1']:.2f}-{vs['q3']:.2f}", "-" if name == "ceiling" else needed(vs),
                       format_bytes(row["peak_bytes"]), str(row["overruns"]),
                       str(row["safety_net_reruns"]), *decision_cells(row))
-    console = Console(width=124)
+    console = Console(width=160)
     console.print(table)
     console.print(f"adaptive/ceiling {result['adaptive_over_ceiling']:.3f} | "
                   f"full/ceiling {result['full_over_ceiling']:.3f} | "
                   f"gap closed {result['gap_closed']:.0%}")
+    console.print(f"vs ceiling: per-round ratios, the median and quartiles of {result['reps']} "
+                  f"interleaved rounds; peak: the device's whole count (parameters, gradients, "
+                  f"activations; this bench has no optimizer step), the ceiling's from a probe "
+                  f"step with everything kept")
 
 
 def decision_cells(row: dict) -> tuple[str, str]:
@@ -136,6 +148,15 @@ def decision_cells(row: dict) -> tuple[str, str]:
     renders the README's table with, so the page and the command cannot disagree."""
     return (_decisions(row["decisions"]),
             _evicted(row.get("evicted_bytes"), row.get("prefetched_bytes")))
+
+
+def moved_of(history: list[dict]) -> dict:
+    """Per-operator decisions and evictions summed over a guard's steps (`history`), in the
+    fields decision_cells reads: for the benches that show a run's sum, not its last step."""
+    return {"decisions": {a: sum((h.get("decisions") or {}).get(a, 0) for h in history)
+                          for a in ACTIONS},
+            "evicted_bytes": sum(h.get("evicted_bytes", 0) for h in history),
+            "prefetched_bytes": sum(h.get("prefetched_bytes", 0) for h in history)}
 
 
 def _evicted(num_bytes, back_bytes=None) -> str:
@@ -151,7 +172,7 @@ def _evicted(num_bytes, back_bytes=None) -> str:
 def _decisions(counts: dict) -> str:
     if not counts:
         return "-"
-    return " / ".join(str(counts.get(a, 0)) for a in ("save", "recompute", "offload"))
+    return " / ".join(str(counts.get(a, 0)) for a in ACTIONS)
 
 
 def workload_parser(description: str):

@@ -4,16 +4,18 @@
 
 from __future__ import annotations
 
+from spikeguard.bench import spread
 from spikeguard.memory.budget import format_bytes
 
-TABLE_HEADER = ["policy", "tok/s", "vs ceiling", "peak", "over budget", "OOM + restarts",
-                "lost s", "effective vs ceiling", "at 284 s/restart", "save/rec/off",
-                "evicted"]
+TABLE_HEADER = ["policy", "tok/s", "vs ceiling", "segments for +-0.01", "peak", "over budget",
+                "OOM + restarts", "lost s", "effective vs ceiling", "at 284 s/restart",
+                "save/rec/off", "evicted"]
+RESTART_COLUMN = TABLE_HEADER.index("at 284 s/restart")
 
 
 def table_header(report: dict) -> list[str]:
     header = list(TABLE_HEADER)
-    header[8] = f"at {report['workload']['restart_cost_s']:g} s/restart"
+    header[RESTART_COLUMN] = f"at {report['workload']['restart_cost_s']:g} s/restart"
     return header
 
 
@@ -27,6 +29,13 @@ def _relative(f: dict, name: str) -> str:
     text = _fmt(f["relative_to_ceiling"], ".3f")
     ratios = (f.get("segment_ratios") or []) if name != "ceiling" else []
     return f"{text} ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else text
+
+
+def _needed(f: dict, name: str) -> str:
+    """The segments of this length a +-0.01 on the ratio would need, from the segments'
+    spread (results.add_ratios; a report from before the field: its segment ratios)."""
+    s = f.get("segment_spread") or spread.of(f.get("segment_ratios"))
+    return "-" if name == "ceiling" or s is None else spread.needed(s)
 
 
 def _evicted(f: dict) -> str:
@@ -51,7 +60,7 @@ def table_rows(report: dict) -> list[list[str]]:
         label = f"{name} ({f['is']})" if "is" in f else name
         d = f["decisions"]
         rows.append([
-            label, _fmt(f["tokens_per_s"], ".0f"), _relative(f, name),
+            label, _fmt(f["tokens_per_s"], ".0f"), _relative(f, name), _needed(f, name),
             format_bytes(f["peak_bytes"]) if f["peak_bytes"] else "-",
             str(f["overruns"]), str(f["oom_events"]), _fmt(f["lost_seconds"], ".1f"),
             _fmt(f.get("effective_relative_to_ceiling"), ".3f"),

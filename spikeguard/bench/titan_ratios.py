@@ -11,9 +11,12 @@ ranks to rank 0's experts (torchtitan's expert_bias_E): 2x rank 0's share. Setti
   none      the guard with everything kept and no budget;
   full      the guard recomputing every layer whole, at the budget;
   adaptive  the guard deciding per layer and micro-batch, at the budget.
-The budget is the calm step's true peak with everything kept (worst rank) x 1.04. Each
-segment's tokens/s over the ceiling's in the same round; medians printed (a measurement,
-never asserted). Needs `pip install 'spikeguard[titan]'`.
+The budget is the calm step's true peak with everything kept, its optimizer step included
+(worst rank), x 1.04. Each
+segment's tokens/s over the ceiling's in the same round: the median with its quartiles and
+the rounds a +-0.01 would need (spikeguard.bench.spread; a measurement, never asserted).
+Peaks are the device's whole count over each step and its optimizer step (AdamW). Needs
+`pip install 'spikeguard[titan]'`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from spikeguard.bench.runtime_ratios import ACTIONS, decision_cells, moved_of
+from spikeguard.bench.spread import cell, needed, ratio_spread
 from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned
 
@@ -49,7 +54,8 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
     blocks = [l.moe for l in model.layers.values() if getattr(l, "moe", None) is not None]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def one_step(guard, i):
+    def one_step(guard, i) -> int:
+        """One step, its optimizer step included; the device's peak over both (0 unguarded)."""
         for b in blocks:
             b.expert_bias_E.zero_()
             if spike_every and i % spike_every == spike_every - 1:
@@ -65,11 +71,13 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
             guard.run_step(body)
         opt.step()
         opt.zero_grad()
+        # The step's record ends before the optimizer step, which the meter (reset at the
+        # step's start, active in the optimizer's step hooks) counts too.
+        return 0 if guard is None else max(guard.history[-1]["peak_bytes"], guard.meter.peak())
 
     probe = spikeguard.attach(model, budget="1GiB", policy="none", optimizer=opt)
-    for i in range(2):
-        one_step(probe, 2 * i)   # calm steps (even i never spikes with spike_every >= 2)
-    calm = torch.tensor([max(r["peak_bytes"] for r in probe.history)])
+    # calm steps (even i never spikes with spike_every >= 2)
+    calm = torch.tensor([max(one_step(probe, 2 * i) for i in range(2))])
     probe.detach()
     torch.distributed.all_reduce(calm, op=torch.distributed.ReduceOp.MAX)
     budget = int(calm.item() * 1.04)
@@ -82,15 +90,14 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
                                           policy=setting, optimizer=opt)
             torch.distributed.barrier()
             start = time.perf_counter()
-            for i in range(steps):
-                one_step(guard, i)
+            peak = max(one_step(guard, i) for i in range(steps))
             torch.distributed.barrier()
             seconds = time.perf_counter() - start
-            peak = max(r["peak_bytes"] for r in guard.history) if guard else 0
+            moved = {} if guard is None else moved_of(guard.history)
             if guard is not None:
                 guard.detach()
             rows.append({"rep": rep, "setting": setting, "s": seconds, "peak": peak,
-                         "tokens": steps * 2 * batch * seq})
+                         "tokens": steps * 2 * batch * seq, **moved})
     (Path(out) / f"{rank}.json").write_text(json.dumps({"budget": budget, "rows": rows}))
     del model, opt, guard, probe
     close_gloo()
@@ -122,18 +129,37 @@ def main(argv=None) -> int:
     rows = ranks[0]["rows"]
     peaks = {s: max(r["peak"] for rk in ranks for r in rk["rows"] if r["setting"] == s)
              for s in SETTINGS}
-    ceiling = {r["rep"]: r["s"] for r in rows if r["setting"] == "ceiling"}
+    # The ceiling runs unmetered: it keeps what `none` keeps, so its peak is none's.
+    peaks["ceiling"] = peaks["none"]
     print(f"budget {ranks[0]['budget'] / 2**20:.2f} MiB (calm peak x 1.04, worst rank); "
           f"medians of {args.reps} interleaved rounds (first dropped), EP=2, CPU, emulated device")
-    print("| setting | tokens/s (rank 0) | vs ceiling | peak (worst rank) |")
-    print("|---|---|---|---|")
+    print("\n".join(table(rows, peaks)))
+    print("(vs ceiling: per-round ratios, median (quartiles); peak: the device's whole count, "
+          "the optimizer step included; the ceiling's is none's, which keeps the same)")
+    return 0
+
+
+def table(rows: list[dict], peaks: dict) -> list[str]:
+    """The markdown table from rank 0's rows and the worst rank's peaks; decisions and
+    evictions are rank 0's, summed over the timed rounds' steps."""
+    ceiling = {r["rep"]: r["s"] for r in rows if r["setting"] == "ceiling"}
+    lines = ["| setting | tokens/s (rank 0) | vs ceiling | rounds for +-0.01 | peak (worst rank) "
+             "| save / recompute / offload (rank 0) | evicted (rank 0) |",
+             "|---|---|---|---|---|---|---|"]
     for s in SETTINGS:
         mine = [r for r in rows if r["setting"] == s and r["rep"] > 0]
         tps = statistics.median(r["tokens"] / r["s"] for r in mine)
-        ratio = statistics.median(ceiling[r["rep"]] / r["s"] for r in mine)
+        vs = ratio_spread([r["s"] for r in mine], [ceiling[r["rep"]] for r in mine])
         peak = f"{peaks[s] / 2**20:.2f} MiB" if peaks[s] else "-"
-        print(f"| {s} | {tps:.0f} | {ratio:.3f} | {peak} |")
-    return 0
+        guarded = [r for r in mine if "decisions" in r]
+        moved = {"decisions": {a: sum(r["decisions"][a] for r in guarded) for a in ACTIONS},
+                 "evicted_bytes": sum(r["evicted_bytes"] for r in guarded),
+                 "prefetched_bytes": sum(r["prefetched_bytes"] for r in guarded)} \
+            if guarded else {"decisions": {}}
+        lines.append(f"| {s} | {tps:.0f} | {cell(vs)} | "
+                     f"{'-' if s == 'ceiling' else needed(vs)} | {peak} | "
+                     + " | ".join(decision_cells(moved)) + " |")
+    return lines
 
 
 if __name__ == "__main__":

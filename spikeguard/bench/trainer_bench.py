@@ -12,7 +12,9 @@ first pays the Trainer's and the guard's setup). The ceiling is the Trainer with
 full and adaptive run under `guard_trainer` at `--fraction` x the ceiling's peak (the
 device's own peak counter with everything kept, the worst rank's). Each round's ratio is
 the ceiling's median step time over the policy's; printed: the median over rounds and the
-25th-75th percentile, with each policy's largest device peak. On a CPU-only machine the
+quartiles and the rounds a +-0.01 would need (spikeguard.bench.spread), with each policy's
+largest device peak (the guard's meter at each step's end: the optimizer step included;
+the ceiling's from a Trainer under a guard that keeps everything). On a CPU-only machine the
 device is emulated by the CPU allocator: CPU figures, not GPU ones.
 
 Under `--ep` a step's time is the group's: per step the slowest rank's wall seconds.
@@ -34,6 +36,9 @@ import time
 
 import torch
 
+from spikeguard.bench.runtime_ratios import ACTIONS, decision_cells, moved_of
+from spikeguard.bench.spread import needed, spread
+
 POLICIES = ("ceiling", "full", "adaptive")
 HUGE = 1 << 40
 
@@ -52,6 +57,7 @@ class _Clock:
         from transformers import TrainerCallback
         clock = self
         self.seconds, self.cpu_seconds, self.peak, self.reruns = [], [], 0, 0
+        self.moved: dict = {}
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
@@ -86,6 +92,7 @@ def train(policy: str, budget: int, steps: int, batch: int, ep: int, rank: int) 
     guard = getattr(trainer, "spikeguard", None)
     if guard is not None:
         clock.reruns = sum(len(r["safety_net"]) for r in guard.history)
+        clock.moved = moved_of(guard.history)
     return clock
 
 
@@ -113,6 +120,7 @@ def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: i
     cpu_ratios = {p: [] for p in ratios}
     peaks = {p: 0 for p in ratios}
     reruns = {p: 0 for p in ratios}
+    moved = {p: [] for p in ratios}   # this rank's, per round
     for _ in range(reps):
         medians, cpu = {}, {}
         for policy in POLICIES:
@@ -122,18 +130,19 @@ def measure(reps: int, steps: int, batch: int, fraction: float, ep: int, rank: i
             if policy in peaks:
                 peaks[policy] = max(peaks[policy], _world_max(clock.peak, ep))
                 reruns[policy] += clock.reruns
+                moved[policy].append(clock.moved)
         for policy in ratios:
             ratios[policy].append(medians["ceiling"] / medians[policy])
             cpu_ratios[policy].append(cpu["ceiling"] / cpu[policy])
     return {"ceiling_peak": ceiling_peak, "budget": budget, "ratios": ratios,
-            "cpu_ratios": cpu_ratios, "peaks": peaks, "reruns": reruns}
+            "cpu_ratios": cpu_ratios, "peaks": peaks, "reruns": reruns,
+            "moved": {p: _summed(m) for p, m in moved.items()}}
 
 
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
+def _summed(rounds: list[dict]) -> dict:
+    """Decisions and evictions summed over the rounds (runtime_ratios.moved_of's fields)."""
+    return {"decisions": {a: sum(m["decisions"][a] for m in rounds) for a in ACTIONS},
+            **{k: sum(m[k] for m in rounds) for k in ("evicted_bytes", "prefetched_bytes")}}
 
 
 def main() -> None:
@@ -158,14 +167,17 @@ def main() -> None:
         print(f"transformers Trainer, qwen3_moe 4 layers D=F=128{layout}; CPU, emulated device; "
               f"budget {a.fraction} x ceiling peak = {found['budget']} B; {a.reps} rounds")
         for policy, values in found["ratios"].items():
-            low, high = _quartiles(values)
-            cpu = found["cpu_ratios"][policy]
-            cpu_low, cpu_high = _quartiles(cpu)
-            print(f"  {policy:9s} / ceiling  median {statistics.median(values):.3f}  "
-                  f"(25-75%: {low:.3f}-{high:.3f})  cpu {statistics.median(cpu):.3f} "
-                  f"({cpu_low:.3f}-{cpu_high:.3f})  peak {found['peaks'][policy]} B "
+            wall, cpu = spread(values), spread(found["cpu_ratios"][policy])
+            print(f"  {policy:9s} / ceiling  median {wall['median']:.3f}  "
+                  f"(25-75%: {wall['q1']:.3f}-{wall['q3']:.3f})  cpu {cpu['median']:.3f} "
+                  f"({cpu['q1']:.3f}-{cpu['q3']:.3f})  peak {found['peaks'][policy]} B "
                   f"<= budget: {found['peaks'][policy] <= found['budget']}  "
-                  f"re-runs {found['reruns'][policy]}")
+                  f"re-runs {found['reruns'][policy]}  rounds for +-0.01: {needed(wall)} "
+                  f"(cpu {needed(cpu)})  save / recompute / offload "
+                  + "  evicted ".join(decision_cells(found["moved"][policy])))
+        print("  (per-round ratios; peak: the device's whole count, the optimizer step "
+              "included: the guard's meter at each step's end; decisions and evictions: "
+              "rank 0's, summed over every round's steps)")
     if a.ep > 1:
         torch.distributed.destroy_process_group()
 

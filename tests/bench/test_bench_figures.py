@@ -17,6 +17,7 @@ from spikeguard.bench import outputs, results
 from spikeguard.bench.bench_docs import page
 from spikeguard.bench.plots import make_figures
 from spikeguard.bench.runner import Job, PolicyRun
+from spikeguard.bench.spread import spread
 from spikeguard.bench.table import table_header, table_rows
 
 SEGMENTS = [(1, 3), (4, 6), (7, 9)]
@@ -98,6 +99,12 @@ def test_every_rendering_shows_the_same_ratios(report, tmp_path):
             tps / float(rows["ceiling"]["tok/s"]), abs=0.002)   # by hand from the tok/s column
         assert row["effective vs ceiling"] == f"{f['effective_relative_to_ceiling']:.3f}"
         assert row["at 284 s/restart"] == f"{f['effective_relative_at_restart_cost']:.3f}"
+        # The segments' spread, and the segments a +-0.01 would need (spikeguard.bench.spread).
+        if name != "ceiling":
+            s = spread(f["segment_ratios"])
+            assert f["segment_spread"] == s
+            assert row["vs ceiling"].endswith(f"({s['min']:.2f}-{s['max']:.2f})")
+            assert row["segments for +-0.01"] == f"~{s['n_for_0.01']}"
 
     # The JSON holds the same numbers.
     loaded = json.loads(json.dumps(report, default=str))

@@ -17,6 +17,7 @@ import torch
 import spikeguard
 from spikeguard.bench import oracle_bench
 from spikeguard.bench.runtime_ratios import plain_step
+from spikeguard.bench.spread import cell, needed, spread
 from spikeguard.data.corpus import load_corpus
 from spikeguard.model import build_model, model_config
 from spikeguard.plan.catalogue import OPS
@@ -91,7 +92,7 @@ def test_the_oracle_plan_runs_for_real_bitwise_and_under_its_budget():
 @pytest.mark.slow
 def test_the_bench_on_tiny_writes_every_row(tmp_path, capsys):
     out = tmp_path / "oracle.json"
-    assert oracle_bench.main(["--preset", "tiny", "--reps", "1", "--fractions", "0.7",
+    assert oracle_bench.main(["--preset", "tiny", "--reps", "2", "--fractions", "0.7",
                               "--batch-size", "4", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -100,6 +101,15 @@ def test_the_bench_on_tiny_writes_every_row(tmp_path, capsys):
     assert ran == {"ceiling", "full", "none", "experts", "offload", "oracle", "adaptive"}
     assert "adaptive/oracle" in printed and "static in hindsight" in printed
     assert budget["policies"]["oracle"]["overruns"] == 0
+    # Every ratio with its quartiles and the rounds a +-0.01 would need (bench/spread.py).
+    assert "| vs ceiling | rounds for +-0.01 |" in printed
+    for name, row in budget["policies"].items():
+        vs = row["vs_ceiling"]
+        assert vs["n"] == 2 and vs == spread([vs["min"], vs["max"]])   # the shared helper's
+        if name != "ceiling":
+            assert f"| {cell(vs)} | {needed(vs)} |" in printed
+    ao = budget["adaptive_over_oracle"]
+    assert f"adaptive/oracle {cell(ao)}" in printed and f"{needed(ao)} rounds" in printed
     # The cost model's figures (the oracle re-solved on adaptive's byte and cost model as
     # the run ended: its calibration moved since the oracle's plans were solved).
     pred = budget["predicted"]
