@@ -2,69 +2,75 @@
 
 The peak is the device's true one (every live storage, backward included). For a demo or a benchmark the interesting
 budget is the one an engineer would have tuned by hand on calm steps: everything saved
-fits, a large routing spike does not. `calm_peak_bytes` measures that peak with one probe step
-(policy "none", no limit) on micro-batches the caller draws apart from the training data,
-while the skew injector, if any, holds routing at the calm maximum; under expert
-parallelism the worst rank's peak is taken (one all-reduce), so every rank gets the same
-budget. The probe leaves no gradient behind.
+fits, a large routing spike does not. `calm_peak_bytes` is the one probe of every family
+(built-in, its pipeline, torchtitan, Hugging Face alone or under transformers' EP with
+FSDP2): it runs two real steps of the run's engine (`engine.step`: every micro-batch's
+forward and backward, the gradients' reduction and clipping, the optimizer step) on
+micro-batches the caller draws apart from the training data, under guards of policy
+"none" with no limit, while the skew injector, if any, holds routing at the calm maximum.
+The peak is the device's whole count over a step, the larger of the two steps': the
+first has no optimizer state during its backward, the second does, and runs on the
+weights the first update made. Under expert parallelism those weights route differently
+(a rank's received rows, hence its activations, move with them), so no single step on
+the first weights can stand for the second; the worst rank's peak is taken (one
+all-reduce), so every rank gets the same budget. The probe leaves no gradient behind,
+and the parameters, optimizer state and random generators as they were.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-from torch import nn
 
 from spikeguard.errors import UsageError
 from spikeguard.memory.budget import format_bytes
-from spikeguard.memory.static import optimizer_state_bytes
 
 # The margin is a fraction of the activation bytes (the peak less parameters, gradients
 # and optimizer state), not of the whole peak: static bytes do not move with routing, and a
 # margin on them would let most spikes fit with everything saved.
 AUTO_MARGIN = 0.10
 _NO_LIMIT = 1 << 50
+PROBE_STEPS = 2   # the first step's update, then a calm step with the optimizer state resident
 
 
-def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    group=None, loss_of: Optional[Callable] = None) -> tuple[int, int]:
-    """(peak, static) device bytes of one step over `micro_batches` with everything saved,
-    the optimizer step's peak included. `loss_of(batch)`: the micro-batch's loss (default
-    the built-in model's `model(idx, targets).loss`; torchtitan's is computed outside its
-    model): the one probe of every family."""
+def calm_peak_bytes(engine, micro_batches: Sequence[tuple], group=None) -> tuple[int, int]:
+    """(peak, static) device bytes of a calm step of `engine` (spikeguard.train.engines:
+    LocalEngine, TitanEngine, PipelineEngine) over `micro_batches` with everything saved,
+    the optimizer step included: the larger whole-step peak of PROBE_STEPS real steps,
+    worst over `group` (None: this rank's). The engine holds no guard before (its guards
+    are the probe's while it runs) nor after. A rank of the interleaved pipeline holds
+    one guard per chunk, each given half the rank's budget: its peak is the chunk count
+    times the larger chunk's."""
     from spikeguard import attach
-
-    if loss_of is None:
-        def loss_of(batch):
-            return model(*batch).loss
 
     if not micro_batches:
         raise UsageError("calm_peak_bytes needs at least one micro-batch")
-    guard = attach(model, budget=_NO_LIMIT, policy="none", optimizer=optimizer)
+    before = list(engine.guards)
+    engine.attach_guards(lambda m, o: attach(m, budget=_NO_LIMIT, policy="none", optimizer=o))
+    guards = list(engine.guards)
+    # Taken after attach: under FSDP2 attach reshards the modules that kept their
+    # parameters gathered, and the parameters are then the sharded ones.
+    saved = _saved_state(engine)
+    peaks = [0] * len(guards)
     try:
-        with guard.step():
-            for batch in micro_batches:
-                loss_of(batch).backward()
-        record = guard.history[-1]
-        # The optimizer's state exists on the device from its first step on; a probe before
-        # that step peaks without it, so it is added (it is resident through every later
-        # step). The optimizer step itself (state, and its foreach temporaries beside the
-        # gradients) may peak higher than the step: it is measured too, then undone.
-        to_come = 0
-        optimizer_peak = 0
-        if optimizer is not None:
-            expected, present = optimizer_state_bytes(model, optimizer)
-            to_come = expected - present
-            optimizer_peak = _optimizer_step_peak(model, optimizer, guard)
+        with torch.random.fork_rng(devices=[]):
+            for _ in range(PROBE_STEPS):
+                engine.step(micro_batches)
+                # The device's peak since the step opened: reduction, clip, optimizer step.
+                peaks = [max(p, g.history[-1]["peak_bytes"], g.meter.peak())
+                         for p, g in zip(peaks, guards)]
+        statics = [g.history[-1]["static_bytes"] for g in guards]
     finally:
-        guard.detach()
-        model.zero_grad(set_to_none=True)
-    both = torch.tensor([max(record["peak_bytes"] + to_come, optimizer_peak),
-                         record["static_bytes"]], dtype=torch.int64)
+        for guard in guards:
+            if guard.attached:
+                guard.detach()
+        engine.guards = before
+        _restore_state(engine, saved)
+    both = torch.tensor([max(peaks) * len(peaks), max(statics) * len(statics)],
+                        dtype=torch.int64)
     if group is not None:
         import torch.distributed as dist
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
@@ -72,50 +78,27 @@ def calm_peak_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return peak, static
 
 
-def pipeline_calm_peak_bytes(engine, micro_batches: Sequence[tuple]) -> tuple[int, int]:
-    """(peak, static) of a pipeline rank's calm step, the worst over the whole job, from a
-    probe `engine` (spikeguard.train.engines.PipelineEngine) built for it alone, with its
-    optimizers: its guards attach before its schedule is built, and the probe is thrown
-    away afterwards (the run's own ranks stay as they were). A rank of the interleaved
-    schedule holds two chunks, each guarded with half the rank's budget: its peak is twice
-    the larger chunk's."""
-    from spikeguard import attach
-
-    engine.attach_guards(lambda m, o: attach(m, budget=_NO_LIMIT, policy="none", optimizer=o))
-    idx_BT = torch.cat([b[0] for b in micro_batches])
-    targets_BT = torch.cat([b[1] for b in micro_batches])
-    engine.prank.step(idx_BT, targets_BT)
-    peaks, statics = [], []
-    for guard, module, optimizer in zip(engine.guards, engine.modules, engine.optimizers):
-        record = guard.history[-1]
-        expected, present = optimizer_state_bytes(module, optimizer)
-        peaks.append(max(record["peak_bytes"] + expected - present,
-                         _optimizer_step_peak(module, optimizer, guard)))
-        statics.append(record["static_bytes"])
-    both = torch.tensor([max(peaks) * len(peaks), max(statics) * len(statics)], dtype=torch.int64)
-    import torch.distributed as dist
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    peak, static = both.tolist()
-    return peak, static
-
-
-def _optimizer_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, guard) -> int:
-    """The device's peak over one optimizer step on the probe's gradients; the parameters
-    and the optimizer's state are put back exactly as they were."""
+def _saved_state(engine) -> tuple[list, list]:
+    """Host copies of every module's parameters and each optimizer's state."""
     from spikeguard.memory.device import host
 
-    with host():
-        params = [p.detach().clone() for p in model.parameters()]
-    state = copy.deepcopy(optimizer.state_dict())
-    guard.meter.reset_peak()
-    optimizer.step()
-    peak = guard.meter.peak()
-    with torch.no_grad():
-        for p, saved in zip(model.parameters(), params):
-            p.copy_(saved)
-    optimizer.state.clear()
-    optimizer.load_state_dict(state)
-    return peak
+    with host(), torch.no_grad():
+        params = [[p.detach().clone() for p in m.parameters()] for m in engine.modules]
+        states = [copy.deepcopy(o.state_dict()) for o in engine.optimizers]
+    return params, states
+
+
+def _restore_state(engine, saved: tuple[list, list]) -> None:
+    """The parameters and optimizer states as `_saved_state` found them, no gradient."""
+    params, states = saved
+    for module, values in zip(engine.modules, params):
+        module.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, value in zip(module.parameters(), values):
+                p.copy_(value)
+    for optimizer, state in zip(engine.optimizers, states):
+        optimizer.state.clear()
+        optimizer.load_state_dict(state)
 
 
 def auto_budget(calm_peak: int, static: int, margin: float = AUTO_MARGIN) -> int:

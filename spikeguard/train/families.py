@@ -117,21 +117,20 @@ class BuiltinFamily:
         if self.cfg.layout.pp > 1:
             peak, static = self._pipeline_probe(groups, batches)
         else:
-            group = dist.group.WORLD if groups is not None else None
-            peak, static = calm_peak_bytes(engine.model, engine.optimizers[0], batches,
-                                           group=group)
+            peak, static = calm_peak_bytes(engine, batches, group=_world(groups))
         budget = auto_budget(peak, static)
         return budget, auto_budget_line(peak, static, budget, held)
 
     def _pipeline_probe(self, groups, batches) -> tuple[int, int]:
-        from spikeguard.train.auto_budget import pipeline_calm_peak_bytes
+        from spikeguard.train.auto_budget import calm_peak_bytes
         from spikeguard.train.train_config import make_optimizer
 
         probe = self.engine(self.build(), groups)   # same seed: the same weights
         try:
             probe.build_optimizers(lambda m: make_optimizer(m, self.cfg.train))
-            return pipeline_calm_peak_bytes(probe, batches)
+            return calm_peak_bytes(probe, batches, group=dist.group.WORLD)
         finally:
+            probe.prank.guards = []   # the probe's guards, detached by calm_peak_bytes
             probe.close()
             del probe
             gc.collect()
@@ -239,14 +238,12 @@ class HFFamily:
         return LocalEngine(model, self, groups, grad_clip=self.cfg.train.grad_clip)
 
     def auto_budget(self, engine, batches: list, groups, held: str = "") -> tuple[int, str]:
-        from spikeguard.train.hf_probe import measure_unguarded_peak
+        """HF_AUTO_FRACTION of the calm step's peak with nothing guarded (the worst rank's
+        under transformers' EP): the one probe of every family."""
+        from spikeguard.train.auto_budget import calm_peak_bytes
 
-        peak = measure_unguarded_peak(engine.model, engine.optimizers[0], batches)
-        worst = ""
-        if groups is not None:   # one budget for the job: the worst rank's peak
-            flag = torch.tensor([peak], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            peak, worst = int(flag.item()), " (worst rank)"
+        peak, _ = calm_peak_bytes(engine, batches, group=_world(groups))
+        worst = " (worst rank)" if groups is not None else ""
         budget = int(HF_AUTO_FRACTION * peak)
         return budget, (f"memory: budget {format_bytes(budget)} = {HF_AUTO_FRACTION} x the "
                         f"unguarded peak {format_bytes(peak)}{worst} (emulated device)")
@@ -271,6 +268,11 @@ class HFFamily:
                 f"region; bytes per routed copy {guard.shape.source}: keep "
                 f"{guard.shape.save_per_token} B, recompute keeps "
                 f"{guard.shape.recompute_per_token} B")
+
+
+def _world(groups):
+    """The group a probe's peak is the worst over: every rank's, or None alone."""
+    return dist.group.WORLD if groups is not None else None
 
 
 __all__ = ["BuiltinFamily", "HFFamily", "HF_AUTO_FRACTION", "family_class", "family_for"]

@@ -89,10 +89,8 @@ class TitanFamily:
     def auto_budget(self, engine, batches: list, groups, held: str = "") -> tuple[int, str]:
         from spikeguard.train.auto_budget import auto_budget, auto_budget_line, calm_peak_bytes
 
-        model = engine.model
-        peak, static = calm_peak_bytes(model, engine.optimizers[0], batches,
-                                       group=dist.group.WORLD if groups is not None else None,
-                                       loss_of=lambda batch: TitanFamily.losses(model, batch)[0])
+        peak, static = calm_peak_bytes(engine, batches,
+                                       group=dist.group.WORLD if groups is not None else None)
         budget = auto_budget(peak, static)
         return budget, auto_budget_line(peak, None, budget)
 

@@ -37,7 +37,7 @@ WITHOUT_TRANSFORMERS = textwrap.dedent("""
     sys.meta_path.insert(0, Refuse())
     import torch
     import spikeguard
-    import spikeguard.integrations.hf_blocks, spikeguard.train.run, spikeguard.train.hf_probe
+    import spikeguard.integrations.hf_blocks, spikeguard.train.run, spikeguard.train.auto_budget
     import spikeguard.integrations.titan_blocks, spikeguard.integrations.titan_models
     from spikeguard.model import build_model, model_config
     model = build_model(model_config("tiny"))
