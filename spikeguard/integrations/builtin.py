@@ -4,7 +4,8 @@ Its expert path is known op by op (`SwiGLUExperts`: gate_up, silu, act, down), s
 guard plans per operator over the full menu of the catalogue and the executor runs the
 stages under selective checkpointing and saved-tensor hooks. The window (`run_window`) is the block's
 `expert_runner` seam, called with the dispatched tokens and host-int per-expert counts;
-it ends in the tail every expert-path window shares (runtime/offload.py expert_path_done).
+it ends in the tail every expert-path window shares (runtime/offload.py expert_path_done),
+and reaches the guard through its door (spikeguard.runtime.doors.WindowDoor).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.plan.catalogue import OPS, Action, ExpertShape, LayerPlan
 from spikeguard.plan.planner import Planner
 from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
+from spikeguard.runtime.doors import WindowDoor
 from spikeguard.runtime.offload import expert_path_done
 from spikeguard.parallel.agreement import agreement_for
 
@@ -26,21 +28,21 @@ from spikeguard.parallel.agreement import agreement_for
 FULL_RECOMPUTE = LayerPlan(tuple(Action.RECOMPUTE for _ in OPS))
 
 
-def run_window(guard, block: MoEBlock, dispatched) -> torch.Tensor:
+def run_window(door: WindowDoor, block: MoEBlock, dispatched) -> torch.Tensor:
     """The built-in block's decision window: plan from the routed counts, then the
     executor (or a hookless layer) runs the expert path under the plan."""
     counts = dispatched.tokens_per_expert
-    if not guard.position.in_forward:  # evaluation under no_grad: nothing kept, nothing to plan
+    if not door.position.in_forward:  # evaluation under no_grad: nothing kept, nothing to plan
         return block.experts(dispatched.x_ND, counts)
-    if guard.in_full_region:
-        guard.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
+    if door.in_full_region():
+        door.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
         return block.experts(dispatched.x_ND, counts)
-    decision = guard.decide(block.layer_idx, dispatched.x_ND.shape[0])
-    guard.record_plan(block.layer_idx, counts, decision.plan)
-    guard.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
-    guard.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
-    y_ND = guard.hookless.run(guard.executor, block, dispatched, decision)
-    expert_path_done(guard.position, guard.engine, block.layer_idx, y_ND, dispatched.x_ND)
+    decision = door.decide(block.layer_idx, dispatched.x_ND.shape[0])
+    door.record_plan(block.layer_idx, counts, decision.plan)
+    door.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
+    door.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
+    y_ND = door.hookless.run(door.executor, block, dispatched, decision)
+    expert_path_done(door.position, door.engine, block.layer_idx, y_ND, dispatched.x_ND)
     return y_ND
 
 
@@ -68,8 +70,8 @@ class BuiltinAdapter(BlockAdapter):
     def top_k(self) -> int:
         return self.blocks[0].router.top_k
 
-    def install(self, block: MoEBlock, guard) -> None:
-        block.expert_runner = functools.partial(run_window, guard)
+    def install(self, block: MoEBlock, door: WindowDoor) -> None:
+        block.expert_runner = functools.partial(run_window, door)
 
     def uninstall(self, block: MoEBlock) -> None:
         block.expert_runner = None

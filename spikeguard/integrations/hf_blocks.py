@@ -217,7 +217,7 @@ class HFAdapter(BlockAdapter):
         self._family = family_agreement(self.model, self.ep) if self.ep is not None else None
         return self._family
 
-    def install(self, block: nn.Module, guard) -> None:
+    def install(self, block: nn.Module, door) -> None:
         part = self.part(block)
         if part.ep is not None:
             # The window is the experts' own forward on the rows this rank received,
@@ -228,12 +228,12 @@ class HFAdapter(BlockAdapter):
             for impl in implementations(part.ep):
                 orig = impl.experts_forward
                 originals.append((impl, orig))
-                impl.experts_forward = functools.partial(run_window, guard, part,
+                impl.experts_forward = functools.partial(run_window, door, part,
                                                          self.layer_index(block), orig)
             return
         experts = part.experts
         orig = experts.forward
-        window = functools.partial(run_window, guard, part, self.layer_index(block), orig)
+        window = functools.partial(run_window, door, part, self.layer_index(block), orig)
         window.__signature__ = inspect.signature(orig)
         experts.forward = window
 

@@ -2,7 +2,8 @@
 
 T = tokens in the micro-batch, K = top-k, E = experts, N = T*K routed copies.
 
-The guard puts `run_window` in place of the experts module's forward. It is called as
+The guard puts `run_window` in place of the experts module's forward, bound to the guard's
+door (spikeguard.runtime.doors.WindowDoor: what the window may use). It is called as
 the block calls its experts, `(hidden_states_TD, top_k_index_TK, top_k_weights_TK)`:
 the per-expert counts are a bincount of the indices (host ints, one sync, as Megatron's
 dropless dispatcher does), the guard's planner decides, and the call runs as one region:
@@ -34,6 +35,7 @@ from spikeguard.integrations.hf_ep import LocalWeights
 from spikeguard.memory.ledger import storage_bytes, storage_key
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
 from spikeguard.runtime.executor import ALWAYS_SAVED_OPS, release_all
+from spikeguard.runtime.doors import WindowDoor
 from spikeguard.runtime.hooks import unpack
 from spikeguard.runtime.offload import expert_path_done
 
@@ -69,7 +71,7 @@ def split_call(arg_names, args: tuple, kwargs: dict):
     return routed, args[3:], rest
 
 
-def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
+def run_window(door: WindowDoor, part, layer: int, orig_forward, *args, **kwargs):
     """The experts call of one block, under the guard's decision."""
     (hidden_states, top_k_index, top_k_weights), more, rest = split_call(part.arg_names,
                                                                           args, kwargs)
@@ -77,58 +79,60 @@ def run_window(guard, part, layer: int, orig_forward, *args, **kwargs):
     def call(hidden_states, top_k_index, top_k_weights):
         return orig_forward(hidden_states, top_k_index, top_k_weights, *more, **rest)
 
-    if not guard.in_forward or not torch.is_grad_enabled():
+    if not door.position.in_forward or not torch.is_grad_enabled():
         return call(hidden_states, top_k_index, top_k_weights)
     if part.ep is not None:
         # Under transformers' EP (integrations/hf_ep.py) the experts compute on the local
         # tensors ep_forward swapped in: weights for this call, and for its recompute.
         local = LocalWeights(part.experts)
-        with guard.tracker.weights_during(local.params.values()):
-            return _window(guard, part, layer, local, call, hidden_states, top_k_index,
+        with door.tracker.weights_during(local.params.values()):
+            return _window(door, part, layer, local, call, hidden_states, top_k_index,
                            top_k_weights)
-    return _window(guard, part, layer, None, call, hidden_states, top_k_index, top_k_weights)
+    return _window(door, part, layer, None, call, hidden_states, top_k_index, top_k_weights)
 
 
-def _window(guard, part, layer: int, local, call, hidden_states, top_k_index, top_k_weights):
+def _window(door: WindowDoor, part, layer: int, local, call, hidden_states, top_k_index,
+            top_k_weights):
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
     counts = counts_E[: part.num_experts].tolist()
     if local is None:
-        return run_region(guard, layer, call, (hidden_states, top_k_index, top_k_weights),
+        return run_region(door, layer, call, (hidden_states, top_k_index, top_k_weights),
                           counts, top_k_index.numel())
-    return run_region(guard, layer, call, (hidden_states, top_k_index, top_k_weights), counts,
+    return run_region(door, layer, call, (hidden_states, top_k_index, top_k_weights), counts,
                       top_k_index.numel(), recompute_call=_with_weights(local, call),
                       saved_ops=EP_SAVED_OPS)
 
 
-def run_region(guard, layer: int, call, inputs: tuple, counts: list[int], num_routed: int,
-               recompute_call=None, saved_ops=ALWAYS_SAVED_OPS):
+def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[int],
+               num_routed: int, recompute_call=None, saved_ops=ALWAYS_SAVED_OPS):
     """Decide on `num_routed` copies (`counts` per expert, for the record) and run
     `call(*inputs)` as one region under the plan; `inputs[0]` is what the experts read
     (its gradient is where their backward is done). Shared by every adapter whose experts
     run as one call (Hugging Face here, torchtitan in titan_blocks.py). A recomputed
     region runs `recompute_call` (default `call`: under transformers' EP, one that puts
-    the forward's local weights back for backward) and keeps `saved_ops` cached."""
+    the forward's local weights back for backward) and keeps `saved_ops` cached. The
+    guard is reached through `door` only."""
     hidden_states = inputs[0]
-    if guard.in_full_region:
-        guard.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
+    if door.in_full_region():
+        door.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
         return call(*inputs)
-    decision = guard.decide(layer, num_routed)
+    decision = door.decide(layer, num_routed)
     action = region_action(decision.plan)
-    guard.record_plan(layer, counts, RegionPlan((action,)))
-    guard.ctx.op = OP
+    door.record_plan(layer, counts, RegionPlan((action,)))
+    door.ctx.op = OP
     if action is Action.RECOMPUTE:
-        out = _recompute(guard, recompute_call or call, inputs, saved_ops)
+        out = _recompute(door.ledger, door.ctx, recompute_call or call, inputs, saved_ops)
     elif action is Action.OFFLOAD:
-        out = _offload(guard, call, inputs)
+        out = _offload(door.ctx, door.tracker, call, inputs)
     else:
         start = time.perf_counter()
         out = call(*inputs)
-        if guard.executor.timed:  # CPU: the call's time corrects the cost model, as the
+        if door.executor.timed:  # CPU: the call's time corrects the cost model, as the
             # built-in stages' do; spread evenly, as at calibration (recompute re-runs all)
             share = (time.perf_counter() - start) / len(EXPERT_STAGES)
             for stage in EXPERT_STAGES:
-                guard.cost.observe(stage, num_routed, share)
-    expert_path_done(guard.position, guard.engine, layer, out, hidden_states)
+                door.cost.observe(stage, num_routed, share)
+    expert_path_done(door.position, door.engine, layer, out, hidden_states)
     return out
 
 
@@ -139,8 +143,8 @@ def _with_weights(local, call):
     return run
 
 
-def _recompute(guard, call, inputs, saved_ops=ALWAYS_SAVED_OPS):
-    ledger, where, cached = guard.ledger, guard.ctx.where(OP), []
+def _recompute(ledger, ctx, call, inputs, saved_ops=ALWAYS_SAVED_OPS):
+    where, cached = ctx.where(OP), []
 
     def policy(sac_ctx, op, *args, **kwargs):
         if op in saved_ops:
@@ -162,8 +166,8 @@ def _recompute(guard, call, inputs, saved_ops=ALWAYS_SAVED_OPS):
     return out
 
 
-def _offload(guard, call, inputs):
-    ctx, tracker, tagged = guard.ctx, guard.tracker, {}
+def _offload(ctx, tracker, call, inputs):
+    tagged = {}
 
     def pack(t):
         key = storage_key(t)

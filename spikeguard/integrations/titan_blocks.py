@@ -48,6 +48,7 @@ from spikeguard.memory.ledger import local_tensor
 from spikeguard.parallel.agreement import agreement_for
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
 from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
+from spikeguard.runtime.doors import WindowDoor
 
 LOOKED_FOR = ("a torchtitan MoE (a `router` with top_k beside `routed_experts` holding "
               "`inner_experts` with 3-D w1_EFD / w2_EDF / w3_EFD and a `token_dispatcher`)")
@@ -163,20 +164,20 @@ def derive_titan_bytes(part: TitanBlock, top_k: int, grouped: bool) -> TitanRegi
                             num_local_experts=e)
 
 
-def titan_window(guard, layer: int, orig_forward, x_RD, num_tokens_per_expert_e, *more,
-                 **kwargs):
+def titan_window(door: WindowDoor, layer: int, orig_forward, x_RD, num_tokens_per_expert_e,
+                 *more, **kwargs):
     """In place of `inner_experts.forward`: decide on the R rows received, run the call
-    as one region under the plan."""
+    as one region under the plan (the guard reached through `door` only)."""
     def call(x_RD, num_tokens_per_expert_e):
         return orig_forward(x_RD, num_tokens_per_expert_e, *more, **kwargs)
 
-    if not guard.in_forward or not torch.is_grad_enabled():
+    if not door.position.in_forward or not torch.is_grad_enabled():
         return call(x_RD, num_tokens_per_expert_e)
     num_routed = x_RD.shape[0]
     # Per-expert counts for the record only: read where that costs no device sync.
     counts = (num_tokens_per_expert_e.tolist() if num_tokens_per_expert_e.device.type == "cpu"
               else [num_routed])
-    return run_region(guard, layer, call, (x_RD, num_tokens_per_expert_e), counts, num_routed)
+    return run_region(door, layer, call, (x_RD, num_tokens_per_expert_e), counts, num_routed)
 
 
 def refuse_wrappers(model: nn.Module, blocks: list[TitanBlock]) -> None:
@@ -238,11 +239,11 @@ class TitanAdapter(BlockAdapter):
         return agreement_for(self.group())
 
     # ---- the window ---------------------------------------------------------------------
-    def install(self, block: nn.Module, guard) -> None:
+    def install(self, block: nn.Module, door) -> None:
         experts = self.part(block).experts
         orig = experts.forward
         self._own_forward[id(block)] = vars(experts).get("forward")
-        window = functools.partial(titan_window, guard, self.layer_index(block), orig)
+        window = functools.partial(titan_window, door, self.layer_index(block), orig)
         window.__signature__ = inspect.signature(orig)
         experts.forward = window
 

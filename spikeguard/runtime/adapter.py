@@ -120,7 +120,9 @@ class BlockAdapter:
         return kwargs
 
     # ---- the window ---------------------------------------------------------------------
-    def install(self, block: nn.Module, guard) -> None:
+    def install(self, block: nn.Module, door) -> None:
+        """Put the decision window around `block`'s experts call; the window uses the
+        guard through `door` (spikeguard.runtime.doors.WindowDoor)."""
         raise NotImplementedError
 
     def uninstall(self, block: nn.Module) -> None:

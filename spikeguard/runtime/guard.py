@@ -38,6 +38,7 @@ from spikeguard.memory.static import optimizer_state_bytes, static_bytes
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
+from spikeguard.runtime.doors import net_door, window_door
 from spikeguard.runtime.device_state import (
     HEAD_LAYER, PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES, PHASE_OPTIMIZER, GradSnapshot,
     decode_where, move_state_to_device, resolve_budget)
@@ -120,7 +121,6 @@ class Guard:
         agreement = self.adapter.agreement()   # None without a group: a rank decides alone
         if agreement is not None:
             agreement.device = self.device
-        self.net = MicroBatchNet(self, agreement)
         self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
                                     self.ledger, self.hookless, full_recompute=policy == "full",
                                     agreement=agreement
@@ -130,6 +130,8 @@ class Guard:
         # step its peer failed, and keeps the gradients to put back); every rank attaches.
         self.group_adaptive = (agreement.any_rank(policy == "adaptive")
                                if agreement is not None else policy == "adaptive")
+        self.net = MicroBatchNet(net_door(self), agreement)
+        self.window_door = window_door(self)   # what the adapters' windows use (doors.py)
         self.history: list[dict] = []
         self._recorder: Optional[StepRecorder] = None
         self._unguarded = 0   # depth of `with guard.unguarded():`
@@ -194,8 +196,8 @@ class Guard:
         """Every layer recomputed whole (policy "full", or a safety-net re-run)."""
         return self.layers.full_recompute
 
-    @full_recompute.setter
-    def full_recompute(self, on: bool) -> None:
+    def recompute_whole(self, on: bool) -> None:
+        """Every layer recomputed whole from now (a safety net's re-run), or no longer."""
         self.layers.full_recompute = on
 
     @property

@@ -219,7 +219,7 @@ def _run_alone(guards: Sequence, fn):
         guard.recorder.restart("step", failure)
     with opened(guards, recorders=[g.recorder for g in guards]):
         for guard in guards:
-            guard.full_recompute = True
+            guard.recompute_whole(True)
         try:
             return fn()
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
@@ -232,7 +232,7 @@ def _run_alone(guards: Sequence, fn):
                                    budget_bytes=guards[0].budget_bytes) from None
         finally:
             for guard in guards:
-                guard.full_recompute = False
+                guard.recompute_whole(False)
 
 
 @contextlib.contextmanager

@@ -130,7 +130,7 @@ class ModelWiring:
         model.forward.__signature__ = inspect.signature(orig_forward)
         position = g.position
         for block in g.moe_blocks:
-            g.adapter.install(block, g)
+            g.adapter.install(block, g.window_door)
             layer = g.adapter.parent_layer(block)
             self.wrapped_layers.append(layer)
             layer.forward = functools.partial(g.layers.forward, layer, layer.forward,
