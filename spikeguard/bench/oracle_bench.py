@@ -42,8 +42,8 @@ from spikeguard.model import build_model, model_config
 from spikeguard.plan.catalogue import POLICY_PLANS
 from spikeguard.plan.oracle import Choice, LayerFigures, peak_of, problem_from_model
 from spikeguard.plan.oracle_evict import solve_evict
-from spikeguard.bench.runtime_ratios import (check_workload, decision_cells, plain_step,
-                                             time_interleaved, workload_parser)
+from spikeguard.bench.runtime_ratios import (check_workload, decision_cells, memory_row,
+                                             plain_step, time_interleaved, workload_parser)
 from spikeguard.bench.spread import cell, needed, ratio_spread
 
 STATICS = ("none", "experts", "offload")
@@ -239,16 +239,9 @@ def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fr
     """Per policy: tokens/s, ratio to the ceiling per round, memory and decisions."""
     rows = {}
     for p, seconds in times.items():
-        hist = guards[p].history[1:] if p in guards else []
         rows[p] = {"median_s": statistics.median(seconds),
                    "vs_ceiling": ratio_spread(seconds, times["ceiling"]),
-                   "peak_bytes": max((h["peak_bytes"] for h in hist), default=peak),
-                   "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
-                   "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
-                   "decisions": hist[-1]["decisions"] if hist else {},
-                   "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
-                   "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
-                   "note": notes.get(p, "")}
+                   **memory_row(guards.get(p), peak), "note": notes.get(p, "")}
     ran = [p for p in ("full",) + STATICS if p in times]
     hindsight = max(ran, key=lambda p: rows[p]["vs_ceiling"]["median"])   # as the column
     out = {"fraction": fraction, "budget_bytes": budget, "true_peak_bytes": peak,

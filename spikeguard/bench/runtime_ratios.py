@@ -85,6 +85,22 @@ def time_interleaved(models: dict, guards: dict, batches, reps: int, policies,
     return times
 
 
+def memory_row(guard, unguarded_peak: int) -> dict:
+    """A policy's memory and decisions over its timed steps (its guard's history, the
+    first step dropped; `unguarded_peak` for the ceiling, which has no guard)."""
+    hist = guard.history[1:] if guard is not None else []
+    return {
+        "peak_bytes": max((h["peak_bytes"] for h in hist), default=unguarded_peak),
+        "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
+        "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
+        "decisions": hist[-1]["decisions"] if hist else {},
+        # The last step's, as its decisions: what adaptive keeps by moving earlier
+        # layers' saved tensors to host, which the decision counts do not show.
+        "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
+        "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
+    }
+
+
 def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, budget: int,
                      preset: str) -> dict:
     """Medians, memory and decisions per policy, and the ratios to the ceiling: per round,
@@ -94,19 +110,10 @@ def summarize_ratios(times: dict, guards: dict, tokens: int, ceiling_peak: int, 
               "budget_bytes": budget, "reps": len(times["ceiling"]), "policies": {}}
     for p in times:
         med = statistics.median(times[p])
-        hist = guards[p].history[1:] if p in guards else []
         result["policies"][p] = {
             "median_s": med, "tokens_per_s": tokens / med,
             "vs_ceiling": ratio_spread(times[p], times["ceiling"]),
-            "peak_bytes": max((h["peak_bytes"] for h in hist), default=ceiling_peak),
-            "overruns": sum(h["peak_bytes"] > h["budget_bytes"] for h in hist),
-            "safety_net_reruns": sum(h["safety_net_reruns"] for h in hist),
-            "decisions": hist[-1]["decisions"] if hist else {},
-            # The last step's, as its decisions: what adaptive keeps by moving earlier
-            # layers' saved tensors to host, which the decision counts do not show.
-            "evicted_bytes": hist[-1].get("evicted_bytes", 0) if hist else None,
-            "prefetched_bytes": hist[-1].get("prefetched_bytes", 0) if hist else None,
-        }
+            **memory_row(guards.get(p), ceiling_peak)}
     ratio = {p: result["policies"][p]["vs_ceiling"]["median"] for p in times}
     result["adaptive_over_ceiling"] = ratio["adaptive"]
     result["full_over_ceiling"] = ratio["full"]
