@@ -13,12 +13,10 @@ sweep re-ran micro-batches on the way: the byte model is what makes it hold.)
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_rank_job import run_two_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -30,15 +28,7 @@ JOB_TIMEOUT_S = 240
 
 
 def test_adaptive_between_full_and_all_saved_under_distributed_config(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(WORKER), str(tmp_path)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the torchrun job did not finish in {JOB_TIMEOUT_S} s (hang)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    for rank in (0, 1):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for found in run_two_ranks(WORKER, tmp_path, JOB_TIMEOUT_S):
         assert found["peaks"]["full"] < found["peaks"]["none"], found["peaks"]
         for run in found["runs"]:
             assert run["differ"] == [], run

@@ -18,12 +18,10 @@ by 192 bytes between runs of the same job here.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_rank_job import run_two_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -37,14 +35,7 @@ STEP_COUNTS = 4 * 25   # AdamW's 0-dim `step` tensor (float32) of each of the 25
 
 
 def test_probe_is_the_worst_ranks_real_second_step_under_distributed_config(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(WORKER), str(tmp_path)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the torchrun job did not finish in {JOB_TIMEOUT_S} s (hang)")
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = run_two_ranks(WORKER, tmp_path, JOB_TIMEOUT_S)
     worst = max(max(s["peak"] for s in found["run"]) for found in ranks)
     assert all(found["probe"] == ranks[0]["probe"] for found in ranks)   # one budget
     assert abs(ranks[0]["probe"] - worst) <= TOLERANCE, (ranks[0]["probe"], worst)
