@@ -79,11 +79,13 @@ class LayerPeaks:
         self.room = replace(self.room, head_backward_per_token=0.0)
 
     def record(self, micro_batch: int, layer: int, in_use: int, num_routed: int,
-               grads_to_come: int, layer_part: int = 0, others: int = 0) -> None:
-        """`others`: the bytes of the other micro-batches on the device at the decision."""
+               grads_to_come: int, layer_part: int = 0, others: int = 0,
+               position_peak: int = 0) -> None:
+        """`others`: the bytes of the other micro-batches on the device at the decision;
+        `position_peak`: the device's peak at this layer's forward position so far."""
         self._probes[(micro_batch, layer)] = Probe(
             micro_batch, layer, in_use, num_routed, grads_to_come, layer_part,
-            fixed=self.fsdp.layer_backward(layer)[0])
+            fixed=self.fsdp.layer_backward(layer)[0], forward_peak_before=position_peak)
         self._others[(micro_batch, layer)] = others
 
     def backward_starts(self, micro_batch: int, layer: int, others: int) -> None:
@@ -95,16 +97,24 @@ class LayerPeaks:
         if probe is not None:
             self._probes[key] = replace(probe, others_added=others - self._others[key])
 
-    def evicted(self, micro_batch: int, layer: int, num_bytes: int) -> None:
-        """`num_bytes` of `layer` went to host after the window probed the layers above it:
-        those layers' backward will not find them on the device (they come back in
-        `layer`'s own backward), so their probes' base drops by as much. Read against a
-        base that still counted them, the device's peak would give slopes too small by
-        the bytes evicted, which a step that evicts less then runs out on (seen:
-        tests/runtime/test_runtime_backward_peak.py at 0.8x, in backward)."""
+    def evicted(self, micro_batch: int, deciding: int, layer: int, num_bytes: int) -> None:
+        """`num_bytes` of `layer` went to host at the decision (or the entry) of layer
+        `deciding`: the layers above `layer` will not find them on the device in their
+        backward (they come back in `layer`'s own), so their probes' backward base drops by
+        as much; read against a base that still counted them, the device's peak would give
+        slopes too small by the bytes evicted, which a step that evicts less then runs out
+        on (seen: tests/runtime/test_runtime_backward_peak.py at 0.8x, in backward). The
+        forward base drops only for `deciding` itself, whose expert path runs after (its
+        attention part ran before: plan/layer_room.py `Probe.evicted_first`); the layers
+        between had their forward peak with those bytes on the device."""
         for key, probe in self._probes.items():
-            if key[0] == micro_batch and key[1] > layer:
-                self._probes[key] = replace(probe, in_use=probe.in_use - num_bytes)
+            if key[0] != micro_batch or key[1] <= layer:
+                continue
+            if key[1] >= deciding:
+                self._probes[key] = replace(probe, in_use=probe.in_use - num_bytes,
+                                            evicted_first=probe.evicted_first + num_bytes)
+            else:
+                self._probes[key] = replace(probe, evicted_later=probe.evicted_later + num_bytes)
 
     def record_head(self, micro_batch: int, in_use: int, num_tokens: int) -> None:
         """The head's backward starts at `in_use`: its slope is read off the whole peak,

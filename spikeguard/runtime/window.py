@@ -160,8 +160,9 @@ class DecisionWindow:
         seen = self.seen = self.seen.after(num_routed, max(layer_part, growth), self.num_tokens)
         in_use = self.ledger.in_use()
         grads_to_come = self.grads_to_come.get(layer, 0)
+        meter = self.ledger.meter
         self.layer_room.record(mb, layer, in_use, num_routed, grads_to_come, layer_part,
-                               self.others_bytes(mb))
+                               self.others_bytes(mb), meter.where_peak(meter.where()))
         facts = LayerFacts(
             layer=layer, budget_bytes=self.budget_bytes, num_routed=num_routed,
             layer_part_bytes=layer_part, max_routed=seen.max_routed, num_tokens=self.num_tokens,
@@ -251,7 +252,7 @@ class TrackerEvictor:
     def evict(self, num_bytes: int) -> int:
         before = self.ledger.in_use()
         freed = self.tracker.evict(self.mb, self.layer, num_bytes,
-                                   functools.partial(self.layer_room.evicted, self.mb))
+                                   functools.partial(self.layer_room.evicted, self.mb, self.layer))
         if self.residency is not None and freed < num_bytes:
             freed += self.residency.evict(self.tracker, num_bytes - freed)
         step = self.recorder()

@@ -91,12 +91,24 @@ class ChunkEvictor:
     def __init__(self, layers: list, probes: list, residency, residents):
         self.layers, self.probes = layers, probes
         self.residency, self.residents = residency, residents
+        self.deciding = 0   # the layer whose entry or decision evicts
         self.moved = 0   # bytes sent to host, from this micro-batch's layers and older ones
         self.resident_moved = 0   # of them, older resident micro-batches' bytes
 
     def evictable(self) -> int:
         own = sum(layer.evictable for layer in self.layers)
         return own + self.residency.evictable(self.residents)
+
+    def _moved_below(self, probe: tuple, j: int, moved: int) -> tuple:
+        """A probe once `moved` bytes of layer `j` went to host at layer `deciding`: the
+        deciding layer's base drops (its expert path runs after); the layers' between only
+        in backward (plan/layer_room.py `Probe.evicted_later`, `evicted_first`)."""
+        p, rel, n, ev, later, first = probe
+        if p <= j or not moved:
+            return probe
+        if p >= self.deciding:
+            return p, rel - moved, n, ev, later, first + moved
+        return p, rel, n, ev, later + moved, first
 
     def evict(self, num_bytes: int) -> int:
         freed = 0
@@ -105,8 +117,7 @@ class ChunkEvictor:
                 break
             moved = layer.evict(num_bytes - freed)
             freed += moved
-            self.probes[:] = [(p, rel - moved if p > j else rel, n, ev)
-                              for p, rel, n, ev in self.probes]
+            self.probes[:] = [self._moved_below(probe, j, moved) for probe in self.probes]
         if freed < num_bytes:
             before = sum(self.residents.evicted.values())
             self.residency.evict(self.residents, num_bytes - freed)
@@ -137,8 +148,9 @@ class Forward:
     # the layer's index in the chunk (the guard's numbering): forward (layer, above the
     # start), backward (layer, above the backward's start, the same in a first backward),
     # probes (layer, in use at the decision above the start, routed copies, bytes of
-    # older resident micro-batches it had sent to host by then) and the in-use after the
-    # forward above its start.
+    # older resident micro-batches it had sent to host by then, this micro-batch's bytes
+    # below sent to host after its forward, and before it by its own decision) and the
+    # in-use after the forward above its start.
     forward_where: tuple = ()
     backward_where: tuple = ()
     probes: tuple = ()
@@ -292,6 +304,7 @@ class Chunk:
             return in_use + embed + flow + kept[0] - evictor.moved
 
         for i, count in enumerate(counts):
+            evictor.deciding = i
             start = now()
             entry = EntryState(i, cap, start, T, min_bpt, seen, resident_backward)
             if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, planner,
@@ -307,7 +320,7 @@ class Chunk:
             # The window remembers the device's growth since the layer's entry.
             seen = seen.after(count, max(layer_part, figures.at_decision(count)), T)
             at_decision = start + figures.at_decision(count)
-            probes.append((i, at_decision - in_use, count, evictor.resident_moved))
+            probes.append((i, at_decision - in_use, count, evictor.resident_moved, 0, 0))
             facts = LayerFacts(
                 layer=i, budget_bytes=cap, num_routed=count, layer_part_bytes=layer_part,
                 max_routed=seen.max_routed, num_tokens=T, min_bytes_per_token=min_bpt,

@@ -229,9 +229,10 @@ class StageWalker:
         if self.calibrates:   # the window's probes, for the calibration after the step
             part = self.chunks.figures.layer_part
             others = sum(w.device.values())   # the live forwards before this one
-            w.waiting[k] = [(Probe(op.micro_batch, layer, w.in_use + rel, n, grads[layer], part),
-                             others - sent)
-                            for layer, rel, n, sent in fwd.probes]
+            w.waiting[k] = [(Probe(op.micro_batch, layer, w.in_use + rel, n, grads[layer], part,
+                                   evicted_later=later, evicted_first=first,
+                                   forward_peak_before=w.in_use + rel + first), others - sent)
+                            for layer, rel, n, sent, later, first in fwd.probes]
         if fwd.failed or top > self.capacity:
             return True
         if fwd.resident_evictions:   # the older resident micro-batches it sent to host

@@ -117,8 +117,8 @@ def _calm_peak(cfg, batches) -> int:
 
 @pytest.mark.parametrize("factor", [1.1, 1.0, 0.9])
 def test_where_later_layers_evict_the_plans_and_evictions_are_the_hooked_ones(factor):
-    # On `small` at 1.0x and 0.9x of the calm peak the last layer evicts earlier layers'
-    # tensors: those layers must keep their hook (only the last one may go hookless).
+    # On `small` at 1.0x and 0.9x of the calm peak later layers evict earlier layers'
+    # tensors: those layers must keep their hook.
     batches = _batches(SMALL, (8,), seed=3)
     budget = int(_calm_peak(SMALL, batches) * factor)
     on, grads_on, meter_on = _run(SMALL, budget, True, batches)
@@ -129,12 +129,14 @@ def test_where_later_layers_evict_the_plans_and_evictions_are_the_hooked_ones(fa
     _same(grads_on, grads_off)
     assert meter_on.peak_bytes == meter_off.peak_bytes <= budget
     record = on.history[-1]
+    kept_all = not record["decisions"]["recompute"] and not record["decisions"]["offload"]
     if record["evicted_bytes"]:
-        assert 0 < record["hookless_layers"] < SMALL.num_layers
-    else:
+        assert record["hookless_layers"] < SMALL.num_layers
+    elif kept_all:
         assert record["hookless_layers"] == SMALL.num_layers
-    if factor < 1.05:
-        assert record["evicted_bytes"] > 0   # the case this test is about does happen
+    if factor < 1.05:   # the case this test is about does happen (in the first step at 1.0x,
+        # before the layer peaks are calibrated; in every step at 0.9x)
+        assert any(r["evicted_bytes"] > 0 for r in on.history)
 
 
 def test_an_out_of_memory_inside_a_hookless_layer_is_rerun_and_leaves_no_hook_behind():
