@@ -48,6 +48,7 @@ from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.memory.device import make_device
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned
 from spikeguard.runtime.device_state import move_state_to_device
+from spikeguard.train.engines import whole_step_peak
 
 TITAN_AC = ("titan-full", "titan-op", "titan-every-2")
 SETTINGS = ("ceiling", "none", "full", "adaptive") + TITAN_AC
@@ -124,7 +125,7 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
         opt.zero_grad()
         # The step's record ends before the optimizer step, which the meter (reset at the
         # step's start, active in the optimizer's step hooks) counts too.
-        return 0 if guard is None else max(guard.history[-1]["peak_bytes"], guard.meter.peak())
+        return 0 if guard is None else whole_step_peak(guard)
 
     probe = spikeguard.attach(model, budget="1GiB", policy="none", optimizer=opt)
     # calm steps (even i never spikes with spike_every >= 2)
