@@ -100,6 +100,7 @@ def bench_readme(record: dict) -> str:
 
 
 def runtime_ratios(record: dict) -> str:
+    from spikeguard.bench.native_rows import ran_out
     from spikeguard.bench.runtime_ratios import decision_cells
     from spikeguard.bench.spread import cell, needed
     from spikeguard.memory.budget import format_bytes
@@ -117,6 +118,8 @@ def runtime_ratios(record: dict) -> str:
         if spread:
             n = "-" if name == "ceiling" else needed(p["vs_ceiling"])
             ratio = f"{cell(p['vs_ceiling'])} | {n} | "
+        if ran_out(p):   # PyTorch's own rows have no safety net: on a device, it ran out
+            ratio = "ran out | " + ("- | " if spread else "")
         rows.append(f"| {name} | {p['tokens_per_s']:.0f} | {ratio}"
                     f"{format_bytes(p['peak_bytes'])} / {budget} | {p['overruns']} | "
                     f"{' | '.join(decision_cells(p))} |")
@@ -125,7 +128,10 @@ def runtime_ratios(record: dict) -> str:
             f"{r['gap_closed']:.0%} of the gap; "
             + ("per-round ratios, the median (quartiles) of " if spread else "medians of ")
             + f"{r['reps']}, budget "
-            f"{r['budget_bytes'] / r['ceiling_peak_bytes']:.2f}x the ceiling's true peak. "
+            f"{r['budget_bytes'] / r['ceiling_peak_bytes']:.2f}x the ceiling's true peak"
+            + ("; checkpoint (`torch.utils.checkpoint` per block) and save_on_cpu: PyTorch's "
+               "own, unguarded (spikeguard/bench/native_rows.py)"
+               if any(p.get("native") for p in r["policies"].values()) else "") + ". "
             + _example(record, "read the ratios as +-0.03"))
 
 

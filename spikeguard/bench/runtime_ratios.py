@@ -1,13 +1,15 @@
-"""Throughput of the ceiling, full recompute and adaptive under 0.85x the ceiling's peak.
+"""Throughput of the ceiling, full recompute, adaptive and PyTorch's own checkpoint and
+save_on_cpu under 0.85x the ceiling's peak.
 
     .venv/bin/python -m spikeguard.bench.runtime_ratios --preset small --reps 7
 
 One process, the same data for every policy, runs interleaved (ceiling, full, adaptive,
-ceiling, ...) so machine noise hits all alike; each ratio is per round (the ceiling's
+checkpoint, save_on_cpu, ceiling, ...) so machine noise hits all alike; each ratio is per round (the ceiling's
 seconds over the policy's in the same round), quoted as the median with its quartiles and
 the rounds a +-0.01 would need (spikeguard.bench.spread); decisions and `evicted`
 (earlier layers' saved tensors moved to host) are the last step's. The ceiling is the plain
-model with no guard and no limit. On a CPU-only machine the device is emulated by the
+model with no guard and no limit; `checkpoint` and `save_on_cpu` are what a user would
+pick instead (spikeguard.bench.native_rows), unguarded at the same budget. On a CPU-only machine the device is emulated by the
 CPU allocator (every live storage): the ratios are CPU figures.
 """
 
@@ -25,6 +27,7 @@ from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import UsageError
 from spikeguard.memory.budget import format_bytes
 from spikeguard.model import build_model, model_config
+from spikeguard.bench.native_rows import NATIVE, native_runs, ran_out
 from spikeguard.bench.spread import needed, ratio_spread
 
 POLICIES = ("ceiling", "full", "adaptive")
@@ -52,7 +55,7 @@ def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fractio
     corpus = load_corpus(None)
     gen = torch.Generator().manual_seed(seed)
     batches = [corpus.get_batch("train", batch_size, cfg.seq_len, gen) for _ in range(micro_batches)]
-    models = {p: build_model(cfg, seed=seed) for p in POLICIES}
+    models = {p: build_model(cfg, seed=seed) for p in POLICIES + NATIVE}
 
     probe = spikeguard.attach(build_model(cfg, seed=seed), budget=1 << 50, policy="none")
     _guarded_step(probe.model, probe, batches)
@@ -60,9 +63,16 @@ def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fractio
     budget = int(fraction * ceiling_peak)
     guards = {p: spikeguard.attach(models[p], budget=budget, policy=p) for p in ("full", "adaptive")}
 
-    times = time_interleaved(models, guards, batches, reps, POLICIES)
     tokens = batch_size * micro_batches * cfg.seq_len
-    return summarize_ratios(times, guards, tokens, ceiling_peak, budget, preset)
+    # PyTorch's own checkpoint and save_on_cpu, unguarded, at the same budget (native_rows)
+    with native_runs({p: models[p] for p in NATIVE}, budget) as natives:
+        runs = {**guards, **natives}
+        times = time_interleaved({**models, **{p: natives[p].model for p in NATIVE}}, runs,
+                                 batches, reps, POLICIES + NATIVE)
+        result = summarize_ratios(times, runs, tokens, ceiling_peak, budget, preset)
+    for p in NATIVE:
+        result["policies"][p]["native"] = True
+    return result
 
 
 def time_interleaved(models: dict, guards: dict, batches, reps: int, policies,
@@ -134,7 +144,8 @@ def print_table(result: dict) -> None:
         table.add_column(col)
     for name, row in result["policies"].items():
         vs = row["vs_ceiling"]
-        table.add_row(name, f"{row['tokens_per_s']:.0f}", f"{vs['median']:.3f}",
+        table.add_row(name, f"{row['tokens_per_s']:.0f}",
+                      "ran out" if ran_out(row) else f"{vs['median']:.3f}",
                       f"{vs['q1']:.2f}-{vs['q3']:.2f}", "-" if name == "ceiling" else needed(vs),
                       format_bytes(row["peak_bytes"]), str(row["overruns"]),
                       str(row["safety_net_reruns"]), *decision_cells(row))
@@ -146,7 +157,9 @@ def print_table(result: dict) -> None:
     console.print(f"vs ceiling: per-round ratios, the median and quartiles of {result['reps']} "
                   f"interleaved rounds; peak: the device's whole count (parameters, gradients, "
                   f"activations; this bench has no optimizer step), the ceiling's from a probe "
-                  f"step with everything kept")
+                  f"step with everything kept; checkpoint and save_on_cpu: PyTorch's own, "
+                  f"unguarded (spikeguard.bench.native_rows), 'ran out' where a step passed "
+                  f"the budget")
 
 
 def decision_cells(row: dict) -> tuple[str, str]:

@@ -10,7 +10,18 @@ ranks to rank 0's experts (torchtitan's expert_bias_E): 2x rank 0's share. Setti
   ceiling   the unguarded torchtitan model, no budget;
   none      the guard with everything kept and no budget;
   full      the guard recomputing every layer whole, at the budget;
-  adaptive  the guard deciding per layer and micro-batch, at the budget.
+  adaptive  the guard deciding per layer and micro-batch, at the budget;
+and what a user would pick instead, torchtitan's own activation checkpointing applied as
+its parallelize_fn applies it (`ac_config.build(dump_folder=...).apply(model)`), unguarded
+(torchtitan's AC and the guard refuse each other), at the same budget:
+  titan-full     FullAC: every transformer block recomputed in backward;
+  titan-op       SelectiveAC, per op (this deepseek_v3's default in torchtitan's config
+                 registry): the matmuls' outputs kept but every second, the rest recomputed;
+  titan-every-2  FullAC on every 2nd block (the 2nd, 4th, ...: torchtitan's former
+                 selective_ac_option "2"; 0.3.0 has no per-layer option, so its FullAC is
+                 applied to those blocks alone).
+Each is applied for its segment and the blocks put back after. Their device counts and
+never refuses: a step past the budget on any rank `ran out`.
 The budget is the calm step's true peak with everything kept, its optimizer step included
 (worst rank), x 1.04. Each
 segment's tokens/s over the ceiling's in the same round: the median with its quartiles and
@@ -34,9 +45,42 @@ import torch
 from spikeguard.bench.runtime_ratios import ACTIONS, decision_cells, moved_of
 from spikeguard.bench.spread import cell, needed, ratio_spread
 from spikeguard.errors import ArgumentParser, UsageError
+from spikeguard.memory.device import make_device
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo, run_spawned
+from spikeguard.runtime.device_state import move_state_to_device
+from spikeguard.train.engines import whole_step_peak
 
-SETTINGS = ("ceiling", "none", "full", "adaptive")
+TITAN_AC = ("titan-full", "titan-op", "titan-every-2")
+SETTINGS = ("ceiling", "none", "full", "adaptive") + TITAN_AC
+EVERY = 2   # titan-every-2's period
+
+
+def apply_titan_ac(model, setting: str) -> dict:
+    """torchtitan's own activation checkpointing of `setting` (TITAN_AC) on `model`'s
+    blocks; returns the blocks it wrapped, which `restore_blocks` puts back."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    originals = dict(model.layers.named_children())
+    if setting == "titan-op":
+        SelectiveAC.Config().build(dump_folder="").apply(model)
+    elif setting == "titan-full":
+        FullAC.Config().build(dump_folder="").apply(model)
+    elif setting == "titan-every-2":
+        some = torch.nn.Module()   # FullAC.apply wraps every child of `.layers`
+        some.layers = torch.nn.ModuleDict({k: v for i, (k, v) in enumerate(originals.items())
+                                           if (i + 1) % EVERY == 0})
+        FullAC.Config().build(dump_folder="").apply(some)
+        for name, block in some.layers.named_children():
+            model.layers.register_module(name, block)
+    else:
+        raise ValueError(f"unknown torchtitan AC setting {setting!r}; one of {TITAN_AC}")
+    return originals
+
+
+def restore_blocks(model, originals: dict) -> None:
+    """Put back the blocks apply_titan_ac wrapped (the guard refuses a wrapped model)."""
+    for name, block in originals.items():
+        model.layers.register_module(name, block)
 
 
 def _batches(rank: int, step: int, batch: int, seq: int):
@@ -54,8 +98,9 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
     blocks = [l.moe for l in model.layers.values() if getattr(l, "moe", None) is not None]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def one_step(guard, i) -> int:
-        """One step, its optimizer step included; the device's peak over both (0 unguarded)."""
+    def one_step(guard, i, meter=None) -> int:
+        """One step, its optimizer step included; the device's peak over both (0 for the
+        ceiling; `meter`: torchtitan's AC rows' device, counting)."""
         for b in blocks:
             b.expert_bias_E.zero_()
             if spike_every and i % spike_every == spike_every - 1:
@@ -65,6 +110,13 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
         def body():
             for x, y in data:
                 lm_loss(model, x, y).backward()
+        if meter is not None:
+            with meter.active():
+                meter.reset_peak()
+                body()
+                opt.step()
+                opt.zero_grad()
+                return meter.peak()
         if guard is None:
             body()
         else:
@@ -73,7 +125,7 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
         opt.zero_grad()
         # The step's record ends before the optimizer step, which the meter (reset at the
         # step's start, active in the optimizer's step hooks) counts too.
-        return 0 if guard is None else max(guard.history[-1]["peak_bytes"], guard.meter.peak())
+        return 0 if guard is None else whole_step_peak(guard)
 
     probe = spikeguard.attach(model, budget="1GiB", policy="none", optimizer=opt)
     # calm steps (even i never spikes with spike_every >= 2)
@@ -84,22 +136,29 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
     rows = []
     for rep in range(reps + 1):
         for setting in SETTINGS:
-            guard = None
-            if setting != "ceiling":
+            guard = meter = None
+            if setting in TITAN_AC:
+                originals = apply_titan_ac(model, setting)
+                meter = make_device(torch.device("cpu"), budget)   # not enforcing: counts
+                move_state_to_device(model, [opt], meter)
+            elif setting != "ceiling":
                 guard = spikeguard.attach(model, budget="1GiB" if setting == "none" else budget,
                                           policy=setting, optimizer=opt)
             torch.distributed.barrier()
             start = time.perf_counter()
-            peak = max(one_step(guard, i) for i in range(steps))
+            peak = max(one_step(guard, i, meter) for i in range(steps))
             torch.distributed.barrier()
             seconds = time.perf_counter() - start
             moved = {} if guard is None else moved_of(guard.history)
             if guard is not None:
                 guard.detach()
+            if meter is not None:
+                restore_blocks(model, originals)
+                meter.close()
             rows.append({"rep": rep, "setting": setting, "s": seconds, "peak": peak,
                          "tokens": steps * 2 * batch * seq, **moved})
     (Path(out) / f"{rank}.json").write_text(json.dumps({"budget": budget, "rows": rows}))
-    del model, opt, guard, probe
+    del model, opt, guard, probe, meter
     close_gloo()
 
 
@@ -133,20 +192,23 @@ def main(argv=None) -> int:
     peaks["ceiling"] = peaks["none"]
     print(f"budget {ranks[0]['budget'] / 2**20:.2f} MiB (calm peak x 1.04, worst rank); "
           f"medians of {args.reps} interleaved rounds (first dropped), EP=2, CPU, emulated device")
-    print("\n".join(table(rows, peaks)))
+    print("\n".join(table(rows, peaks, ranks[0]["budget"])))
     print("(vs ceiling: per-round ratios, median (quartiles); peak: the device's whole count, "
-          "the optimizer step included; the ceiling's is none's, which keeps the same)")
+          "the optimizer step included; the ceiling's is none's, which keeps the same; "
+          "titan-*: torchtitan's own activation checkpointing, unguarded, 'ran out' where a "
+          "step passed the budget on a rank)")
     return 0
 
 
-def table(rows: list[dict], peaks: dict) -> list[str]:
+def table(rows: list[dict], peaks: dict, budget: int = 0) -> list[str]:
     """The markdown table from rank 0's rows and the worst rank's peaks; decisions and
-    evictions are rank 0's, summed over the timed rounds' steps."""
+    evictions are rank 0's, summed over the timed rounds' steps. An unguarded torchtitan
+    AC row whose peak passed `budget` ran out (on a device, at the allocation)."""
     ceiling = {r["rep"]: r["s"] for r in rows if r["setting"] == "ceiling"}
     lines = ["| setting | tokens/s (rank 0) | vs ceiling | rounds for +-0.01 | peak (worst rank) "
              "| save / recompute / offload (rank 0) | evicted (rank 0) |",
              "|---|---|---|---|---|---|---|"]
-    for s in SETTINGS:
+    for s in [s for s in SETTINGS if any(r["setting"] == s for r in rows)]:
         mine = [r for r in rows if r["setting"] == s and r["rep"] > 0]
         tps = statistics.median(r["tokens"] / r["s"] for r in mine)
         vs = ratio_spread([r["s"] for r in mine], [ceiling[r["rep"]] for r in mine])
@@ -156,7 +218,8 @@ def table(rows: list[dict], peaks: dict) -> list[str]:
                  "evicted_bytes": sum(r["evicted_bytes"] for r in guarded),
                  "prefetched_bytes": sum(r["prefetched_bytes"] for r in guarded)} \
             if guarded else {"decisions": {}}
-        lines.append(f"| {s} | {tps:.0f} | {cell(vs)} | "
+        out = budget and s in TITAN_AC and peaks[s] > budget
+        lines.append(f"| {s} | {tps:.0f} | {'ran out' if out else cell(vs)} | "
                      f"{'-' if s == 'ceiling' else needed(vs)} | {peak} | "
                      + " | ".join(decision_cells(moved)) + " |")
     return lines

@@ -9,7 +9,7 @@ decisions, and where the step's spike was (rank, stage, layer, micro-batch), fro
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,14 +50,18 @@ def ep_summary(record: dict, received_per_layer: list[int],
     }
 
 
-def pipeline_summary(prank, guards: list, monitor: "RoutingMonitor", record: dict) -> dict:
-    """Cluster fields of one pipeline step (see cluster_summary), from this rank's part."""
+def pipeline_summary(prank, guards: list, monitor: "RoutingMonitor", record: dict,
+                     peaks: Sequence[int] = ()) -> dict:
+    """Cluster fields of one pipeline step (see cluster_summary), from this rank's part;
+    `peaks`: each guard's peak over the whole step, its optimizer step included (the
+    guard's record ends before it), in place of the record's."""
     groups = prank.groups
     mine = {
         "rank": dist.get_rank(), "stages": prank.stage_ids,
         "coords": {"pp": groups.pp_rank, "dp": groups.dp_rank, "ep": groups.ep_rank},
         "loss": record.get("loss"),
-        "guards": [g.history[-1] for g in guards],
+        "guards": [{**g.history[-1], "peak_bytes": p} for g, p in zip(guards, peaks)]
+        if peaks else [g.history[-1] for g in guards],
         "residency": [r.log[0] if r.log else None for r in prank.residencies],
         "routing": monitor.routing,
     }

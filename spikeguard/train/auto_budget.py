@@ -45,6 +45,7 @@ def calm_peak_bytes(engine, micro_batches: Sequence[tuple], group=None) -> tuple
     one guard per chunk, each given half the rank's budget: its peak is the chunk count
     times the larger chunk's."""
     from spikeguard import attach
+    from spikeguard.train.engines import whole_step_peak
 
     if not micro_batches:
         raise UsageError("calm_peak_bytes needs at least one micro-batch")
@@ -60,8 +61,7 @@ def calm_peak_bytes(engine, micro_batches: Sequence[tuple], group=None) -> tuple
             for _ in range(PROBE_STEPS):
                 engine.step(micro_batches)
                 # The device's peak since the step opened: reduction, clip, optimizer step.
-                peaks = [max(p, g.history[-1]["peak_bytes"], g.meter.peak())
-                         for p, g in zip(peaks, guards)]
+                peaks = [max(p, whole_step_peak(g)) for p, g in zip(peaks, guards)]
         statics = [g.history[-1]["static_bytes"] for g in guards]
     finally:
         for guard in guards:

@@ -117,6 +117,8 @@ class LocalEngine:
         optimizer_steps(self.optimizers, self.guards)
         loss, ce, aux = (sums / M).tolist()
         out = {"loss": loss, "ce_loss": ce, "aux_loss": aux, "grad_norm": grad_norm}
+        if self.guards:   # the loop's keys win over the guard's record: the whole step's
+            out["peak_bytes"] = whole_step_peak(self.guards[0])
         if self._blocks:
             out.update(imbalance=max(imbalance), imbalance_per_layer=list(imbalance),
                        _received_per_layer=list(received))
@@ -195,6 +197,7 @@ class PipelineEngine:
         self.modules = list(prank.modules.stages)
         self.optimizers: list = []
         self.guards: list = []
+        self._peaks: list[int] = []   # each guard's whole-step peak, of the last step
         self.monitor = RoutingMonitor(prank)
         # A validation batch goes through the schedule whole: M micro-batches' rows.
         self.eval_micro_batches = prank.micro_batches
@@ -229,6 +232,7 @@ class PipelineEngine:
         losses = self.prank.step(idx_BT, targets_BT)
         grad_norm = self.prank.clip_grad_norm_(self.grad_clip).item()
         optimizer_steps(self.optimizers, self.guards)
+        self._peaks = [whole_step_peak(g) for g in self.guards]
         return {"loss": (sum(x.item() for x in losses) / len(losses)) if losses else None,
                 "grad_norm": grad_norm}
 
@@ -244,12 +248,22 @@ class PipelineEngine:
         return sum(values) / len(values)
 
     def summarize(self, record: dict, step: int) -> dict:
-        return pipeline_summary(self.prank, self.guards, self.monitor, record)
+        return pipeline_summary(self.prank, self.guards, self.monitor, record, self._peaks)
 
     def close(self) -> None:
         self.monitor.close()
         self.prank.close()
         self.guards = []
+
+
+def whole_step_peak(guard) -> int:
+    """The device's peak over the whole step just run: the guard's record of it (every
+    attempt, closed before the optimizer step) and its device's since (the gradient
+    reduction and clip, the optimizer step, AdamW's temporaries: the device's whole count,
+    as the benches take it). A stand-in guard without a device: its record's."""
+    recorded = guard.history[-1]["peak_bytes"] if guard.history else 0
+    meter = getattr(guard, "meter", None)
+    return max(recorded, meter.peak()) if meter is not None else recorded
 
 
 def optimizer_steps(optimizers, guards) -> None:

@@ -82,7 +82,7 @@ def test_titan_table_shows_each_ratio_with_its_spread_and_rounds():
     assert moved == {"decisions": {"save": 15, "recompute": 0, "offload": 1},
                      "evicted_bytes": mib, "prefetched_bytes": mib}
     rows = [{"rep": rep, "setting": s, "s": seconds[s][rep], "tokens": 100,
-             **(moved if s == "adaptive" else {})} for rep in range(4) for s in SETTINGS]
+             **(moved if s == "adaptive" else {})} for rep in range(4) for s in seconds]
     lines = table(rows, {s: 2**20 for s in SETTINGS})
     assert "rounds for +-0.01" in lines[0] and "evicted" in lines[0]
     by = {line.split(" | ")[0].strip("| "): line for line in lines[2:]}
