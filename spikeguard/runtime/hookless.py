@@ -12,9 +12,13 @@ second moot, and models the third.
 Who could ever want a layer's saved tensors off the device later: the later decisions of
 the same micro-batch (window.py: a layer's shortfall, the planner's `evict_bytes`, the
 backward fit of a layer found unable to fit at its entry), and a pipeline's residency,
-which may take any layer of an older micro-batch (plan/residency.py). The proof, at the
+which may take any layer of an older micro-batch (plan/residency.py). Under policy "none"
+nothing of the step ever offloads or evicts (its decisions are the fixed all-save plan,
+and only adaptive's window evicts, a pipeline's residency included): every layer of it is
+proven, the first one's expert path on and every later layer whole, in one process,
+under expert parallelism and in a pipeline alike. Under "adaptive" the proof, at the
 decision of layer L:
-  * policy "adaptive", no pipeline residency;
+  * no pipeline residency;
   * L keeps everything, with no eviction asked;
   * the later layers of this micro-batch, walked now with the window's own procedure
     (plan/decide.py `fits_unaided`: the entry check, the planner's inputs with the layer
@@ -75,7 +79,7 @@ class HooklessLayers:
         self.tracker = tracker
         self.ledger = ledger
         self.shape = shape
-        self.enabled = window.policy == "adaptive"
+        self.enabled = window.policy in ("adaptive", "none")
         # One process, built-in dropless top-k: every layer routes tokens x top-k copies.
         self.exact_routing = exact_routing
         self._modelled: dict[int, list] = {}   # micro-batch -> its modelled ledger keys
@@ -140,7 +144,11 @@ class HooklessLayers:
         """Nothing of the step can later want this layer's saved tensors (module doc)."""
         w = self.window
         if not self.enabled or decision.plan != ALL_SAVE or decision.evict_bytes \
-                or w.forecast.residency is not None or not w.num_tokens:
+                or not w.num_tokens:
+            return False
+        if w.policy == "none":   # nothing of its step ever offloads or evicts
+            return True
+        if w.forecast.residency is not None:
             return False
         mb = w.ctx.micro_batch
         in_use = self.ledger.in_use()

@@ -262,6 +262,17 @@ def test_pp_ep_calm_adaptive_saves_everywhere_when_keeping_everything_fits(pp2ep
                 assert record["evicted_bytes"] == record["full_layers"] == 0, where
 
 
+def test_pp_ep_none_runs_every_layer_without_the_hook(pp2ep2):
+    """Policy none never offloads or evicts, under a pipeline neither: every layer of every
+    micro-batch on every stage runs without the saved-tensor hook (runtime/hookless.py);
+    the tests above hold its gradients bitwise and its peak to the meter's."""
+    world, load = pp2ep2
+    layers_per_stage = CFG_EP["num_layers"] // 2
+    for rank in range(world):
+        for record in load("calm", rank)["records"]:
+            assert record["hookless_layers"] == layers_per_stage * MICRO_BATCHES, (rank, record)
+
+
 @pytest.mark.parametrize("scenario", ["calm", "tight", "spike_adaptive"])
 def test_pp_ep_each_ranks_device_peak_is_the_meters(pp2ep2, scenario):
     """PP=2 x EP=2, every rank: the guard's reported peak is the independent meter's

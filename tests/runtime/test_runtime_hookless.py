@@ -19,6 +19,7 @@ import torch
 from meter import LiveMeter, model_state_tensors
 
 import spikeguard
+from spikeguard.errors import DeviceOutOfMemory
 from spikeguard.model import build_model, model_config
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.cost_rates import rates_of, use_rates
@@ -42,11 +43,12 @@ def _batches(cfg, sizes, seed: int) -> list[torch.Tensor]:
 RATES = rates_of(CostModel())
 
 
-def _guarded(cfg, budget, hookless: bool):
+def _guarded(cfg, budget, hookless: bool, policy: str = "adaptive"):
     model = build_model(cfg, seed=0)
-    guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    guard = spikeguard.attach(model, budget=budget, policy=policy)
     use_rates(guard.cost, RATES)
-    guard.hookless.enabled = hookless
+    if not hookless:   # else as the policy has it
+        guard.hookless.enabled = False
     return model, guard
 
 
@@ -62,8 +64,8 @@ def _metered_step(model, guard, batches) -> tuple[dict, LiveMeter]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}, meter
 
 
-def _run(cfg, budget, hookless: bool, batches, steps: int = 2):
-    model, guard = _guarded(cfg, budget, hookless)
+def _run(cfg, budget, hookless: bool, batches, steps: int = 2, policy: str = "adaptive"):
+    model, guard = _guarded(cfg, budget, hookless, policy)
     for _ in range(steps):
         grads, meter = _metered_step(model, guard, batches)
     return guard, grads, meter
@@ -74,10 +76,12 @@ def _same(a: dict, b: dict) -> None:
     assert [n for n in a if not torch.equal(a[n], b[n])] == []
 
 
-def test_a_calm_step_runs_every_expert_path_hookless_and_changes_nothing_else():
+@pytest.mark.parametrize("policy", ["adaptive", "none"])
+def test_a_calm_step_runs_every_expert_path_hookless_and_changes_nothing_else(policy):
+    """Policy none never offloads or evicts: its every layer runs hookless, calm or not."""
     batches = _batches(TINY, (4, 4), seed=5)
-    on, grads_on, meter_on = _run(TINY, "1GiB", True, batches)
-    off, grads_off, meter_off = _run(TINY, "1GiB", False, batches)
+    on, grads_on, meter_on = _run(TINY, "1GiB", True, batches, policy=policy)
+    off, grads_off, meter_off = _run(TINY, "1GiB", False, batches, policy=policy)
     assert on.history[-1]["hookless_layers"] == TINY.num_layers * len(batches)
     assert off.history[-1]["hookless_layers"] == 0
     _same(grads_on, grads_off)
@@ -170,3 +174,29 @@ def test_an_out_of_memory_inside_a_hookless_layer_is_rerun_and_leaves_no_hook_be
         plain(t[:, :-1], t[:, 1:]).loss.backward()
     _same({n: p.grad for n, p in plain.named_parameters()}, grads)
     assert guard.ledger.activation_bytes == 0
+
+
+def test_under_none_an_out_of_memory_inside_a_hookless_layer_leaves_no_hook_behind():
+    # Policy none has no net: the step ends in the error; the hook stack is left as it was
+    # and the next step runs as the plain model.
+    batches = _batches(TINY, (4, 4), seed=5)
+    model, guard = _guarded(TINY, "1GiB", True, policy="none")
+    run, failed = guard.executor.run, []
+
+    def out_of_memory_once(*args, **kwargs):
+        if guard.ctx.layer == 1 and not failed:
+            failed.append(guard.tracker.is_paused)
+            raise torch.OutOfMemoryError("forced inside the hookless layer")
+        return run(*args, **kwargs)
+
+    guard.executor.run = out_of_memory_once
+    with pytest.raises(DeviceOutOfMemory, match="layer 1"):
+        _metered_step(model, guard, batches)
+    assert failed == [True]
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    grads, _ = _metered_step(model, guard, batches)
+    assert guard.history[-1]["hookless_layers"] == TINY.num_layers * len(batches)
+    plain = build_model(TINY, seed=0)
+    for t in batches:
+        plain(t[:, :-1], t[:, 1:]).loss.backward()
+    _same({n: p.grad for n, p in plain.named_parameters()}, grads)
