@@ -85,9 +85,28 @@ class PlanTable:
         return self.guard.planner.fixed(self.choices[(mb, layer)].plan, num_routed)
 
 
-def probe(cfg, seed: int, batches) -> tuple[int, list]:
+class OneProcess:
+    """The layout of the bench: one process. spikeguard/bench/oracle_ep.py's `ExpertParallel`
+    is the same bench on an expert-parallel group, each rank one of these processes."""
+
+    def __init__(self, cfg, seed: int):
+        self.cfg, self.seed = cfg, seed
+
+    def build(self):
+        return build_model(self.cfg, seed=self.seed)
+
+    def all_ranks(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (every rank calls it at the same point)."""
+        return flag
+
+    def static_in_advance(self, problems: dict) -> str:
+        return static_in_advance(problems)[0]
+
+
+def probe(cfg, seed: int, batches, layout=None) -> tuple[int, list]:
     """The true all-saved peak and the window's figures at every decision."""
-    guard = spikeguard.attach(build_model(cfg, seed=seed), budget=1 << 50, policy="none")
+    layout = layout or OneProcess(cfg, seed)
+    guard = spikeguard.attach(layout.build(), budget=1 << 50, policy="none")
     rec = Recorder(guard)
     guard.decide = rec.decide
     guard.run_step(lambda: plain_step(guard.model, batches))
@@ -125,6 +144,15 @@ def static_in_advance(problems: dict) -> tuple[str, float]:
     """The static plan the byte model predicts fits at least predicted cost ('full' when
     none does), and that cost in seconds."""
     best = ("full", float("inf"))
+    for name, (fits, seconds) in static_predictions(problems).items():
+        if fits and seconds < best[1]:
+            best = (name, seconds)
+    return best
+
+
+def static_predictions(problems: dict) -> dict:
+    """Per static plan: whether the byte model predicts it fits, and its predicted seconds."""
+    out = {}
     for name in STATICS:
         plan, fits, seconds = POLICY_PLANS[name], True, 0.0
         for p in problems.values():
@@ -132,9 +160,8 @@ def static_in_advance(problems: dict) -> tuple[str, float]:
                    for l in p.layers]
             fits &= peak_of(p, idx) <= p.budget_bytes
             seconds += sum(l.options[i].seconds for l, i in zip(p.layers, idx))
-        if fits and seconds < best[1]:
-            best = (name, seconds)
-    return best
+        out[name] = (fits, seconds)
+    return out
 
 
 class Tally:
@@ -176,13 +203,15 @@ def predicted(seen: list, guard, budget: int, tally: Tally, oracle_choices) -> d
     return out
 
 
-def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, reps: int) -> dict:
-    """Every row at one budget, timed interleaved."""
+def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, reps: int,
+               layout=None) -> dict:
+    """Every row at one budget, timed interleaved (under EP every rank calls it alike)."""
+    layout = layout or OneProcess(cfg, seed)
     budget = int(fraction * peak)
-    models = {"ceiling": build_model(cfg, seed=seed)}
+    models = {"ceiling": layout.build()}
     guards = {}
     for name in ("full",) + STATICS + ("oracle", "adaptive"):
-        models[name] = build_model(cfg, seed=seed)
+        models[name] = layout.build()
         guards[name] = spikeguard.attach(models[name], budget=budget,
                                          policy="none" if name == "oracle" else name)
     tally = Tally(guards["adaptive"])
@@ -194,7 +223,7 @@ def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, 
     solutions = {mb: solve_evict(p, evict_s) for mb, p in problems.items()}
     notes = {"oracle": _oracle_note(problems, solutions)}
     plans = None
-    if all(s.feasible for s in solutions.values()):
+    if layout.all_ranks(all(s.feasible for s in solutions.values())):
         choices = {(mb, i): problems[mb].layers[i].options[c].label
                    for mb, s in solutions.items() for i, c in enumerate(s.choices)}
         evict_at = {(mb, i): n for mb, s in solutions.items() for i, n in enumerate(s.evict_at)}
@@ -210,7 +239,7 @@ def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, 
                 notes[name] = f"out of memory: {str(err).splitlines()[0][:90]}"
                 _drop(models, guards, name)
     times = time_interleaved(models, guards, batches, reps, list(models), step=plain_step)
-    advance, _ = static_in_advance(problems)
+    advance = layout.static_in_advance(problems)
     out = summarize(times, guards, notes, budget, peak, fraction, advance)
     out["predicted"] = predicted(seen, guards["adaptive"], budget, tally, plans)
     return out
