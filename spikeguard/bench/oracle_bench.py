@@ -251,7 +251,7 @@ def _drop(models: dict, guards: dict, name: str) -> None:
 
 def _oracle_note(problems: dict, solutions: dict) -> str:
     if not all(s.feasible for s in solutions.values()):
-        return "no combination fits, even evicting everything below each layer"
+        return "no combination fits, even evicting everything below each layer" + _worst(problems)
     plans = {}
     for mb, s in solutions.items():
         for layer, c in zip(problems[mb].layers, s.choices):
@@ -261,6 +261,16 @@ def _oracle_note(problems: dict, solutions: dict) -> str:
     evict = sum(s.evict_bytes for s in solutions.values())
     return (f"predicted +{predicted * 1e3:.1f} ms a step, evicting {format_bytes(evict)}; plans: "
             + "; ".join(f"{n}x {d}" for d, n in sorted(plans.items(), key=lambda kv: -kv[1])))
+
+
+def _worst(problems: dict) -> str:
+    """Where the byte model puts a layer's own least peak furthest over the budget."""
+    over = max((l.base_bytes + min(o.own_peak_bytes for o in l.options) - p.budget_bytes,
+                mb, i) for mb, p in problems.items() for i, l in enumerate(p.layers))
+    if over[0] <= 0:
+        return ""
+    return (f" (micro-batch {over[1]}, layer {over[2]}: its own least peak on the byte model "
+            f"is {format_bytes(over[0])} over, nothing below it kept)")
 
 
 def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fraction: float,
@@ -333,11 +343,11 @@ def table_lines(result: dict) -> list[str]:
                       f"adaptive/ceiling {cell(b['adaptive_over_ceiling'])}, gap from full "
                       f"to the ceiling closed {'-' if math.isnan(b['gap_closed']) else format(b['gap_closed'], '.0%')}", ""]
         oracle = b["policies"].get("oracle", {}).get("note") or b["not_run"].get("oracle", "")
-        lines += [_predicted_line(b["predicted"]) + ".", "", f"oracle: {oracle}"]
+        lines += [predicted_line(b["predicted"]) + ".", "", f"oracle: {oracle}"]
     return lines
 
 
-def _predicted_line(p: dict) -> str:
+def predicted_line(p: dict) -> str:
     """The cost model's added time a step, noise-free: the oracle's bound against adaptive."""
     ad, orc, full = p["adaptive_s"] * 1e3, (p["oracle_s"] or 0) * 1e3, p["adaptive_full_layers"]
     if p["oracle_s"] is None:
@@ -354,7 +364,7 @@ def main(argv=None) -> int:
                         help="budgets as fractions of the true peak, comma-separated")
     try:
         args = parser.parse_args(argv)
-        fractions = _fractions(args.fractions)
+        fractions = parse_fractions(args.fractions)
         check_workload(args)
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
@@ -370,7 +380,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _fractions(text: str) -> list[float]:
+def parse_fractions(text: str) -> list[float]:
     """--fractions parsed and checked."""
     try:
         fractions = [float(f) for f in text.split(",")]

@@ -164,7 +164,7 @@ def table_lines(result: dict) -> list[str]:
                       f"{cell(b['adaptive_over_ceiling'])}, gap from full to the ceiling "
                       f"closed {gap}", ""]
         for i, r in enumerate(ranks):
-            lines += [f"rank {i}: " + oracle_bench._predicted_line(r["predicted"]) + "; oracle: "
+            lines += [f"rank {i}: " + oracle_bench.predicted_line(r["predicted"]) + "; oracle: "
                       + r["oracle"], ""]
     return lines[:-1]
 
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     worker = None
     try:
         args = parser.parse_args(argv)
-        fractions = oracle_bench._fractions(args.fractions)
+        fractions = oracle_bench.parse_fractions(args.fractions)
         check_workload(args)
         worker = _join(args.preset)
         torch.set_num_threads(args.threads)
