@@ -30,6 +30,7 @@ Rank 0 prints. CPU figures, emulated device.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -105,6 +106,7 @@ def measure(preset: str, batch_size: int, micro_batches: int, reps: int, fractio
                   if k not in ("budget_bytes", "true_peak_bytes", "predicted")}
         merged["ranks"] = [_rank_part(r) for r in every]   # each rank's own figures
         budgets.append(merged)
+        gc.collect()   # this budget's models (guard and model hold each other) before the next
     return {"preset": preset, "ep": world, "reps": reps, "batch_size": batch_size,
             "micro_batches": micro_batches,
             "tokens_per_step": world * batch_size * micro_batches * cfg.seq_len,
