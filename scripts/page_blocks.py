@@ -266,6 +266,8 @@ _BLOCKS = [
           timeout_s=3600),
     Block("oracle-ep-small", ORACLE_EP + " --preset small --reps 11 --json oracle.json",
           oracle_ep, output="oracle.json", timeout_s=3000),
+    Block("oracle-ep-medium", ORACLE_EP + " --preset medium --batch-size 4 --reps 2 "
+          "--json oracle.json", oracle_ep, output="oracle.json", timeout_s=3600),
     Block("titan-loss-outside", ".venv/bin/spikeguard train --titan deepseek_v3 --steps 6 "
           "--policy adaptive --budget 15666016", _last_lines, timeout_s=600),
 ]

@@ -153,6 +153,9 @@ def table_lines(result: dict) -> list[str]:
                          f"| {' / '.join(str(m['safety_net_reruns']) for m in rows)} "
                          f"| {'; '.join(c[0] for c in cells)} | {'; '.join(c[1] for c in cells)} |")
         for name, note in b["not_run"].items():
+            if name == "oracle":   # not run where some rank has no plan: those ranks' notes
+                note = "; ".join(f"rank {i}: {r['oracle']}" for i, r in enumerate(ranks)
+                                 if r["oracle"].startswith("no combination"))
             lines.append(f"| {name} | - | - | - | - | - | - | {note} | - |")
         lines += ["", f"(per rank: rank 0; rank 1{'; ...' if ep > 2 else ''}) static in advance "
                   f"(the byte model's pick, fitting on every rank): "
