@@ -143,6 +143,14 @@ def oracle_bench(record: dict) -> str:
                        "follows the cost model's timings"))
 
 
+def oracle_ep(record: dict) -> str:
+    from spikeguard.bench.oracle_ep import table_lines
+
+    return ("\n".join(table_lines(record["output"])).strip() + "\n\n"
+            + _example(record, "2 gloo ranks on the same cores; read the ratios with their "
+                       "ranges; which operator moves follows the cost model's timings"))
+
+
 PUBLISHED = {"ceiling": "", "none": "30%, crashing", "full": "24.6%", "adaptive":
              "32.9% average, 35% best"}   # the production run's figures (DESIGN.md), quoted
 
@@ -225,6 +233,8 @@ SIM_DOCS = (".venv/bin/spikeguard simulate --preset 1t --calibrate-mfu 0.246 --s
             "--scaling-steps 300 --json sim.json")   # docs/simulator.md's command, its run
 ORACLE = (".venv/bin/python -m spikeguard.bench.oracle_bench --preset small --reps 11 "
           "--json oracle.json")
+ORACLE_EP = (".venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 "
+             "-m spikeguard.bench.oracle_ep")
 VARIES = "which operator moves, and how much is evicted, follow the cost model's timings"
 
 _BLOCKS = [
@@ -260,6 +270,10 @@ _BLOCKS = [
     Block("oracle-medium", ".venv/bin/python -m spikeguard.bench.oracle_bench --preset medium "
           "--batch-size 4 --reps 3 --json oracle.json", oracle_bench, output="oracle.json",
           timeout_s=3600),
+    Block("oracle-ep-small", ORACLE_EP + " --preset small --reps 11 --json oracle.json",
+          oracle_ep, output="oracle.json", timeout_s=3000),
+    Block("oracle-ep-medium", ORACLE_EP + " --preset medium --batch-size 4 --reps 2 "
+          "--json oracle.json", oracle_ep, output="oracle.json", timeout_s=3600),
     Block("titan-loss-outside", ".venv/bin/spikeguard train --titan deepseek_v3 --steps 6 "
           "--policy adaptive --budget 15666016", _last_lines, timeout_s=600),
 ]

@@ -85,9 +85,28 @@ class PlanTable:
         return self.guard.planner.fixed(self.choices[(mb, layer)].plan, num_routed)
 
 
-def probe(cfg, seed: int, batches) -> tuple[int, list]:
+class OneProcess:
+    """The layout of the bench: one process. spikeguard/bench/oracle_ep.py's `ExpertParallel`
+    is the same bench on an expert-parallel group, each rank one of these processes."""
+
+    def __init__(self, cfg, seed: int):
+        self.cfg, self.seed = cfg, seed
+
+    def build(self):
+        return build_model(self.cfg, seed=self.seed)
+
+    def all_ranks(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (every rank calls it at the same point)."""
+        return flag
+
+    def static_in_advance(self, problems: dict) -> str:
+        return static_in_advance(problems)[0]
+
+
+def probe(cfg, seed: int, batches, layout=None) -> tuple[int, list]:
     """The true all-saved peak and the window's figures at every decision."""
-    guard = spikeguard.attach(build_model(cfg, seed=seed), budget=1 << 50, policy="none")
+    layout = layout or OneProcess(cfg, seed)
+    guard = spikeguard.attach(layout.build(), budget=1 << 50, policy="none")
     rec = Recorder(guard)
     guard.decide = rec.decide
     guard.run_step(lambda: plain_step(guard.model, batches))
@@ -125,6 +144,15 @@ def static_in_advance(problems: dict) -> tuple[str, float]:
     """The static plan the byte model predicts fits at least predicted cost ('full' when
     none does), and that cost in seconds."""
     best = ("full", float("inf"))
+    for name, (fits, seconds) in static_predictions(problems).items():
+        if fits and seconds < best[1]:
+            best = (name, seconds)
+    return best
+
+
+def static_predictions(problems: dict) -> dict:
+    """Per static plan: whether the byte model predicts it fits, and its predicted seconds."""
+    out = {}
     for name in STATICS:
         plan, fits, seconds = POLICY_PLANS[name], True, 0.0
         for p in problems.values():
@@ -132,9 +160,8 @@ def static_in_advance(problems: dict) -> tuple[str, float]:
                    for l in p.layers]
             fits &= peak_of(p, idx) <= p.budget_bytes
             seconds += sum(l.options[i].seconds for l, i in zip(p.layers, idx))
-        if fits and seconds < best[1]:
-            best = (name, seconds)
-    return best
+        out[name] = (fits, seconds)
+    return out
 
 
 class Tally:
@@ -176,13 +203,15 @@ def predicted(seen: list, guard, budget: int, tally: Tally, oracle_choices) -> d
     return out
 
 
-def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, reps: int) -> dict:
-    """Every row at one budget, timed interleaved."""
+def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, reps: int,
+               layout=None) -> dict:
+    """Every row at one budget, timed interleaved (under EP every rank calls it alike)."""
+    layout = layout or OneProcess(cfg, seed)
     budget = int(fraction * peak)
-    models = {"ceiling": build_model(cfg, seed=seed)}
+    models = {"ceiling": layout.build()}
     guards = {}
     for name in ("full",) + STATICS + ("oracle", "adaptive"):
-        models[name] = build_model(cfg, seed=seed)
+        models[name] = layout.build()
         guards[name] = spikeguard.attach(models[name], budget=budget,
                                          policy="none" if name == "oracle" else name)
     tally = Tally(guards["adaptive"])
@@ -194,7 +223,7 @@ def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, 
     solutions = {mb: solve_evict(p, evict_s) for mb, p in problems.items()}
     notes = {"oracle": _oracle_note(problems, solutions)}
     plans = None
-    if all(s.feasible for s in solutions.values()):
+    if layout.all_ranks(all(s.feasible for s in solutions.values())):
         choices = {(mb, i): problems[mb].layers[i].options[c].label
                    for mb, s in solutions.items() for i, c in enumerate(s.choices)}
         evict_at = {(mb, i): n for mb, s in solutions.items() for i, n in enumerate(s.evict_at)}
@@ -210,7 +239,7 @@ def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, 
                 notes[name] = f"out of memory: {str(err).splitlines()[0][:90]}"
                 _drop(models, guards, name)
     times = time_interleaved(models, guards, batches, reps, list(models), step=plain_step)
-    advance, _ = static_in_advance(problems)
+    advance = layout.static_in_advance(problems)
     out = summarize(times, guards, notes, budget, peak, fraction, advance)
     out["predicted"] = predicted(seen, guards["adaptive"], budget, tally, plans)
     return out
@@ -222,7 +251,7 @@ def _drop(models: dict, guards: dict, name: str) -> None:
 
 def _oracle_note(problems: dict, solutions: dict) -> str:
     if not all(s.feasible for s in solutions.values()):
-        return "no combination fits, even evicting everything below each layer"
+        return "no combination fits, even evicting everything below each layer" + _worst(problems)
     plans = {}
     for mb, s in solutions.items():
         for layer, c in zip(problems[mb].layers, s.choices):
@@ -232,6 +261,16 @@ def _oracle_note(problems: dict, solutions: dict) -> str:
     evict = sum(s.evict_bytes for s in solutions.values())
     return (f"predicted +{predicted * 1e3:.1f} ms a step, evicting {format_bytes(evict)}; plans: "
             + "; ".join(f"{n}x {d}" for d, n in sorted(plans.items(), key=lambda kv: -kv[1])))
+
+
+def _worst(problems: dict) -> str:
+    """Where the byte model puts a layer's own least peak furthest over the budget."""
+    over = max((l.base_bytes + min(o.own_peak_bytes for o in l.options) - p.budget_bytes,
+                mb, i) for mb, p in problems.items() for i, l in enumerate(p.layers))
+    if over[0] <= 0:
+        return ""
+    return (f" (micro-batch {over[1]}, layer {over[2]}: its own least peak on the byte model "
+            f"is {format_bytes(over[0])} over, nothing below it kept)")
 
 
 def summarize(times: dict, guards: dict, notes: dict, budget: int, peak: int, fraction: float,
@@ -304,11 +343,11 @@ def table_lines(result: dict) -> list[str]:
                       f"adaptive/ceiling {cell(b['adaptive_over_ceiling'])}, gap from full "
                       f"to the ceiling closed {'-' if math.isnan(b['gap_closed']) else format(b['gap_closed'], '.0%')}", ""]
         oracle = b["policies"].get("oracle", {}).get("note") or b["not_run"].get("oracle", "")
-        lines += [_predicted_line(b["predicted"]) + ".", "", f"oracle: {oracle}"]
+        lines += [predicted_line(b["predicted"]) + ".", "", f"oracle: {oracle}"]
     return lines
 
 
-def _predicted_line(p: dict) -> str:
+def predicted_line(p: dict) -> str:
     """The cost model's added time a step, noise-free: the oracle's bound against adaptive."""
     ad, orc, full = p["adaptive_s"] * 1e3, (p["oracle_s"] or 0) * 1e3, p["adaptive_full_layers"]
     if p["oracle_s"] is None:
@@ -325,7 +364,7 @@ def main(argv=None) -> int:
                         help="budgets as fractions of the true peak, comma-separated")
     try:
         args = parser.parse_args(argv)
-        fractions = _fractions(args.fractions)
+        fractions = parse_fractions(args.fractions)
         check_workload(args)
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
@@ -341,7 +380,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _fractions(text: str) -> list[float]:
+def parse_fractions(text: str) -> list[float]:
     """--fractions parsed and checked."""
     try:
         fractions = [float(f) for f in text.split(",")]

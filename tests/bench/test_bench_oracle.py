@@ -130,3 +130,55 @@ def test_the_tally_costs_adaptive_last_step_as_the_planner_does():
     counted["recompute"] += guard.history[-1]["full_layers"] * len(OPS)   # whole layers
     assert {k: v for k, v in guard.history[-1]["decisions"].items() if v} == \
         {k: v for k, v in counted.items() if v}
+
+
+def test_the_ep_bench_outside_torchrun_is_one_line_exit_2(capsys):
+    from spikeguard.bench import oracle_ep
+
+    assert oracle_ep.main(["--preset", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "under torchrun" in err, err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_ep_bench_on_two_ranks_keeps_every_rank_under_its_own_budget(tmp_path):
+    """spikeguard/bench/oracle_ep.py on 2 gloo ranks (tiny, 2 rounds): every row on both
+    ranks, each rank's budget the fraction of its own true peak, every row that ran under
+    it on every rank, and the oracle run for real on each rank: a plan for every layer
+    and micro-batch, no overrun, no re-run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "ep.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "spikeguard.bench.oracle_ep", "--preset", "tiny", "--reps", "2",
+           "--batch-size", "4", "--fractions", "0.85,0.7", "--json", str(out)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the 2-rank oracle bench did not finish in 240 s (hang)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cfg = model_config("tiny")
+    assert result["ep"] == 2 and result["tokens_per_step"] == 2 * 4 * 2 * cfg.seq_len
+    assert [b["fraction"] for b in result["budgets"]] == [0.85, 0.7]
+    for b in result["budgets"]:
+        assert set(b["policies"]) | set(b["not_run"]) == {
+            "ceiling", "full", "none", "experts", "offload", "oracle", "adaptive"}
+        assert "oracle" in b["policies"] and "adaptive_over_oracle" in b, b["not_run"]
+        assert len(b["ranks"]) == 2
+        # Each rank on its own data: its own true peak, and its budget that share of it.
+        assert b["ranks"][0]["true_peak_bytes"] != b["ranks"][1]["true_peak_bytes"]
+        for r in b["ranks"]:
+            assert r["budget_bytes"] == int(b["fraction"] * r["true_peak_bytes"])
+            assert set(r["policies"]) == set(b["policies"])   # the same rows on every rank
+            for name, row in r["policies"].items():
+                if name != "ceiling":
+                    assert row["peak_bytes"] <= r["budget_bytes"], (name, row)
+                    assert row["overruns"] == 0, (name, row)
+            oracle = r["policies"]["oracle"]
+            assert oracle["safety_net_reruns"] == 0
+            assert sum(oracle["decisions"].values()) == cfg.num_layers * 2 * len(OPS)
+            assert r["predicted"]["oracle_s"] is not None
+    assert "adaptive/oracle" in done.stdout and "rank 1: on the cost model" in done.stdout
