@@ -181,8 +181,16 @@ class Planner:
 
     def whole_recompute_s(self, num_routed: int) -> float:
         """The seconds of recomputing every stage of the expert path for `num_routed`
-        copies: the least a layer recomputed whole (attention too) costs."""
-        return num_routed * max(self.cost.recompute_s_per_token(r.plan) for r in self.ranked())
+        copies: the least a layer recomputed whole (attention too) costs. The largest
+        per-token figure is found once per ranking and stage rates (the cost model may move
+        between rankings), not at every call: the simulator asks it a million times."""
+        ranked, cost = self.ranked(), self.cost
+        rates = tuple(cost.stage_s_per_token.items())
+        hit = self.__dict__.get("_whole_of")
+        if hit is None or hit[0] is not ranked or hit[1] is not cost or hit[2] != rates:
+            hit = self._whole_of = (ranked, cost, rates,
+                                    max(cost.recompute_s_per_token(r.plan) for r in ranked))
+        return num_routed * hit[3]
 
     def least(self, num_routed: int) -> Decision:
         """The plan keeping the least on the device (when nothing fits and the forward must
