@@ -97,6 +97,7 @@ class Chunk:
         self._decided: dict = {}     # the layers' plan numbers (-1: whole) -> decisions
         self._backwards: dict = {}   # (chunk, tail, the layers' figures) -> _finish's backward
         self._facts_of: dict = {}    # _facts's arguments -> LayerFacts
+        self._fixed_of: dict = {}    # (static policy, routed count) -> Planner.fixed
         self._base: dict = {}    # (counts, head FLOPs) -> walker.base_s
 
     def _plan_facts(self, plan: LayerPlan) -> tuple[Counter, int, int]:
@@ -190,7 +191,8 @@ class Chunk:
         ((layer, above, above first), ...)); remembered for layers nothing was evicted of
         (their figures are then their plan's and routed count's)."""
         key = None
-        if not any(layer.on_host for layer in layers):
+        # a static policy's chunks are remembered whole by the walker (chunk, counts)
+        if self.w.policy == "adaptive" and not any(layer.on_host for layer in layers):
             key = (chunk, tail, tuple((self._plan_facts(layer.plan)[2] if layer.plan else -1,
                                        layer.num_routed, layer.kept) for layer in layers))
             hit = self._backwards.get(key)
@@ -206,6 +208,17 @@ class Chunk:
         return out
 
     # ---- static policies: Planner.fixed --------------------------------------------------
+    def _fixed(self, policy: str, count: int):
+        """Planner.fixed of the policy's plan: pure arithmetic on the plan, the count and
+        the cost model, which nothing moves during a run; asked once per count."""
+        key = (policy, count)
+        hit = self._fixed_of.get(key)
+        if hit is None:
+            if len(self._fixed_of) >= 1 << 16:
+                self._fixed_of.clear()
+            hit = self._fixed_of[key] = self.w.planner.fixed(POLICY_PLANS[policy], count)
+        return hit
+
     def static(self, chunk: int, counts: tuple[int, ...], policy: Optional[str] = None) -> Forward:
         w, lb, T = self.w, self.lb, self.T
         policy = policy or w.policy
@@ -223,7 +236,7 @@ class Chunk:
                 seconds += w.layer_compute_s(count)
                 decisions["recompute"] += len(OPS)
             else:
-                d = w.planner.fixed(POLICY_PLANS[policy], count)
+                d = self._fixed(policy, count)
                 layer = self._planned_layer(d.plan, count)
                 fig = self.figures.planned(d.plan, count)
                 forward_where.append((i, start + fig.at_decision + fig.over_decision))
