@@ -20,7 +20,7 @@ copies per token), so that one walk serves every rank and step that share its lo
 
 Decisions are pure functions of (chunk, loads, bytes in use, gradients still to come, the
 schedule position, what older resident micro-batches hold, the guard's memory), so one
-forward is memoised on exactly that key.
+forward is memoised on that key (of the older ones' bytes, the sums it reads: `forward`).
 
 Time of a micro-batch on this rank: forward FLOPs at the device's achieved rate plus the
 all-to-all (dispatch and combine), backward `backward_ratio` (2) times the forward's
