@@ -106,15 +106,18 @@ class Planner:
             self._rank()
         return self._ranked
 
-    def _keep_all(self) -> Optional[LayerPlan]:
-        """The menu's plan that neither recomputes nor offloads (first in every ranking);
-        found once per menu (an adapter may set its own menu after `__init__`), not at
-        every decision."""
+    def _keep_all(self) -> tuple[Optional[LayerPlan], int]:
+        """The menu's plan that neither recomputes nor offloads (first in every ranking),
+        and its device bytes per token (`_fixed_per_plan`'s); found once per menu (an
+        adapter may set its own menu after `__init__`), not at every decision, which then
+        hashes no plan (a plan's hash is its five enums' Python-level hashes)."""
         found = self.__dict__.get("_keep_all_of")
         if found is None or found[0] is not self.menu:
-            found = self._keep_all_of = (self.menu, next((p for p in self.menu if not any(
-                a is not Action.SAVE for a in p.actions)), None))
-        return found[1]
+            plan = next((p for p in self.menu if not any(
+                a is not Action.SAVE for a in p.actions)), None)
+            found = self._keep_all_of = (self.menu, plan,
+                                         self._fixed_per_plan(plan)[0] if plan else 0)
+        return found[1], found[2]
 
     def added_s(self, plan: LayerPlan, num_routed: int) -> float:
         return num_routed * (self.cost.recompute_s_per_token(plan)
@@ -126,9 +129,9 @@ class Planner:
         evicts or raises when nothing fits. `deferrable_bytes`: of a forward shortfall,
         what only the rest of the micro-batch needs and its later layers will be able to
         move then (the decision evicts only the rest now)."""
-        keep_all = self._keep_all()
+        keep_all, keep_all_per_token = self._keep_all()
         if keep_all is not None:
-            need = self._fixed_per_plan(keep_all)[0] * num_routed + self.layer_bytes(keep_all)[0]
+            need = keep_all_per_token * num_routed + self.layer_bytes(keep_all)[0]
             if need <= headroom_bytes and (backward_room is None or need <= backward_room):
                 return Decision(keep_all, need, 0.0)
         for r in self.ranked():
@@ -181,8 +184,16 @@ class Planner:
 
     def whole_recompute_s(self, num_routed: int) -> float:
         """The seconds of recomputing every stage of the expert path for `num_routed`
-        copies: the least a layer recomputed whole (attention too) costs."""
-        return num_routed * max(self.cost.recompute_s_per_token(r.plan) for r in self.ranked())
+        copies: the least a layer recomputed whole (attention too) costs. The largest
+        per-token figure is found once per ranking and stage rates (the cost model may move
+        between rankings), not at every call: the simulator asks it a million times."""
+        ranked, cost = self.ranked(), self.cost
+        rates = tuple(cost.stage_s_per_token.items())
+        hit = self.__dict__.get("_whole_of")
+        if hit is None or hit[0] is not ranked or hit[1] is not cost or hit[2] != rates:
+            hit = self._whole_of = (ranked, cost, rates,
+                                    max(cost.recompute_s_per_token(r.plan) for r in ranked))
+        return num_routed * hit[3]
 
     def least(self, num_routed: int) -> Decision:
         """The plan keeping the least on the device (when nothing fits and the forward must

@@ -19,6 +19,7 @@ as runtime/hooks.py does; they come back in their layer's backward.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -29,6 +30,7 @@ from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.decide import LayerFacts, decide_layer, entry_fallback
 from spikeguard.plan.room import EntryState, Seen, backward_above_end
 from spikeguard.plan.layer_room import LayerRoom
+from spikeguard.sim.chunk_parts import BackwardPeaks, ChunkEvictor, Layer
 from spikeguard.sim.layer_figures import LayerFigures
 
 HEAD = "head"
@@ -43,89 +45,6 @@ class Memory:
     seen: Seen
     room: LayerRoom
     head_per_token: float
-
-
-@dataclass
-class Layer:
-    """One layer of the chunk as its forward left it."""
-
-    plan: Optional[LayerPlan]     # None: recomputed whole
-    num_routed: int
-    kept: int
-    storages: list                # (op, bytes) evictable, still on the device, save order
-    evictable: int                # their bytes
-    on_host: Counter = field(default_factory=Counter)   # evicted bytes per op
-
-    def evict(self, num_bytes: int) -> int:
-        freed = 0
-        while self.storages and freed < num_bytes:
-            op, size = self.storages.pop(0)
-            self.on_host[op] += size
-            freed += size
-        self.kept -= freed
-        self.evictable -= freed
-        return freed
-
-
-class BackwardPeaks:
-    """The largest backward peak the window predicted for a micro-batch, and the largest
-    excess of one over the in-use it was predicted at (runtime/window.py keeps the same
-    pair per micro-batch, `_predicted_backward`): plan/decide.py's `note_backward`."""
-
-    def __init__(self):
-        self.peak = 0
-        self.over = 0
-
-    def note(self, backward: int, at: int) -> None:
-        self.peak = max(self.peak, backward)
-        self.over = max(self.over, backward - at)
-
-
-class ChunkEvictor:
-    """plan/decide.py's Evictor over the simulated chunk: this micro-batch's earlier layers
-    first (each layer's storages in order), then older resident micro-batches. As the
-    runtime's layer peaks do, the probes of the layers above an evicted one lose what it
-    moved (runtime/layer_room.py `LayerPeaks.evicted`). Copy time is the caller's, from
-    the bytes moved."""
-
-    def __init__(self, layers: list, probes: list, residency, residents):
-        self.layers, self.probes = layers, probes
-        self.residency, self.residents = residency, residents
-        self.deciding = 0   # the layer whose entry or decision evicts
-        self.moved = 0   # bytes sent to host, from this micro-batch's layers and older ones
-        self.resident_moved = 0   # of them, older resident micro-batches' bytes
-
-    def evictable(self) -> int:
-        own = sum(layer.evictable for layer in self.layers)
-        return own + self.residency.evictable(self.residents)
-
-    def _moved_below(self, probe: tuple, j: int, moved: int) -> tuple:
-        """A probe once `moved` bytes of layer `j` went to host at layer `deciding`: the
-        deciding layer's base drops (its expert path runs after); the layers' between only
-        in backward (plan/layer_room.py `Probe.evicted_later`, `evicted_first`)."""
-        p, rel, n, ev, later, first = probe
-        if p <= j or not moved:
-            return probe
-        if p >= self.deciding:
-            return p, rel - moved, n, ev, later, first + moved
-        return p, rel, n, ev, later + moved, first
-
-    def evict(self, num_bytes: int) -> int:
-        freed = 0
-        for j, layer in enumerate(self.layers):
-            if freed >= num_bytes:
-                break
-            moved = layer.evict(num_bytes - freed)
-            freed += moved
-            self.probes[:] = [self._moved_below(probe, j, moved) for probe in self.probes]
-        if freed < num_bytes:
-            before = sum(self.residents.evicted.values())
-            self.residency.evict(self.residents, num_bytes - freed)
-            resident = sum(self.residents.evicted.values()) - before
-            self.resident_moved += resident
-            freed += resident
-        self.moved += freed
-        return freed
 
 
 @dataclass
@@ -173,17 +92,39 @@ class Chunk:
         dm = walker.dm
         self.lb, self.hb, self.T = dm.layer, dm.head, dm.tokens
         self.figures = LayerFigures(dm.layer, dm.tokens)
-        self._plans: dict = {}   # id(plan) -> (plan, its actions counted, offload bytes/token)
+        # id(plan) -> (plan, its actions counted, offload bytes/token, its number)
+        self._plans: dict = {}
+        self._numbers = itertools.count()
+        self._decided: dict = {}     # the layers' plan numbers (-1: whole) -> decisions
+        self._backwards: dict = {}   # (chunk, tail, the layers' figures) -> _finish's backward
+        self._facts_of: dict = {}    # _facts's arguments -> LayerFacts
+        self._fixed_of: dict = {}    # (static policy, routed count) -> Planner.fixed
         self._base: dict = {}    # (counts, head FLOPs) -> walker.base_s
 
-    def _plan_facts(self, plan: LayerPlan) -> tuple[Counter, int]:
+    def _plan_facts(self, plan: LayerPlan) -> tuple[Counter, int, int]:
         """What the chunk adds up per decided plan, found once per plan: its actions as
-        the runtime records them, and the bytes per routed copy it offloads."""
+        the runtime records them, the bytes per routed copy it offloads, and a number
+        that stands for it in the chunk's memo keys."""
         hit = self._plans.get(id(plan))
         if hit is None or hit[0] is not plan:
             hit = self._plans[id(plan)] = (plan, Counter(a.value for a in plan.actions),
-                                           self.w.planner.offload_bytes_per_token(plan))
-        return hit[1], hit[2]
+                                           self.w.planner.offload_bytes_per_token(plan),
+                                           next(self._numbers))
+        return hit[1], hit[2], hit[3]
+
+    def _decisions(self, numbers: tuple) -> Counter:
+        """The decisions of layers decided `numbers` (_plan_facts's; -1: recomputed whole),
+        added up in the layers' order as the runtime records them (the keys' order too);
+        a fresh copy."""
+        hit = self._decided.get(numbers)
+        if hit is None:
+            hit = Counter()
+            by_number = {v[3]: v[1] for v in self._plans.values()}
+            for n in numbers:
+                # the runtime records every op of a layer recomputed whole
+                hit.update(by_number[n] if n >= 0 else {"full_layer": 1, "recompute": len(OPS)})
+            self._decided[numbers] = hit
+        return Counter(hit)
 
     def _base_s(self, counts: tuple[int, ...], head_flops: float) -> float:
         hit = self._base.get((counts, head_flops))
@@ -237,9 +178,7 @@ class Chunk:
         """`moved`: bytes of older resident micro-batches this forward sent to host (the
         relative figures are over the in-use before it started, those bytes included)."""
         kept = embed + sum(layer.kept for layer in layers) + tail
-        bwd, where = self.backward(chunk, layers, tail, first=False)
-        bwd_first, where_first = self.backward(chunk, layers, tail, first=True)
-        both = tuple((a[0], a[1], b[1]) for a, b in zip(where, where_first))
+        bwd, bwd_first, both = self._backward_pair(chunk, layers, tail)
         end = kept - moved
         head = self.hb.forward_over_end(self.T) if self.w.last_chunk(chunk) else 0
         peak = max([end + head] + [rel for _, rel in forward_where])
@@ -248,7 +187,39 @@ class Chunk:
                        backward_where=both, end=end,
                        evictable=sum(layer.evictable for layer in layers), **extra)
 
+    def _backward_pair(self, chunk: int, layers: list[Layer], tail: int) -> tuple:
+        """`backward` in a later and in the step's first backward: (peak, peak first,
+        ((layer, above, above first), ...)); remembered for layers nothing was evicted of
+        (their figures are then their plan's and routed count's)."""
+        key = None
+        # a static policy's chunks are remembered whole by the walker (chunk, counts)
+        if self.w.policy == "adaptive" and not any(layer.on_host for layer in layers):
+            key = (chunk, tail, tuple((self._plan_facts(layer.plan)[2] if layer.plan else -1,
+                                       layer.num_routed, layer.kept) for layer in layers))
+            hit = self._backwards.get(key)
+            if hit is not None:
+                return hit
+        bwd, where = self.backward(chunk, layers, tail, first=False)
+        bwd_first, where_first = self.backward(chunk, layers, tail, first=True)
+        out = bwd, bwd_first, tuple((a[0], a[1], b[1]) for a, b in zip(where, where_first))
+        if key is not None:
+            if len(self._backwards) >= 1 << 16:
+                self._backwards.clear()
+            self._backwards[key] = out
+        return out
+
     # ---- static policies: Planner.fixed --------------------------------------------------
+    def _fixed(self, policy: str, count: int):
+        """Planner.fixed of the policy's plan: pure arithmetic on the plan, the count and
+        the cost model, which nothing moves during a run; asked once per count."""
+        key = (policy, count)
+        hit = self._fixed_of.get(key)
+        if hit is None:
+            if len(self._fixed_of) >= 1 << 16:
+                self._fixed_of.clear()
+            hit = self._fixed_of[key] = self.w.planner.fixed(POLICY_PLANS[policy], count)
+        return hit
+
     def static(self, chunk: int, counts: tuple[int, ...], policy: Optional[str] = None) -> Forward:
         w, lb, T = self.w, self.lb, self.T
         policy = policy or w.policy
@@ -266,7 +237,7 @@ class Chunk:
                 seconds += w.layer_compute_s(count)
                 decisions["recompute"] += len(OPS)
             else:
-                d = w.planner.fixed(POLICY_PLANS[policy], count)
+                d = self._fixed(policy, count)
                 layer = self._planned_layer(d.plan, count)
                 fig = self.figures.planned(d.plan, count)
                 forward_where.append((i, start + fig.at_decision + fig.over_decision))
@@ -291,7 +262,7 @@ class Chunk:
         layer_part, min_bpt, flow = figures.layer_part, planner.min_bytes_per_token, figures.flow
         seconds = self._base_s(counts, head_flops)
         layers: list[Layer] = []
-        forward_where, probes, decisions = [], [], Counter()
+        forward_where, probes, decided = [], [], []   # decided: _decisions's numbers
         residents = ResidentTracker(evictable)
         seen, room = memory.seen, memory.room
         peaks = BackwardPeaks()
@@ -314,19 +285,14 @@ class Chunk:
                 forward_where.append((i, now() - in_use - layers[-1].kept
                                       + figures.full(count).forward_over))
                 seconds += w.layer_compute_s(count)
-                # the runtime records every op of a layer recomputed whole
-                decisions.update(full_layer=1, recompute=len(OPS))
+                decided.append(-1)
                 continue
             # The window remembers the device's growth since the layer's entry.
             seen = seen.after(count, max(layer_part, figures.at_decision(count)), T)
             at_decision = start + figures.at_decision(count)
             probes.append((i, at_decision - in_use, count, evictor.resident_moved, 0, 0))
-            facts = LayerFacts(
-                layer=i, budget_bytes=cap, num_routed=count, layer_part_bytes=layer_part,
-                max_routed=seen.max_routed, num_tokens=T, min_bytes_per_token=min_bpt,
-                grads_to_come=grads_by_layer[i], transient_bytes_per_routed=w.transient,
-                prefetch=w.prefetch, last_layer=i == len(counts) - 1,
-                resident_backward_bytes=resident_backward)
+            facts = self._facts(i, count, seen.max_routed, grads_by_layer[i],
+                                i == len(counts) - 1, resident_backward)
             try:
                 out = decide_layer(facts, at_decision, room, forecast, planner, evictor,
                                    peaks.note)
@@ -342,7 +308,8 @@ class Chunk:
             forward_where.append((i, max(at_decision, out.in_use_bytes + figures.planned(
                 d.plan, count).over_decision) - in_use))
             seconds += d.added_s
-            decisions.update(self._plan_facts(d.plan)[0])
+            decided.append(self._plan_facts(d.plan)[2])
+        decisions = self._decisions(tuple(decided))
         if evictor.moved:
             seconds += w.copy_s(evictor.moved)
             decisions["evicted_bytes"] += evictor.moved
@@ -357,6 +324,25 @@ class Chunk:
                                          peaks.over, room.observed)
         return out
 
+    def _facts(self, layer: int, count: int, max_routed: int, grads_to_come: int,
+               last_layer: bool, resident_backward: int) -> LayerFacts:
+        """The layer's LayerFacts (frozen, so one serves every decision with the same
+        figures: its construction was a tenth of the chunk's own time on `1t`)."""
+        key = (layer, count, max_routed, grads_to_come, last_layer, resident_backward)
+        hit = self._facts_of.get(key)
+        if hit is None:
+            w = self.w
+            if len(self._facts_of) >= 1 << 16:
+                self._facts_of.clear()
+            hit = self._facts_of[key] = LayerFacts(
+                layer=layer, budget_bytes=int(w.capacity), num_routed=count,
+                layer_part_bytes=self.figures.layer_part, max_routed=max_routed,
+                num_tokens=self.T, min_bytes_per_token=w.planner.min_bytes_per_token,
+                grads_to_come=grads_to_come, transient_bytes_per_routed=w.transient,
+                prefetch=w.prefetch, last_layer=last_layer,
+                resident_backward_bytes=resident_backward)
+        return hit
+
     def _forecast(self, chunk: int, num_layers: int, memory: Memory, residency) -> Forecast:
         """The window's forecast of the rest of the micro-batch, as the runtime's guard
         builds it (its head measured on earlier micro-batches, on the last stage only)."""
@@ -368,8 +354,9 @@ class Chunk:
 
     def _host(self, layers: list) -> list[int]:
         """Bytes each layer has on the host: evicted, and offloaded by its plan."""
-        return [layer.on_host.total() + (self._plan_facts(layer.plan)[1] * layer.num_routed
-                                         if layer.plan else 0) for layer in layers]
+        return [(layer.on_host.total() if layer.on_host else 0)
+                + (self._plan_facts(layer.plan)[1] * layer.num_routed if layer.plan else 0)
+                for layer in layers]
 
     def safety_net(self, chunk: int, counts: tuple[int, ...], layer: int) -> Forward:
         """The planner raised: the runtime abandons the micro-batch and re-runs it with

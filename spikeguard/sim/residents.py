@@ -52,6 +52,22 @@ def relative(residency, residents: ResidentTracker) -> tuple:
     return tuple((order.index(mb), n) for mb, n in residents.evicted.items())
 
 
+def spread(num_bytes: int, evictable_newest_first: list) -> tuple:
+    """`relative`'s figure for an eviction of `num_bytes` in all from the older resident
+    micro-batches that can give `evictable_newest_first`: Residency.evict takes from the
+    newest first, each as far as it can, however the bytes were asked for (one call or
+    several), so the total alone says which ones give what."""
+    out, left = [], num_bytes
+    for index, n in enumerate(evictable_newest_first):
+        if left <= 0:
+            break
+        take = min(left, n)
+        if take > 0:
+            out.append((index, take))
+            left -= take
+    return tuple(out)
+
+
 def residency(schedule_positions, forward: int, host: dict, device: dict):
     """The runtime's Residency object, reading this walk's host and device bytes."""
     return ForwardResidency(schedule_positions, micro_batch=lambda: forward,

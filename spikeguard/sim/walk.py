@@ -20,7 +20,7 @@ copies per token), so that one walk serves every rank and step that share its lo
 
 Decisions are pure functions of (chunk, loads, bytes in use, gradients still to come, the
 schedule position, what older resident micro-batches hold, the guard's memory), so one
-forward is memoised on exactly that key.
+forward is memoised on that key (of the older ones' bytes, the sums it reads: `forward`).
 
 Time of a micro-batch on this rank: forward FLOPs at the device's achieved rate plus the
 all-to-all (dispatch and combine), backward `backward_ratio` (2) times the forward's
@@ -45,6 +45,7 @@ from spikeguard.plan.room import Seen, forward_transient_bytes_per_routed
 from spikeguard.sim.chunk import HEAD, Chunk, Forward, Memory
 from spikeguard.sim.residents import positions_of as _positions
 from spikeguard.sim.residents import residency as _residency
+from spikeguard.sim.residents import spread as _spread
 from spikeguard.sim.config import SimConfig
 from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe,
                                         expert_grads)
@@ -302,7 +303,11 @@ class StageWalker:
         """The k-th forward of the stage. Adaptive decisions depend on the bytes in use,
         the gradients still to come, the guard's memory and, through the residency
         forecast, on the schedule position and what the older resident micro-batches hold
-        on the device and host: all of it is the memo key."""
+        on the device and host: all of it is the memo key. Of the older ones' bytes the
+        decisions read sums only (the reserve their device bytes and their largest host
+        layer, the evictor their evictable total: plan/residency.py); which of them an
+        eviction takes is the one thing their split decides, and it is spread again over
+        this forward's split (sim/residents.py `spread`)."""
         if self.policy != "adaptive":
             key = (chunk, counts)
             hit = self._memo.get(key)
@@ -312,19 +317,22 @@ class StageWalker:
         host, device, evictable = host or {}, device or {}, evictable or {}
         memory, memory_id = self._next_micro_batch(memory or self.initial_state().memory)
         pos = self.positions[k]
-        older = set(pos.older)
+        older = pos.older
         reload = max((n for (o, _), n in host.items() if o in older), default=0)
         grads = grads or self.grads_by_layer(len(counts), k, grads_to_come)
         key = (chunk, counts, in_use, grads, resident_backward, pos.to_add,
-               pos.at_backward, reload,
-               tuple((device.get(o, 0), evictable.get(o, 0)) for o in sorted(older, reverse=True)),
-               memory_id)
+               pos.at_backward, reload, sum(device.get(o, 0) for o in older),
+               sum(evictable.get(o, 0) for o in older), memory_id)
         hit = self._memo.get(key)
         if hit is None:
             residency = _residency(self.positions, k, host, device)
             hit = self._memo[key] = self.chunks.adaptive(chunk, counts, in_use, residency,
                                                          evictable, memory, grads,
                                                          resident_backward)
+        elif hit.resident_evictions:
+            taken = _spread(hit.resident_freed, [evictable.get(o, 0) for o in reversed(older)])
+            if taken != hit.resident_evictions:
+                hit = replace(hit, resident_evictions=taken)
         return hit
 
     def grads_by_layer(self, num_layers: int, k: int, grads_to_come: int) -> tuple:
