@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import spikeguard
-from spikeguard.plan.layer_room import BACKWARD, FORWARD, LayerRoom
+from spikeguard.plan.layer_room import FORWARD, LayerRoom
 from spikeguard.model import build_model, model_config
 from spikeguard.runtime.layer_room import LayerPeaks
 
