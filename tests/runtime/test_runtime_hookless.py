@@ -152,11 +152,9 @@ def test_where_later_layers_evict_the_plans_and_evictions_are_the_hooked_ones(fa
         assert any(r["evicted_bytes"] > 0 for r in on.history)
 
 
-def test_an_out_of_memory_inside_a_hookless_layer_is_rerun_and_leaves_no_hook_behind():
-    # tiny: layer 0 is proven, so layer 1 runs whole with the hook off; the first attempt
-    # runs out inside its expert path, the micro-batch net re-runs it under full recompute.
-    batches = _batches(TINY, (4, 4), seed=5)
-    model, guard = _guarded(TINY, "1GiB", True)
+def _out_of_memory_once_in_layer_1(guard) -> list:
+    """The guard's expert path runs out once, in layer 1; the list says whether the hook
+    was paused then."""
     run, failed = guard.executor.run, []
 
     def out_of_memory_once(*args, **kwargs):
@@ -166,13 +164,26 @@ def test_an_out_of_memory_inside_a_hookless_layer_is_rerun_and_leaves_no_hook_be
         return run(*args, **kwargs)
 
     guard.executor.run = out_of_memory_once
-    grads, _ = _metered_step(model, guard, batches)
-    assert failed == [True] and guard.history[-1]["safety_net_reruns"] >= 1
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    return failed
+
+
+def _plain_grads(batches) -> dict:
     plain = build_model(TINY, seed=0)
     for t in batches:
         plain(t[:, :-1], t[:, 1:]).loss.backward()
-    _same({n: p.grad for n, p in plain.named_parameters()}, grads)
+    return {n: p.grad for n, p in plain.named_parameters()}
+
+
+def test_an_out_of_memory_inside_a_hookless_layer_is_rerun_and_leaves_no_hook_behind():
+    # tiny: layer 0 is proven, so layer 1 runs whole with the hook off; the first attempt
+    # runs out inside its expert path, the micro-batch net re-runs it under full recompute.
+    batches = _batches(TINY, (4, 4), seed=5)
+    model, guard = _guarded(TINY, "1GiB", True)
+    failed = _out_of_memory_once_in_layer_1(guard)
+    grads, _ = _metered_step(model, guard, batches)
+    assert failed == [True] and guard.history[-1]["safety_net_reruns"] >= 1
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    _same(_plain_grads(batches), grads)
     assert guard.ledger.activation_bytes == 0
 
 
@@ -181,22 +192,11 @@ def test_under_none_an_out_of_memory_inside_a_hookless_layer_leaves_no_hook_behi
     # and the next step runs as the plain model.
     batches = _batches(TINY, (4, 4), seed=5)
     model, guard = _guarded(TINY, "1GiB", True, policy="none")
-    run, failed = guard.executor.run, []
-
-    def out_of_memory_once(*args, **kwargs):
-        if guard.ctx.layer == 1 and not failed:
-            failed.append(guard.tracker.is_paused)
-            raise torch.OutOfMemoryError("forced inside the hookless layer")
-        return run(*args, **kwargs)
-
-    guard.executor.run = out_of_memory_once
+    failed = _out_of_memory_once_in_layer_1(guard)
     with pytest.raises(DeviceOutOfMemory, match="layer 1"):
         _metered_step(model, guard, batches)
     assert failed == [True]
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     grads, _ = _metered_step(model, guard, batches)
     assert guard.history[-1]["hookless_layers"] == TINY.num_layers * len(batches)
-    plain = build_model(TINY, seed=0)
-    for t in batches:
-        plain(t[:, :-1], t[:, 1:]).loss.backward()
-    _same({n: p.grad for n, p in plain.named_parameters()}, grads)
+    _same(_plain_grads(batches), grads)
