@@ -135,6 +135,15 @@ EXAMPLES: dict = {
     "python -m spikeguard.bench.oracle_bench --preset medium --batch-size 4 --reps 3":
         Listed("`medium` steps take seconds each here (one round about 2 min at load 4): "
                "the same code as the `small` line above, which is run capped"),
+    "python -m torch.distributed.run --standalone --nproc-per-node 2 -m "
+    "spikeguard.bench.oracle_ep --preset small --reps 11":
+        Run(cap={"--reps": 1, "--fractions": "0.7"}, expect=("adaptive/oracle", "evicted"),
+            timeout_s=300, long=True),
+    "python -m torch.distributed.run --standalone --nproc-per-node 2 -m "
+    "spikeguard.bench.oracle_ep --preset medium --batch-size 4 --reps 2":
+        Listed("two `medium` ranks for 15 min here (about 9 GB each): the same module as the "
+               "`small` line above it, which tests/bench/test_bench_oracle.py runs under "
+               "torchrun on `tiny`"),
     "make bench-pp": Run(cap={"--steps": 2, "--segments": 1, "--checkpoint-every": 1},
                          expect=("adaptive",), timeout_s=300, long=True),   # 48 steps: 2.2 min
     "python -m spikeguard.plan.room": Run(expect=("per decision",)),

@@ -43,7 +43,9 @@ and when it frees them, do not depend on the hook).
 
 Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
 ops are the byte model's bytes (ExpertShape.predict, which tests/runtime/
-test_runtime_attribution.py holds within 5% of the measured), released when backward has
+test_runtime_attribution.py holds within 5% of the measured; combine under expert
+parallelism with the rows its reverse all-to-all returned, the forecast's per token, as
+tests/parallel/test_parallel_ep_bytes.py measures them), released when backward has
 passed the layer's expert path (the gradient of its dispatched rows is ready); attention,
 router and shared expert are what the hook measured on the last layer of the micro-batch
 that ran hooked (same shapes, same bytes), released when backward has passed the layer
@@ -134,6 +136,9 @@ class HooklessLayers:
         if not whole:
             self.tracker.resume()   # combine runs hooked
         predicted = self.shape.predict(x_ND.shape[0])
+        if whole:   # under EP combine also keeps the rows its reverse all-to-all returned
+            w = self.window
+            predicted["combine"] += int(w.forecast.combine_bytes_per_token * w.num_tokens)
         self._model(self.window.ctx.micro_batch, layer, {op: predicted[op] for op in ops}, x_ND)
         step = self.window.recorder()
         if step is not None:
