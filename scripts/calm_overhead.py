@@ -3,6 +3,7 @@
     .venv/bin/python scripts/calm_overhead.py --reps 15               # one process
     .venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 15   # EP=2
     .venv/bin/python scripts/calm_overhead.py --profile adaptive      # cProfile of one policy
+    .venv/bin/python scripts/calm_overhead.py --hf qwen3_moe --clock cpu   # a transformers model
 
 The built-in `small` model, 1 micro-batch of 8 x 128 tokens per rank (the bench's calm
 step), forward and backward, no optimizer step (so routing stays where it is, and every
@@ -14,7 +15,10 @@ calm steps fit, so adaptive keeps everything). Prints medians and the spread
 (lowest-highest) of seconds per step and of the per-round ratios to plain, the bytes
 adaptive evicted per step and the layers it ran hookless (spikeguard/runtime/hookless.py).
 `--clock cpu` times this process's CPU only: steadier on a shared machine, blind to
-waiting in collectives. CPU figures: the device is emulated.
+waiting in collectives. `--hf NAME` measures a transformers MoE model instead (hf_bench's
+sizes: 4 layers, 8 experts, top-2, width 128; under torchrun laid out with transformers' own
+`DistributedConfig(fsdp_size=N, ep_size=N)`), 8 x 128 tokens per rank likewise. CPU
+figures: the device is emulated.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from spikeguard.model import build_model, model_config
 POLICIES = ("plain", "none", "adaptive")
 
 
-def _setup(group):
+def _setup(group, hf: str):
     cfg = model_config("small")
     corpus = load_corpus(None)
     rank = group.rank() if group is not None else 0
     gen = torch.Generator().manual_seed(100 + rank)
     batches = [corpus.get_batch("train", 8, cfg.seq_len, gen)]
+    if hf:
+        return cfg, batches, _hf_models(hf, group)
     models = {}
     for p in POLICIES:
         model = build_model(cfg, seed=0)
@@ -51,12 +57,29 @@ def _setup(group):
     return cfg, batches, models
 
 
+def _hf_models(name: str, group) -> dict:
+    from spikeguard.integrations.hf_models import HFSizes, build_hf_model, distribute_hf_model
+
+    models = {}
+    for p in POLICIES:
+        model = build_hf_model(name, HFSizes(), seed=0)
+        if group is not None:
+            model = distribute_hf_model(model, group.size(), group.size())
+        models[p] = model
+    return models
+
+
 CLOCK = time.perf_counter
 
 
 def _step(model, batches) -> None:
     for idx_BT, targets_BT in batches:
-        model(idx_BT, targets_BT).loss.backward()
+        if getattr(model, "config", None) is not None and hasattr(model.config, "model_type"):
+            # a transformers model: the labels are the window itself (it shifts them)
+            w_BT = torch.cat([idx_BT, targets_BT[:, -1:]], dim=1)
+            model(input_ids=w_BT, labels=w_BT).loss.backward()
+        else:
+            model(idx_BT, targets_BT).loss.backward()
 
 
 def _budget(models, batches, group, factor: float) -> int:
@@ -81,6 +104,8 @@ def main() -> None:
                         help="budget = this x the calm step's true peak (worst rank)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU time (less noisy on a shared machine)")
+    parser.add_argument("--hf", default="", help="a transformers MoE model type (qwen3_moe, "
+                        "mixtral, olmoe) instead of the built-in small")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -89,7 +114,7 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         torch.distributed.init_process_group("gloo")
         group = torch.distributed.group.WORLD
-    cfg, batches, models = _setup(group)
+    cfg, batches, models = _setup(group, args.hf)
     budget = _budget(models, batches, group, args.budget_factor)
     guards = {p: spikeguard.attach(models[p], budget=budget, policy=p)
               for p in POLICIES if p != "plain"}
@@ -132,7 +157,7 @@ def main() -> None:
             / max(1, len(g.history) - 1)
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
-        print(f"calm step of small, 8 x {cfg.seq_len} tokens per rank, {where}, "
+        print(f"calm step of {args.hf or 'small'}, 8 x {cfg.seq_len} tokens per rank, {where}, "
               f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, "
               f"budget {budget / 2**20:.1f} MiB")
         for p in POLICIES:

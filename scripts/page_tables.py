@@ -37,8 +37,11 @@ HF_BENCH_EP = (".venv/bin/python -m torch.distributed.run --standalone --nproc-p
 TRAINER = ".venv/bin/python -m spikeguard.bench.trainer_bench --reps 5"
 TRAINER_EP = (".venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m "
               "spikeguard.bench.trainer_bench --reps 3 --ep 2")
-CALM = ".venv/bin/python scripts/calm_overhead.py --reps 20"
-CALM_EP = ".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 15"
+CALM = ".venv/bin/python scripts/calm_overhead.py --reps 30 --clock cpu"
+CALM_EP = ".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 20 --clock cpu"
+CALM_HF = ".venv/bin/python scripts/calm_overhead.py --hf qwen3_moe --reps 30 --clock cpu"
+CALM_HF_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --hf qwen3_moe "
+              "--reps 20 --clock cpu")
 
 
 def _raw(record: dict) -> str:
@@ -422,7 +425,8 @@ def hf_bench(record: dict) -> str:
         rows = {r["policy"]: r for r in table["rows"]}
         spread = _spreads(table)
         a = rows["adaptive"]
-        budget = re.search(r"budget (.*?) =", table["title"]).group(1)
+        # the title is what came since the last table: its notes first, then this title
+        budget = re.findall(r"budget ([\d.,]+ [KMG]?i?B) =", table["title"])[-1]
         gap = re.search(r"gap closed (\S+)", " ".join(table.get("after", [])))
         out.append(f"| {model} | {_ratio_cell(a, spread)} | {_ratio_cell(rows['full'], spread)} | "
                    f"{_ratio_cell(rows['experts'], spread)} | {_ratio_cell(rows['none'], spread)} | "
@@ -540,6 +544,8 @@ MORE = [
     Block("trainer-bench-ep", TRAINER_EP, trainer_bench, timeout_s=1800),
     Block("calm-overhead", CALM, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-ep", CALM_EP, calm_overhead, timeout_s=1200, links=("scripts",)),
+    Block("calm-overhead-hf", CALM_HF, calm_overhead, timeout_s=1200, links=("scripts",)),
+    Block("calm-overhead-hf-ep", CALM_HF_EP, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("bench-prose", "make bench", bench_prose, source="docs/bench.json"),
     Block("bench-pp-prose", "make bench-pp", bench_pp_prose, source="docs/bench_pp.json"),
 ]

@@ -131,6 +131,8 @@ class Ledger:
     def bytes_by(self, micro_batch: int | None = None, layer: int | None = None,
                  op: str | None = None) -> int:
         """Live bytes whose attribution matches every given field."""
+        if micro_batch is not None and layer is not None and op is not None:
+            return self._by_where.get((micro_batch, layer, op), 0)   # one place: no scan
         return sum(n for (mb, ly, o), n in self._by_where.items()
                    if (micro_batch is None or mb == micro_batch)
                    and (layer is None or ly == layer) and (op is None or o == op))
