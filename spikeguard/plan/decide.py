@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from spikeguard.plan.planner import Decision, Planner
+from spikeguard.plan.frozen import quick_init
 from spikeguard.plan.room import (EntryState, ToCome, WindowState, decision_inputs,
                                   entry_estimate, entry_overflow, layer_cannot_fit)
 
@@ -105,6 +106,7 @@ def window_state(facts: LayerFacts, in_use: int, evictable: int, slopes: Slopes)
         backward_extra_bytes=facts.backward_extra_bytes)
 
 
+@quick_init
 @dataclass(frozen=True)
 class LayerDecision:
     decision: Decision

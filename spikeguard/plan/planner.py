@@ -21,8 +21,10 @@ from spikeguard.errors import BudgetInfeasible
 from spikeguard.memory.budget import format_bytes
 from spikeguard.plan.catalogue import OPS, Action, ExpertShape, LayerPlan, valid_plans
 from spikeguard.plan.cost import CostModel
+from spikeguard.plan.frozen import quick_init
 
 
+@quick_init
 @dataclass(frozen=True)
 class Decision:
     plan: LayerPlan

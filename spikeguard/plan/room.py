@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Protocol
 
 from spikeguard.plan.catalogue import ExpertShape
+from spikeguard.plan.frozen import quick_init
 
 
 class ToCome(Protocol):
@@ -39,6 +40,7 @@ class ToCome(Protocol):
     def later_evictable(self, layer: int, layer_part_bytes: int) -> int: ...
 
 
+@quick_init
 @dataclass(frozen=True)
 class Seen:
     """What the window remembers of the decisions before this one: the largest routed count
@@ -62,6 +64,7 @@ class Seen:
         return replace(self, max_routed=0)
 
 
+@quick_init
 @dataclass(frozen=True)
 class WindowState:
     """What the window knows in layer `layer`, right after routing."""
@@ -104,6 +107,7 @@ class WindowState:
     resident_backward_bytes: int = 0
 
 
+@quick_init
 @dataclass(frozen=True)
 class Room:
     """The planner's arguments for one decision, and the figures they came from."""
@@ -176,6 +180,7 @@ def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
                 shortfall)
 
 
+@quick_init
 @dataclass(frozen=True)
 class EntryState:
     """What the window knows at a layer's entry, before its attention runs: no counts yet."""

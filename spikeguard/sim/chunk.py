@@ -27,15 +27,18 @@ from typing import Optional
 from spikeguard.errors import BudgetInfeasible
 from spikeguard.plan.catalogue import OPS, POLICY_PLANS, LayerPlan
 from spikeguard.plan.forecast import Forecast
+from spikeguard.plan.frozen import quick_init
 from spikeguard.plan.decide import LayerFacts, decide_layer, entry_fallback
 from spikeguard.plan.room import EntryState, Seen, backward_above_end
 from spikeguard.plan.layer_room import LayerRoom
 from spikeguard.sim.chunk_parts import BackwardPeaks, ChunkEvictor, Layer
 from spikeguard.sim.layer_figures import LayerFigures
+from spikeguard.sim.residents import ResidentTracker, relative
 
 HEAD = "head"
 
 
+@quick_init
 @dataclass(frozen=True)
 class Memory:
     """What the guard carries from micro-batch to micro-batch: the window's memory, its
@@ -253,8 +256,6 @@ class Chunk:
         """The window's decisions by plan/decide.py. `resident_backward`: the other resident
         micro-batches' largest predicted backward excess (the runtime's pending backward);
         `grads_by_layer[i]`: gradients that exist by layer i's backward and not now."""
-        from spikeguard.sim.residents import ResidentTracker, relative
-
         w, T, planner, figures = self.w, self.T, self.w.planner, self.figures
         cap = int(w.capacity)
         embed, tail, head_flops = self._ends(chunk)

@@ -107,6 +107,11 @@ class ForwardResidency(Residency):
         return self._evictable
 
     def reserve(self, layer: int, whole_micro_batch_bytes: int) -> Reserve:
+        reserves = self.__dict__.get("_reserves")
+        if reserves is not None and self.enabled:   # the same whole: uniform loads' layers
+            hit = reserves.get(whole_micro_batch_bytes)
+            if hit is not None:
+                return hit
         pos = self.position()
         if pos is None or not self.enabled:
             return Reserve(0, 0)

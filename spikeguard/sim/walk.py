@@ -51,6 +51,7 @@ from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MICRO_BATCH_CODES, La
                                         expert_grads)
 from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
+from spikeguard.sim.stage_times import StageTimes
 from spikeguard.sim.uniform import walk_uniform_static
 
 
@@ -78,6 +79,7 @@ class _Walk:
     device: dict = field(default_factory=dict)     # forward ordinal -> bytes it keeps on device
     evictable: dict = field(default_factory=dict)  # forward ordinal -> of those, what may go
     host: dict = field(default_factory=dict)       # (forward ordinal, layer) -> host bytes
+    host_max: dict = field(default_factory=dict)   # forward ordinal -> its largest of those
     decisions: Counter = field(default_factory=Counter)
     memory: Optional[Memory] = None
     where: dict = field(default_factory=dict)      # (phase, layer, mb mod 4): position codes
@@ -95,11 +97,12 @@ class WalkResult:
     decisions: Counter
     state: StepState = StepState()
     # The largest in-use per (phase "F"/"B", layer in the chunk, micro-batch mod 4): the
-    # runtime's position codes (uniform static walks do not record them).
+    # runtime's position codes (uniform static walks do not record them, nor walks on
+    # CUDA, whose runtime device keeps no such peaks: 1.2M max() calls of `1t`'s walks).
     where: Optional[dict] = None
 
 
-class StageWalker:
+class StageWalker(StageTimes):
     """Walks one stage's schedule for one policy; memoises forwards."""
 
     def __init__(self, cfg: SimConfig, dm: DeviceModel, stage: StageShape, policy: str,
@@ -118,7 +121,7 @@ class StageWalker:
         self.chunks = Chunk(self)
         self._memo: dict = {}
         self._grads: dict = {}   # grads_by_layer's answers
-        self._next: dict = {}    # id(memory) -> (memory, its next micro-batch's, number)
+        self._next: dict = {}    # (id(room), seen's rates, head) -> (room, next memory, number)
         self._memory_ids: dict = {}   # memory -> its number in the memo key
         self.positions = _positions(self.ops) if policy == "adaptive" else []
         # per op of the schedule: a forward?, its chunk (sim/uniform.py's cumulative sum)
@@ -177,7 +180,8 @@ class StageWalker:
                 w.probes, w.head_probes))
         if memory is not None and self.cuda:   # every walk starts from the steady state
             memory = replace(memory, seen=self._steady_seen())
-        return WalkResult(w.peak, w.seconds, False, w.decisions, StepState(True, memory), w.where)
+        return WalkResult(w.peak, w.seconds, False, w.decisions, StepState(True, memory),
+                          None if self.cuda else w.where)
 
     def _backward(self, op: Op, w: "_Walk") -> bool:
         """One chunk's backward; True when the device runs out."""
@@ -193,14 +197,15 @@ class StageWalker:
         # the loss's gradient starts the head's backward
         if self.calibrates and self.last_chunk(op.chunk):
             w.head_probes[(self.head_layer, op.micro_batch)] = (w.in_use, self.dm.tokens)
-        for layer, rel, rel_first in fwd.backward_where:
+        for layer, rel, rel_first in () if self.cuda else fwd.backward_where:
             key = (BACKWARD, self.head_layer if layer == HEAD else layer,
                    op.micro_batch % MICRO_BATCH_CODES)
             w.where[key] = max(w.where.get(key, 0), w.in_use + (rel_first if first else rel))
         w.in_use -= w.device.pop(done)
         w.evictable.pop(done)
-        for key in [key for key in w.host if key[0] == done]:
-            del w.host[key]
+        if w.host_max.pop(done, 0):   # only a forward with host bytes has host entries
+            for key in [key for key in w.host if key[0] == done]:
+                del w.host[key]
         if first:
             w.in_use += self.stage.chunk_grad_bytes[op.chunk]
             w.grads_done.add(op.chunk)
@@ -213,8 +218,10 @@ class StageWalker:
         to_come = self.stage.chunk_grad_bytes[op.chunk] if op.chunk not in w.grads_done else 0
         resident = max((f.pending for f in w.fwds.values()), default=0)
         grads = self.grads_by_layer(len(counts), k, to_come)
+        older = self.positions[k].older if self.positions else ()
+        reload = max([w.host_max[o] for o in older if o in w.host_max], default=0)
         fwd = self.forward(op.chunk, counts, w.in_use, k, w.host, w.device, w.memory, to_come,
-                           resident, w.evictable, grads)
+                           resident, w.evictable, grads, reload)
         if self.policy == "adaptive" and w.in_use + fwd.peak > self.capacity and not fwd.failed:
             # An allocation past the device in forward: the safety net re-runs it.
             net = self.chunks.safety_net(op.chunk, counts, len(counts) - 1)
@@ -224,7 +231,7 @@ class StageWalker:
         w.peak = max(w.peak, top)
         w.decisions.update(fwd.decisions)
         w.seconds += fwd.seconds
-        for layer, rel in fwd.forward_where:
+        for layer, rel in () if self.cuda else fwd.forward_where:
             key = (FORWARD, layer, op.micro_batch % MICRO_BATCH_CODES)
             w.where[key] = max(w.where.get(key, 0), w.in_use + rel)
         if self.calibrates:   # the window's probes, for the calibration after the step
@@ -243,10 +250,13 @@ class StageWalker:
                 w.evictable[newest_first[index]] -= n
                 key = (newest_first[index], "evicted")
                 w.host[key] = w.host.get(key, 0) + n
+                w.host_max[key[0]] = max(w.host_max.get(key[0], 0), w.host[key])
         w.in_use += fwd.kept - fwd.resident_freed
         w.live[(op.micro_batch, op.chunk)], w.device[k], w.fwds[k] = k, fwd.kept, fwd
         w.evictable[k] = fwd.evictable
         w.host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
+        if fwd.host and max(fwd.host) > 0:
+            w.host_max[k] = max(fwd.host)
         w.k += 1
         return False
 
@@ -299,7 +309,7 @@ class StageWalker:
                 host: dict | None = None, device: dict | None = None,
                 memory: Optional[Memory] = None, grads_to_come: int = 0,
                 resident_backward: int = 0, evictable: dict | None = None,
-                grads: Optional[tuple] = None) -> Forward:
+                grads: Optional[tuple] = None, reload: Optional[int] = None) -> Forward:
         """The k-th forward of the stage. Adaptive decisions depend on the bytes in use,
         the gradients still to come, the guard's memory and, through the residency
         forecast, on the schedule position and what the older resident micro-batches hold
@@ -318,11 +328,12 @@ class StageWalker:
         memory, memory_id = self._next_micro_batch(memory or self.initial_state().memory)
         pos = self.positions[k]
         older = pos.older
-        reload = max((n for (o, _), n in host.items() if o in older), default=0)
+        if reload is None:   # the largest layer of the older ones on host (the walk's own)
+            reload = max([n for (o, _), n in host.items() if o in older], default=0)
         grads = grads or self.grads_by_layer(len(counts), k, grads_to_come)
         key = (chunk, counts, in_use, grads, resident_backward, pos.to_add,
-               pos.at_backward, reload, sum(device.get(o, 0) for o in older),
-               sum(evictable.get(o, 0) for o in older), memory_id)
+               pos.at_backward, reload, sum([device.get(o, 0) for o in older]),
+               sum([evictable.get(o, 0) for o in older]), memory_id)
         hit = self._memo.get(key)
         if hit is None:
             residency = _residency(self.positions, k, host, device)
@@ -354,15 +365,20 @@ class StageWalker:
     def _next_micro_batch(self, memory: Memory) -> tuple[Memory, int]:
         """The guard's memory as the next micro-batch starts (`Seen.next_micro_batch`),
         and a number that stands for its value in the forwards' memo key (equal memories,
-        equal numbers): remembered per memory object, since a walk hands the same one on
-        again and again and hashing one is hashing its slopes and window state."""
-        hit = self._next.get(id(memory))
-        if hit is None or hit[0] is not memory:
+        equal numbers): remembered per room object and the figures the next memory has
+        besides (max_routed reset), since hashing a memory is hashing its slopes and
+        window state, and each computed forward hands on a new Memory with the same room
+        (one in three forwards of `1t`'s adaptive walk missed when this was per object)."""
+        seen = memory.seen
+        key = (id(memory.room), seen.layer_bytes_per_token, seen.routed_per_token,
+               memory.head_per_token)
+        hit = self._next.get(key)
+        if hit is None or hit[0] is not memory.room:
             if len(self._next) >= 1 << 12:
                 self._next.clear()
-            after = replace(memory, seen=memory.seen.next_micro_batch())
+            after = replace(memory, seen=seen.next_micro_batch())
             number = self._memory_ids.setdefault(after, len(self._memory_ids))
-            hit = self._next[id(memory)] = (memory, after, number)
+            hit = self._next[key] = (memory.room, after, number)
         return hit[1], hit[2]
 
     # ---- pieces the chunk uses -----------------------------------------------------------
@@ -371,27 +387,3 @@ class StageWalker:
 
     def last_chunk(self, chunk: int) -> bool:
         return self.stage.has_head and chunk == len(self.stage.chunks) - 1
-
-    def layer_compute_s(self, count: int) -> float:
-        dm = self.dm
-        return (dm.dense_flops_per_token * dm.tokens + dm.expert_flops_per_copy * count) / self.flop_rate
-
-    def a2a_s(self, count: int) -> float:
-        """One exchange (dispatch or combine): the larger of what this rank sends (its
-        T*K copies) and receives (`count`), the off-rank share of it, at link speed."""
-        if self.ep == 1:
-            return 0.0
-        rows = max(self.dm.tokens * self.cfg.model.top_k, count) * (self.ep - 1) / self.ep
-        return rows * self.dm.a2a_bytes_per_copy / self.cfg.device.interconnect_bytes_per_s
-
-    def base_s(self, counts: tuple[int, ...], head_flops: float) -> float:
-        """Forward and backward without any memory policy: the forward's FLOPs, backward
-        `device.backward_ratio` times that (2 on GPUs), and 4 exchanges a layer."""
-        compute = sum(self.layer_compute_s(c) for c in counts) + head_flops / self.flop_rate
-        return (1 + self.cfg.device.backward_ratio) * compute + 4 * sum(self.a2a_s(c) for c in counts)
-
-    def copy_s(self, num_bytes: int) -> float:
-        """A host round trip as the planner's cost model prices it (hidden on a device
-        whose copies overlap)."""
-        cost = self.planner.cost
-        return 0.0 if cost.copies_overlap else num_bytes * (cost.d2h_s_per_byte + cost.h2d_s_per_byte)
