@@ -62,7 +62,8 @@ def _hf_models(name: str, group) -> dict:
 
     models = {}
     for p in POLICIES:
-        model = build_hf_model(name, HFSizes(), seed=0)
+        model = build_hf_model(name, HFSizes(d_model=128, num_layers=4, d_expert=128),
+                               seed=0)   # hf_bench's sizes
         if group is not None:
             model = distribute_hf_model(model, group.size(), group.size())
         models[p] = model

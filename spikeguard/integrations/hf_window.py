@@ -95,23 +95,26 @@ def _window(door: WindowDoor, part, layer: int, local, call, hidden_states, top_
             top_k_weights):
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
     counts = counts_E[: part.num_experts].tolist()
-    if local is None:
+    if local is None:   # one process: the call may run hookless (runtime/hookless.py)
         return run_region(door, layer, call, (hidden_states, top_k_index, top_k_weights),
-                          counts, top_k_index.numel())
+                          counts, top_k_index.numel(), hookless=True)
     return run_region(door, layer, call, (hidden_states, top_k_index, top_k_weights), counts,
                       top_k_index.numel(), recompute_call=_with_weights(local, call),
                       saved_ops=EP_SAVED_OPS)
 
 
 def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[int],
-               num_routed: int, recompute_call=None, saved_ops=ALWAYS_SAVED_OPS):
+               num_routed: int, recompute_call=None, saved_ops=ALWAYS_SAVED_OPS,
+               hookless: bool = False):
     """Decide on `num_routed` copies (`counts` per expert, for the record) and run
     `call(*inputs)` as one region under the plan; `inputs[0]` is what the experts read
     (its gradient is where their backward is done). Shared by every adapter whose experts
     run as one call (Hugging Face here, torchtitan in titan_blocks.py). A recomputed
     region runs `recompute_call` (default `call`: under transformers' EP, one that puts
     the forward's local weights back for backward) and keeps `saved_ops` cached. The
-    guard is reached through `door` only."""
+    guard is reached through `door` only. `hookless`: the call may run with no saved-tensor
+    hook where nothing can later want what it saves off the device (runtime/hookless.py;
+    set for transformers in one process, whose region byte model is the call's own)."""
     hidden_states = inputs[0]
     if door.in_full_region():
         door.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
@@ -120,19 +123,29 @@ def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[i
     action = region_action(decision.plan)
     door.record_plan(layer, counts, RegionPlan((action,)))
     door.ctx.op = OP
-    if action is Action.RECOMPUTE:
-        out = _recompute(door.ledger, door.ctx, recompute_call or call, inputs, saved_ops)
-    elif action is Action.OFFLOAD:
-        out = _offload(door.ctx, door.tracker, call, inputs)
-    else:
-        start = time.perf_counter()
-        out = call(*inputs)
-        if door.executor.timed:  # CPU: the call's time corrects the cost model, as the
-            # built-in stages' do; spread evenly, as at calibration (recompute re-runs all)
-            share = (time.perf_counter() - start) / len(EXPERT_STAGES)
-            for stage in EXPERT_STAGES:
-                door.cost.observe(stage, num_routed, share)
+
+    def run():
+        if action is Action.RECOMPUTE:
+            return _recompute(door.ledger, door.ctx, recompute_call or call, inputs, saved_ops)
+        if action is Action.OFFLOAD:
+            return _offload(door.ctx, door.tracker, call, inputs)
+        return _timed(door, call, inputs, num_routed)
+
+    out = door.hookless.run_call(layer, hidden_states, num_routed, decision, run) \
+        if hookless else run()
     expert_path_done(door.position, door.engine, layer, out, hidden_states)
+    return out
+
+
+def _timed(door: WindowDoor, call, inputs: tuple, num_routed: int):
+    """The call, everything kept; on CPU its time corrects the cost model, as the
+    built-in stages' do, spread evenly, as at calibration (recompute re-runs all)."""
+    start = time.perf_counter()
+    out = call(*inputs)
+    if door.executor.timed:
+        share = (time.perf_counter() - start) / len(EXPERT_STAGES)
+        for stage in EXPERT_STAGES:
+            door.cost.observe(stage, num_routed, share)
     return out
 
 

@@ -41,6 +41,12 @@ the bytes are just not evictable: the later layer picks a smaller plan, or the s
 net re-runs; gradients and peaks are the same either way (the tensors autograd saves,
 and when it frees them, do not depend on the hook).
 
+A transformers experts call (integrations/hf_window.py `run_region`) is one region, not
+five stages: proven alike, it runs paused (`run_call`) and is attributed to op "experts"
+with the region byte model's keep-everything bytes (integrations/hf_bytes.py); in one
+process only (under transformers' EP the call also holds the exchanges' rows, which that
+model does not separate). torchtitan's calls keep the hook.
+
 Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
 ops are the byte model's bytes (ExpertShape.predict, which tests/runtime/
 test_runtime_attribution.py holds within 5% of the measured; combine under expert
@@ -144,6 +150,27 @@ class HooklessLayers:
         if step is not None:
             step.hookless_layers += 1
         return y_ND
+
+    # ---- an experts call run as one region (integrations/hf_window.py run_region) ------
+    def run_call(self, layer: int, x, num_routed: int, decision, run):
+        """`run()`: one experts call (a transformers block's, its combine inside) under
+        `decision`, hookless where proven so; what it saves is then the region byte
+        model's keep-everything bytes, attributed to op "experts" until `x`'s gradient."""
+        self._decided = True
+        if not self.proven(layer, num_routed, decision) or not x.requires_grad:
+            self.tracker.resume()   # a covered layer that does not keep everything
+            return run()
+        mb = self.window.ctx.micro_batch
+        self._covered_after[mb] = min(layer, self._covered_after.get(mb, layer))
+        self.tracker.pause()
+        out = run()
+        if not (self._whole and self.tracker.is_paused):
+            self.tracker.resume()   # the rest of this layer runs hooked, and is measured
+        self._model(mb, layer, {"experts": self._keep_all_bytes(num_routed)}, x)
+        step = self.window.recorder()
+        if step is not None:
+            step.hookless_layers += 1
+        return out
 
     def proven(self, layer: int, num_routed: int, decision) -> bool:
         """Nothing of the step can later want this layer's saved tensors (module doc)."""
