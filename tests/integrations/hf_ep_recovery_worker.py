@@ -16,7 +16,13 @@ as CUDA's allocator does. CHECK says where:
              on to its next flag point: a combine made again hung the job in gloo)
   combine_output  inside that combine, at its all-to-all's output (not issued: the peer
              waits in it)
-  backward   in layer 1's backward (FSDP's and transformers' collectives under way)
+  backward   in layer 1's backward, in the first step (no earlier backward recorded: the
+             rest of its collectives is not known, every rank ends in one agreed line)
+  later_backward_L  in layer L's backward (1: the last layer, whose backward runs first;
+             0: after layer 1's collectives), in the first micro-batch of the step after a
+             calm one: the refused rank replays the rest of its backward's collectives
+             with zeros (spikeguard.parallel.family_backward) and every rank re-runs the step
+  later_backward_mb1  the same at layer 0 of the second micro-batch (the step's end next)
 
 Each writes OUT_DIR/<check>_rank<r>.json: gradients against the uninterrupted layout's,
 the step record, the independent meter's peak; or, where the job ends, the agreed line.
@@ -50,13 +56,15 @@ GROUP_TIMEOUT_S = 60   # a whole check takes a few seconds on 2 loaded cores
 REFUSING_RANK, LAYER = 1, 1
 
 
-def refuse_once(budget: int):
-    """A callable that, the first time on the refusing rank, asks the device for the
-    whole budget (refused: torch.OutOfMemoryError from the allocation)."""
-    state = {"done": dist.get_rank() != REFUSING_RANK}
+def refuse_once(budget: int, skip: int = 0):
+    """A callable that, the first time on the refusing rank after `skip` calls, asks the
+    device for the whole budget (refused: torch.OutOfMemoryError from the allocation)."""
+    state = {"done": dist.get_rank() != REFUSING_RANK, "skip": skip}
 
     def ask(*_):
-        if not state["done"]:
+        if state["skip"]:
+            state["skip"] -= 1
+        elif not state["done"]:
             state["done"] = True
             torch.empty(budget // 4 + 1, dtype=torch.float32)
     return ask
@@ -64,6 +72,12 @@ def refuse_once(budget: int):
 
 def arm(model, guard, budget: int, where: str):
     """Place the one refusal (see the module docstring)."""
+    if where.startswith("later_backward"):
+        mb1 = where.endswith("mb1")
+        ask = refuse_once(budget, skip=1 if mb1 else 0)
+        at = model.model.layers[0 if mb1 else int(where[-1])]
+        at.mlp.register_full_backward_pre_hook(lambda module, grad_output: ask())
+        return
     ask = refuse_once(budget)
     layer = model.model.layers[LAYER]
     if where == "attention":
@@ -162,6 +176,8 @@ def check(out_dir: Path, where: str) -> dict:
     budget = calm_budget()
     model = build()
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    if where.startswith("later_backward"):
+        run(model, batches(), guard)   # a calm step first: its backward's collectives seen
     arm(model, guard, budget, where)
     start = time.perf_counter()
     try:
@@ -170,7 +186,9 @@ def check(out_dir: Path, where: str) -> dict:
         return {"ended": str(err), "seconds": time.perf_counter() - start}
     g = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     return {"differ": differ(ref, g), "meter_peak": peak, "budget": budget,
-            **record(guard), "seconds": time.perf_counter() - start}
+            **record(guard), "seconds": time.perf_counter() - start,
+            "step_reruns": [n["reason"] for n in guard.history[-1]["safety_net"]
+                            if n["scope"] == "step"]}
 
 
 def main() -> None:

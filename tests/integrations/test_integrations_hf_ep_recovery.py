@@ -10,8 +10,11 @@ where the refusal lands inside transformers' own dispatch (before its counts exc
 combine (before its all-to-all, where the peer waits in it; after it, where the peer has
 gone on: settling a combine there hung the job until gloo's timeout, found by `train --hf qwen3_moe --nproc 2 --ep 2 --policy
 none --budget 15.4MiB`). In
-backward (FSDP's and transformers' collectives under way, not the journal's to make) every
-rank ends in the same line, within seconds.
+backward, after a calm step (whose backward's collectives the journal recorded), the
+refused rank replays the rest of its backward's collectives with zeros and every rank
+re-runs the step, bitwise, at the last layer and at the first, in either micro-batch; in
+the first step's backward (nothing recorded: the rest is not known) every rank ends in
+the same line, within seconds.
 
     .venv/bin/python -m pytest tests/integrations/test_integrations_hf_ep_recovery.py -q
 """
@@ -71,3 +74,20 @@ def test_a_backward_refused_ends_every_rank_with_the_same_line_in_seconds(tmp_pa
     assert line.startswith("rank 1 ran out of memory in backward of micro-batch 0, layer 1"), line
     assert "on a device of" in line, line
     assert all(got["seconds"] < 20 for got in ranks), ranks
+
+
+@pytest.mark.parametrize("where", ["later_backward_1", "later_backward_0",
+                                   "later_backward_mb1"])
+def test_a_backward_refused_after_a_calm_step_re_runs_the_step_on_every_rank(tmp_path,
+                                                                                where):
+    ranks = found(tmp_path, where)
+    for rank, got in enumerate(ranks):
+        assert "ended" not in got, (rank, got)
+        assert got["differ"] == [], (rank, got)
+        assert got["reruns"] == 1, (rank, got)           # the step, once, on both ranks
+        assert len(got["step_reruns"]) == 1, (rank, got)
+        assert got["step_reruns"][0].startswith("rank 1 ran out of memory in backward of "
+                                                "micro-batch "), (rank, got)
+        assert got["meter_peak"] <= got["budget"], (rank, got)
+        assert got["peak"] <= got["budget"], (rank, got)
+    assert ranks[0]["step_reruns"] == ranks[1]["step_reruns"]
