@@ -18,9 +18,12 @@ those its own span issued, in the same order, with the same ops, groups and redu
 then makes its flag point. Only where it is known: the span's count equals the groups'
 sequence numbers (a collective issued outside the recorder's sight fails it), the
 template's first collectives equal those issued (kinds, shapes, sizes), and each row
-all-to-all matched, in order, the reverse of one forward exchange. Anything else (no
+all-to-all matched, in order, the reverse of one forward exchange, and no layer is
+recomputed whole in what is owed (its recompute re-runs the peers' routing and counts
+exchange on what they receive: zeros would change their sizes). Anything else (no
 template: the first step's backward; another order) is no replay: the job ends on every
-rank in one agreed line (GroupAgreement.end_job).
+rank in one agreed line (GroupAgreement.end_job). The data replayed is zeros: the peers'
+gradients of the step are wrong, and thrown away when every rank re-runs it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-LOCAL_OPS = ("wait_tensor",)   # no exchange: the waits of issued collectives
+# No exchange: the waits of issued collectives, and the functional autograd all-to-all's
+# wrapping of a cached output (a recomputed layer's, in backward). The groups' sequence
+# numbers check the count (Span.end).
+LOCAL_OPS = ("wait_tensor", "_wrap_tensor_autograd")
 ROWS = "all_to_all_single"     # the functional all-to-all transformers' rows take
 
 
@@ -88,7 +94,7 @@ class Span(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)   # counted once issued: a refused output is not
-        if (self.on and func.namespace in NAMESPACES
+        if (self.on and getattr(func, "namespace", None) in NAMESPACES
                 and func.overloadpacket.__name__ not in LOCAL_OPS):
             self.ops.append(Collective(func, _describe(args), _describe(kwargs)))
         return out
@@ -118,6 +124,8 @@ class Span(TorchDispatchMode):
                     for phase in ("combine", "dispatch")]
         named = []
         for op in self.ops:
+            if not _sizes_known(op):
+                return None
             if op.func.namespace == "_c10d_functional" and \
                     op.func.overloadpacket.__name__ == ROWS:
                 if not expected:
@@ -139,6 +147,11 @@ def remaining(span: Span, template: Optional[list[Collective]]) -> Optional[list
     done = len(span.ops)
     if done > len(owed) or [op.key() for op in owed[:done]] != [op.key() for op in span.ops]:
         return None
+    # A layer recomputed whole after the refusal re-runs the peers' routing and counts
+    # exchange on what they receive: zeros there change their sizes (seen: a shape error
+    # on the peer, "shape '[284, 1, 32]' is invalid for input of size 4064").
+    if any(op.func.overloadpacket.__name__ == "alltoall_base_" for op in owed[done:]):
+        return None
     return owed[done:]
 
 
@@ -152,6 +165,18 @@ def replay(owed: list[Collective]) -> None:
             elif torch.is_tensor(item) and op.func.namespace.startswith("_c10d_functional"):
                 torch.ops._c10d_functional.wait_tensor(item)
         del out
+
+
+def _sizes_known(op: Collective) -> bool:
+    """Whether a later step makes `op` with the same sizes or with sizes this module
+    derives: not an autograd all-to-all (a forward's exchange re-issued in backward), not
+    a plain all-to-all with split sizes of its own (transformers' counts exchange has
+    none: its (R, L) counts split evenly)."""
+    if op.func.namespace == "_c10d_functional_autograd":
+        return False
+    if op.func.overloadpacket.__name__ == "alltoall_base_":
+        return len(op.args) > 4 and not (op.args[3] or op.args[4])
+    return True
 
 
 def issued_total() -> Optional[int]:

@@ -23,6 +23,11 @@ as CUDA's allocator does. CHECK says where:
              calm one: the refused rank replays the rest of its backward's collectives
              with zeros (spikeguard.parallel.family_backward) and every rank re-runs the step
   later_backward_mb1  the same at layer 0 of the second micro-batch (the step's end next)
+  later_backward_whole0  the same at layer 0, with layer 1 recomputed whole in both steps
+             (adaptive's whole-layer fallback, forced on rank 1, agreed by both): its
+             backward re-ran transformers' counts exchange before the refusal; re-run
+  later_backward_whole1  the same at layer 1, before that recompute: the peer's recompute
+             would route on zeros, so no replay: every rank ends in one agreed line
 
 Each writes OUT_DIR/<check>_rank<r>.json: gradients against the uninterrupted layout's,
 the step record, the independent meter's peak; or, where the job ends, the agreed line.
@@ -176,6 +181,8 @@ def check(out_dir: Path, where: str) -> dict:
     budget = calm_budget()
     model = build()
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    if where.startswith("later_backward_whole") and dist.get_rank() == REFUSING_RANK:
+        guard.window.layer_cannot_fit = lambda layer: layer == 1
     if where.startswith("later_backward"):
         run(model, batches(), guard)   # a calm step first: its backward's collectives seen
     arm(model, guard, budget, where)
