@@ -104,6 +104,15 @@ ALLOWED = {
     # ... and how many collectives this rank has issued on the EP group (a refusal inside
     # transformers' combine: was its all-to-all made?); torch 2.13 has no public count
     ("parallel/family_journal.py", "_get_sequence_number_for_group"),
+    # a backward's collectives recorded as issued (family_backward): the dispatch mode
+    # class and its stack live only in torch.utils._python_dispatch (torch 2.13); every
+    # process group of the job, to sum their sequence numbers, only in `_world`; the
+    # functional collectives' wait has no public alias
+    ("parallel/family_backward.py", "_python_dispatch"),
+    ("parallel/family_backward.py", "_get_current_dispatch_mode"),
+    ("parallel/family_backward.py", "_world"),
+    ("parallel/family_backward.py", "_get_sequence_number_for_group"),
+    ("parallel/family_backward.py", "_c10d_functional"),
     # DDP's own way to leave parameters out of its all-reduce (the experts, sharded)
     ("parallel/pipeline_training.py", "_set_params_and_buffers_to_ignore_for_model"),
     # transformers v5 internals read to recognise its grouped_mm experts and layers that

@@ -34,8 +34,11 @@ Three things differ from one process (transformers 5.24, torch 2.13):
 A rank whose device refuses inside a forward tells its peers at a flag point before every
 FSDP unit's all-gather and at each layer's vote, after making with zeros what its peers
 wait in (spikeguard.parallel.family_journal, which observes `AllToAllEP`'s dispatch and
-combine): every rank re-runs the micro-batch together. Where that cannot be known (a
-backward, through FSDP's own collectives), every rank ends the job in one agreed line.
+combine): every rank re-runs the micro-batch together. A rank refused in backward
+replays with zeros the rest of its backward's collectives (FSDP's and the reverse
+all-to-alls) as an earlier step's made them (spikeguard.parallel.family_backward), and
+every rank re-runs the step; where that cannot be known (the first step's backward), every
+rank ends the job in one agreed line.
 This module never imports transformers.
 """
 

@@ -22,10 +22,11 @@ inside transformers' dispatch or combine (their own allocations around the all-t
 is placed by the EP group's count of collectives this rank has issued (its sequence
 number) since the phase began: a combine whose all-to-all was issued owes nothing (its
 peers have theirs and went on; making it again hung the job in gloo until its timeout),
-a dispatch that issued none owes all three. Where it cannot know (a refusal inside
-FSDP's all-gather or inside transformers' dispatch, between its counts and its rows; any
-backward, which FSDP's reduce-scatters and prefetches run through), the job ends on every
-rank in one agreed line instead (GroupAgreement.end_job).
+a dispatch that issued none owes all three. A refusal in backward replays with zeros the
+rest of the backward's collectives as an earlier step's made them (family_backward).
+Where it cannot know (a refusal inside FSDP's all-gather or inside transformers'
+dispatch, between its counts and its rows; a backward with no template), the job ends on
+every rank in one agreed line instead (GroupAgreement.end_job).
 A rank that meets a peer's note, and the failed rank once it has settled, put FSDP back
 as every rank holds it then (`reset_iter_state`: every unit resharded), so that the
 re-run's all-gathers match.
@@ -42,7 +43,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from spikeguard.parallel.agreement import GroupAgreement
-from spikeguard.runtime.agreement import Note, PeerFailed
+from spikeguard.parallel.family_backward import Span, remaining, replay
+from spikeguard.runtime.agreement import STEP, Note, PeerFailed
 
 
 @dataclass
@@ -77,6 +79,11 @@ class FamilyAgreement(GroupAgreement):
         self.patched: list = []
         self.handles: list = []
         self.hooked: set[int] = set()
+        self.micro_batch = 0
+        self.exchanges: list = []      # this attempt's (send, recv) sizes, layer by layer
+        self.decisions: list = []      # this attempt's whole-layer votes, in order
+        self.span: Optional[Span] = None
+        self.templates: dict = {}      # Span.key -> the last complete span's template
 
     # ---- what is observed ---------------------------------------------------------------
     def observe(self, impl, unit: Optional[nn.Module]) -> None:
@@ -99,6 +106,7 @@ class FamilyAgreement(GroupAgreement):
             tokens, ids, weights, state = dispatch(*args)
             self.segment.send_sizes = list(state.send_sizes)
             self.segment.recv_sizes = list(state.recv_sizes)
+            self.exchanges.append((self.segment.send_sizes, self.segment.recv_sizes))
             self.segment.exchange = "dispatched"
             return tokens, ids, weights, state
 
@@ -114,6 +122,8 @@ class FamilyAgreement(GroupAgreement):
 
     def close(self) -> None:
         """Every hook and wrapper removed (detach)."""
+        self._end_span(keep=False)
+        self.templates = {}
         for impl in self.patched:
             for name in ("_dispatch_tokens", "_combine_tokens"):
                 vars(impl).pop(name, None)
@@ -155,20 +165,32 @@ class FamilyAgreement(GroupAgreement):
         self.segment.voted = True
         notes, vote = self.gather(Note(), mine)
         self._meet(notes)
+        self.decisions.append(vote)
         return vote
 
     def begin_step(self) -> None:
         self.open = False
+        self._end_span(keep=False)
 
     def begin_attempt(self, micro_batch: int, layer_votes: bool = False) -> None:
         self.open, self.votes, self.segment = True, layer_votes, Segment()
+        self.micro_batch, self.exchanges, self.decisions = micro_batch, [], []
 
     def flag_point(self, note: Note) -> list[Note]:
+        forward_ends = self.open and recording()
         self.open = False
         notes = self.gather(note)[0]
         if notes:
             self._reset_fsdp()
+        elif forward_ends:   # its backward's collectives recorded up to the next flag point
+            self.span = Span((self.micro_batch, self.votes, tuple(self.decisions)),
+                             self.exchanges)
+            self.span.begin()
         return notes
+
+    def gather(self, note: Note, vote: bool = False) -> tuple[list[Note], bool]:
+        self._end_span(keep=True)
+        return super().gather(note, vote)
 
     def settle_forward(self, note: Note) -> list[Note]:
         """This rank's forward attempt failed (and was freed): its segment's exchanges with
@@ -178,8 +200,29 @@ class FamilyAgreement(GroupAgreement):
         return self.flag_point(note)
 
     def settle_backward(self, note: Note, micro_batch: Optional[int] = None) -> list[Note]:
+        """This rank's backward failed (its attempt freed): the rest of the backward's
+        collectives with zeros, by the template of an earlier step's (family_backward),
+        then one flag point; where the rest is not known, the job ends."""
         self.open = False
-        return self.end_job(note)   # FSDP's reduce-scatters and prefetches: not ours to make
+        span, self.span = self.span, None
+        owed = None
+        if span is not None and span.end() and note.kind == STEP:
+            owed = remaining(span, self.templates.get(span.key))
+        if owed is None:
+            return self.end_job(note)
+        replay(owed)
+        return self.flag_point(note)
+
+    def _end_span(self, keep: bool) -> None:
+        """The span ends at a flag point: its template kept for the steps to come
+        (dropped where its count is not known)."""
+        span, self.span = self.span, None
+        if span is None:
+            return
+        if span.end() and keep:
+            self.templates[span.key] = span.template()
+        else:
+            self.templates.pop(span.key, None)
 
     # ---- settling ---------------------------------------------------------------------
     def _settle(self, seg: Segment) -> bool:

@@ -16,7 +16,18 @@ as CUDA's allocator does. CHECK says where:
              on to its next flag point: a combine made again hung the job in gloo)
   combine_output  inside that combine, at its all-to-all's output (not issued: the peer
              waits in it)
-  backward   in layer 1's backward (FSDP's and transformers' collectives under way)
+  backward   in layer 1's backward, in the first step (no earlier backward recorded: the
+             rest of its collectives is not known, every rank ends in one agreed line)
+  later_backward_L  in layer L's backward (1: the last layer, whose backward runs first;
+             0: after layer 1's collectives), in the first micro-batch of the step after a
+             calm one: the refused rank replays the rest of its backward's collectives
+             with zeros (spikeguard.parallel.family_backward) and every rank re-runs the step
+  later_backward_mb1  the same at layer 0 of the second micro-batch (the step's end next)
+  later_backward_whole0  the same at layer 0, with layer 1 recomputed whole in both steps
+             (adaptive's whole-layer fallback, forced on rank 1, agreed by both): its
+             backward re-ran transformers' counts exchange before the refusal; re-run
+  later_backward_whole1  the same at layer 1, before that recompute: the peer's recompute
+             would route on zeros, so no replay: every rank ends in one agreed line
 
 Each writes OUT_DIR/<check>_rank<r>.json: gradients against the uninterrupted layout's,
 the step record, the independent meter's peak; or, where the job ends, the agreed line.
@@ -50,13 +61,15 @@ GROUP_TIMEOUT_S = 60   # a whole check takes a few seconds on 2 loaded cores
 REFUSING_RANK, LAYER = 1, 1
 
 
-def refuse_once(budget: int):
-    """A callable that, the first time on the refusing rank, asks the device for the
-    whole budget (refused: torch.OutOfMemoryError from the allocation)."""
-    state = {"done": dist.get_rank() != REFUSING_RANK}
+def refuse_once(budget: int, skip: int = 0):
+    """A callable that, the first time on the refusing rank after `skip` calls, asks the
+    device for the whole budget (refused: torch.OutOfMemoryError from the allocation)."""
+    state = {"done": dist.get_rank() != REFUSING_RANK, "skip": skip}
 
     def ask(*_):
-        if not state["done"]:
+        if state["skip"]:
+            state["skip"] -= 1
+        elif not state["done"]:
             state["done"] = True
             torch.empty(budget // 4 + 1, dtype=torch.float32)
     return ask
@@ -64,6 +77,12 @@ def refuse_once(budget: int):
 
 def arm(model, guard, budget: int, where: str):
     """Place the one refusal (see the module docstring)."""
+    if where.startswith("later_backward"):
+        mb1 = where.endswith("mb1")
+        ask = refuse_once(budget, skip=1 if mb1 else 0)
+        at = model.model.layers[0 if mb1 else int(where[-1])]
+        at.mlp.register_full_backward_pre_hook(lambda module, grad_output: ask())
+        return
     ask = refuse_once(budget)
     layer = model.model.layers[LAYER]
     if where == "attention":
@@ -162,6 +181,10 @@ def check(out_dir: Path, where: str) -> dict:
     budget = calm_budget()
     model = build()
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    if where.startswith("later_backward_whole") and dist.get_rank() == REFUSING_RANK:
+        guard.window.layer_cannot_fit = lambda layer: layer == 1
+    if where.startswith("later_backward"):
+        run(model, batches(), guard)   # a calm step first: its backward's collectives seen
     arm(model, guard, budget, where)
     start = time.perf_counter()
     try:
@@ -170,7 +193,9 @@ def check(out_dir: Path, where: str) -> dict:
         return {"ended": str(err), "seconds": time.perf_counter() - start}
     g = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     return {"differ": differ(ref, g), "meter_peak": peak, "budget": budget,
-            **record(guard), "seconds": time.perf_counter() - start}
+            **record(guard), "seconds": time.perf_counter() - start,
+            "step_reruns": [n["reason"] for n in guard.history[-1]["safety_net"]
+                            if n["scope"] == "step"]}
 
 
 def main() -> None:

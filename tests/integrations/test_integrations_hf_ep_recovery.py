@@ -10,8 +10,12 @@ where the refusal lands inside transformers' own dispatch (before its counts exc
 combine (before its all-to-all, where the peer waits in it; after it, where the peer has
 gone on: settling a combine there hung the job until gloo's timeout, found by `train --hf qwen3_moe --nproc 2 --ep 2 --policy
 none --budget 15.4MiB`). In
-backward (FSDP's and transformers' collectives under way, not the journal's to make) every
-rank ends in the same line, within seconds.
+backward, after a calm step (whose backward's collectives the journal recorded), the
+refused rank replays the rest of its backward's collectives with zeros and every rank
+re-runs the step, bitwise, at the last layer and at the first, in either micro-batch, and
+with a layer recomputed whole before the refusal; in the first step's backward (nothing
+recorded: the rest is not known) and before a layer recomputed whole (the peer's
+recompute would route on zeros) every rank ends in the same line, within seconds.
 
     .venv/bin/python -m pytest tests/integrations/test_integrations_hf_ep_recovery.py -q
 """
@@ -70,4 +74,31 @@ def test_a_backward_refused_ends_every_rank_with_the_same_line_in_seconds(tmp_pa
     line = lines.pop()
     assert line.startswith("rank 1 ran out of memory in backward of micro-batch 0, layer 1"), line
     assert "on a device of" in line, line
+    assert all(got["seconds"] < 20 for got in ranks), ranks
+
+
+@pytest.mark.parametrize("where", ["later_backward_1", "later_backward_0",
+                                   "later_backward_mb1", "later_backward_whole0"])
+def test_a_backward_refused_after_a_calm_step_re_runs_the_step_on_every_rank(tmp_path,
+                                                                                where):
+    ranks = found(tmp_path, where)
+    for rank, got in enumerate(ranks):
+        assert "ended" not in got, (rank, got)
+        assert got["differ"] == [], (rank, got)
+        assert got["reruns"] == 1, (rank, got)           # the step, once, on both ranks
+        assert len(got["step_reruns"]) == 1, (rank, got)
+        assert got["step_reruns"][0].startswith("rank 1 ran out of memory in backward of "
+                                                "micro-batch "), (rank, got)
+        assert got["meter_peak"] <= got["budget"], (rank, got)
+        assert got["peak"] <= got["budget"], (rank, got)
+    assert ranks[0]["step_reruns"] == ranks[1]["step_reruns"]
+
+
+def test_a_backward_refused_before_a_whole_layer_recompute_ends_every_rank(tmp_path):
+    # The peer's recompute of that layer would route on the zeros replayed to it.
+    ranks = found(tmp_path, "later_backward_whole1")
+    lines = {got.get("ended") for got in ranks}
+    assert len(lines) == 1 and None not in lines, ranks
+    assert lines.pop().startswith("rank 1 ran out of memory in backward of micro-batch 0, "
+                                  "layer 1"), ranks
     assert all(got["seconds"] < 20 for got in ranks), ranks

@@ -1,0 +1,93 @@
+"""What recording every backward's collectives costs under transformers' EP with FSDP2.
+
+    .venv/bin/torchrun --nproc-per-node 2 scripts/hf_ep_span_cost.py --reps 7
+
+A tiny Qwen3-MoE (2 layers, width 32, 4 experts) under `DistributedConfig(fsdp_size=2,
+ep_size=2)`, 2 gloo ranks, policy adaptive with no budget (calm steps), 2 micro-batches of
+4 x 33 tokens per rank and step, forward and backward. Each round times 10 steps with the
+recording on (spikeguard.parallel.family_backward.Span, as shipped) and 10 with it off
+(`Span.begin` a no-op: no template, so a backward refusal would end the job), on a fresh
+model each; the order alternates, the first round is a warm-up. Prints the median and
+spread of seconds per step (wall clock and this process's CPU) of rank 0. CPU, emulated
+device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import spikeguard
+from spikeguard.parallel import family_backward
+
+STEPS = 10
+
+
+def build():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed.configuration_utils import DistributedConfig
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=32, intermediate_size=32, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=256, num_experts=4, num_experts_per_tok=2, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    kind = type(model)
+    dc, _, mesh = kind.prepare_distribute_model(DistributedConfig(fsdp_size=2, ep_size=2))
+    return kind.maybe_distribute_model(model, dc, mesh)
+
+
+def timed(recording: bool) -> tuple[float, float]:
+    """Seconds per step (wall, CPU) of STEPS calm steps, recording on or off."""
+    begin = family_backward.Span.begin
+    if not recording:
+        family_backward.Span.begin = lambda self: None
+    try:
+        model = build()
+        guard = spikeguard.attach(model, budget=1 << 40, policy="adaptive")
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        data = [torch.randint(0, 256, (4, 33), generator=gen) for _ in range(2)]
+
+        def body():
+            for w in data:
+                model(input_ids=w, labels=w).loss.backward()
+        guard.run_step(body)
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(STEPS):
+            guard.run_step(body)
+        dist.barrier()
+        out = ((time.perf_counter() - wall) / STEPS, (time.process_time() - cpu) / STEPS)
+        guard.detach()
+        return out
+    finally:
+        family_backward.Span.begin = begin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rows = {True: [], False: []}
+    for rep in range(args.reps + 1):
+        for recording in ((True, False) if rep % 2 else (False, True)):
+            got = timed(recording)
+            if rep:
+                rows[recording].append(got)
+    if dist.get_rank() == 0:
+        for recording, name in ((False, "off"), (True, "on ")):
+            for i, clock in enumerate(("wall", "cpu")):
+                v = [r[i] * 1e3 for r in rows[recording]]
+                print(f"recording {name} {clock:4s} {statistics.median(v):6.1f} ms/step "
+                      f"({min(v):.1f}-{max(v):.1f})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
