@@ -170,15 +170,17 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
     exchange's rows (`medium`, EP=2, static policy `full`: 0 or +3.3-3.5 MB in a backward,
     at a layer that changed; 30 frees a step on another thread). The work item is handed a
     view of `x` (a storage reference of its own), and the exchange waits until the
-    storage's count says the view is gone, so `x` is freed where the program drops it, as
-    a CUDA caching allocator's count would have it. A recompute that replays the cached
-    exchange (the checkpoint policies) holds no work item: the count is back at once."""
+    storage's count says the view is gone, so `x` is freed where the program drops it, on
+    this thread. A recompute that replays the cached exchange (the checkpoint policies)
+    holds no work item: the count is back at once. CPU tensors only (gloo, measured)."""
     storage = x.untyped_storage()
     view = x.view(x.shape)
     held = torch._C._storage_Use_Count(storage._cdata)   # x, the view, and this frame's
     out = torch.ops._c10d_functional.all_to_all_single(view, out_splits, in_splits, group_name)
     out = torch.ops._c10d_functional.wait_tensor(out)
     del view
+    if x.device.type != "cpu":   # gloo on CPU measured; a GPU backend is not watched
+        return out
     deadline = time.monotonic() + settle_s
     while torch._C._storage_Use_Count(storage._cdata) >= held:
         if time.monotonic() > deadline:   # a backend that keeps it longer: as before
