@@ -155,7 +155,7 @@ def table_lines(result: dict) -> list[str]:
         for name, note in b["not_run"].items():
             if name == "oracle":   # not run where some rank has no plan: those ranks' notes
                 note = "; ".join(f"rank {i}: {r['oracle']}" for i, r in enumerate(ranks)
-                                 if r["oracle"].startswith("no combination"))
+                                 if r["oracle"].startswith("no combination")) or note
             lines.append(f"| {name} | - | - | - | - | - | - | {note} | - |")
         lines += ["", f"(per rank: rank 0; rank 1{'; ...' if ep > 2 else ''}) static in advance "
                   f"(the byte model's pick, fitting on every rank): "

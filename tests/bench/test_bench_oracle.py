@@ -182,3 +182,24 @@ def test_the_ep_bench_on_two_ranks_keeps_every_rank_under_its_own_budget(tmp_pat
             assert sum(oracle["decisions"].values()) == cfg.num_layers * 2 * len(OPS)
             assert r["predicted"]["oracle_s"] is not None
     assert "adaptive/oracle" in done.stdout and "rank 1: on the cost model" in done.stdout
+
+
+def test_the_ep_table_says_why_an_oracle_that_had_plans_did_not_run():
+    """oracle_ep's table: an oracle row that every rank had plans for but that ran out of
+    memory shows that note (it showed an empty cell: only 'no combination' notes were
+    kept, the `medium` 0.7x run of docs/oracle.md)."""
+    from spikeguard.bench import oracle_ep
+
+    spread_1 = {"median": 1.0, "q1": 1.0, "q3": 1.0, "min": 1.0, "max": 1.0, "n": 2}
+    mem = {"peak_bytes": 10, "overruns": 0, "safety_net_reruns": 0, "decisions": {},
+           "evicted_bytes": None, "prefetched_bytes": None, "note": ""}
+    predicted = {"oracle_s": 0.1, "adaptive_s": 0.1, "adaptive_full_layers": 0}
+    oom = "out of memory: rank 0 ran out of memory in forward of micro-batch 1, layer 5"
+    ranks = [{"budget_bytes": 100, "true_peak_bytes": 140, "predicted": predicted,
+              "oracle": oom, "policies": {"ceiling": dict(mem)}} for _ in range(2)]
+    result = {"preset": "tiny", "ep": 2, "reps": 2, "tokens_per_step": 100, "budgets": [{
+        "fraction": 0.7, "static_in_advance": None, "static_in_hindsight": "full",
+        "policies": {"ceiling": {"median_s": 1.0, "vs_ceiling": spread_1}},
+        "not_run": {"oracle": oom}, "gap_closed": float("nan"), "ranks": ranks}]}
+    row = next(line for line in oracle_ep.table_lines(result) if line.startswith("| oracle |"))
+    assert oom in row, row
