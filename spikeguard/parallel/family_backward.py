@@ -264,8 +264,8 @@ def group_of(op: Collective) -> Optional[str]:
 
 def per_group(ops: list[Collective]) -> dict:
     counts: dict = {}
-    for op in ops:
-        counts[group_of(op)] = counts.get(group_of(op), 0) + 1
+    for name in map(group_of, ops):
+        counts[name] = counts.get(name, 0) + 1
     return counts
 
 
