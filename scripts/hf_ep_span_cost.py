@@ -4,12 +4,13 @@
 
 A tiny Qwen3-MoE (2 layers, width 32, 4 experts) under `DistributedConfig(fsdp_size=2,
 ep_size=2)`, 2 gloo ranks, policy adaptive with no budget (calm steps), 2 micro-batches of
-4 x 33 tokens per rank and step, forward and backward. Each round times 10 steps with the
-recording on (spikeguard.parallel.family_backward.Span, as shipped) and 10 with it off
-(`Span.begin` a no-op: no template, so a backward refusal would end the job), on a fresh
-model each; the order alternates, the first round is a warm-up. Prints the median and
-spread of seconds per step (wall clock and this process's CPU) of rank 0. CPU, emulated
-device.
+4 x 33 tokens per rank and step, forward and backward. Each round times 10 steps (after
+one untimed) in three modes, on a fresh model each: "off" (`Span.begin` a no-op: no
+template, so a backward refusal would end the job), "every" (every backward watched by
+the recording mode: a key never confirmed, as before spans were confirmed) and "on"
+(as shipped: a key's span watched until seen twice alike, then only counted); the order
+rotates, the first round is a warm-up. Prints the median and spread of seconds per step
+(wall clock and this process's CPU) of rank 0. CPU, emulated device.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import spikeguard
-from spikeguard.parallel import family_backward
+from spikeguard.parallel import family_backward, family_journal
 
 STEPS = 10
 
@@ -41,11 +42,13 @@ def build():
     return kind.maybe_distribute_model(model, dc, mesh)
 
 
-def timed(recording: bool) -> tuple[float, float]:
-    """Seconds per step (wall, CPU) of STEPS calm steps, recording on or off."""
-    begin = family_backward.Span.begin
-    if not recording:
+def timed(mode: str) -> tuple[float, float]:
+    """Seconds per step (wall, CPU) of STEPS calm steps in `mode` (off, every, on)."""
+    begin, alike = family_backward.Span.begin, family_journal.alike
+    if mode == "off":
         family_backward.Span.begin = lambda self: None
+    elif mode == "every":
+        family_journal.alike = lambda template, span: False
     try:
         model = build()
         guard = spikeguard.attach(model, budget=1 << 40, policy="adaptive")
@@ -65,7 +68,7 @@ def timed(recording: bool) -> tuple[float, float]:
         guard.detach()
         return out
     finally:
-        family_backward.Span.begin = begin
+        family_backward.Span.begin, family_journal.alike = begin, alike
 
 
 def main() -> None:
@@ -74,17 +77,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rows = {True: [], False: []}
+    modes = ("off", "every", "on")
+    rows = {mode: [] for mode in modes}
     for rep in range(args.reps + 1):
-        for recording in ((True, False) if rep % 2 else (False, True)):
-            got = timed(recording)
+        for mode in modes[rep % 3:] + modes[:rep % 3]:
+            got = timed(mode)
             if rep:
-                rows[recording].append(got)
+                rows[mode].append(got)
     if dist.get_rank() == 0:
-        for recording, name in ((False, "off"), (True, "on ")):
+        for mode in modes:
             for i, clock in enumerate(("wall", "cpu")):
-                v = [r[i] * 1e3 for r in rows[recording]]
-                print(f"recording {name} {clock:4s} {statistics.median(v):6.1f} ms/step "
+                v = [r[i] * 1e3 for r in rows[mode]]
+                print(f"recording {mode:5s} {clock:4s} {statistics.median(v):6.1f} ms/step "
                       f"({min(v):.1f}-{max(v):.1f})")
     dist.destroy_process_group()
 

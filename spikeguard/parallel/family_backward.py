@@ -9,15 +9,22 @@ reverse, then the dispatch's, sized by the forward's exchange), the unit's
 reduce-scatter; then the next forward's collectives before its first flag point (the
 root's all-gather). A `Span` records them as issued (a TorchDispatchMode sees the c10d
 and functional-collective ops that FSDP2 and autograd issue: observed, never
-re-implemented), every backward. The span of the same micro-batch, under the same
-whole-layer decisions, in an earlier step is the *template*: its row all-to-alls are
-named by the forward exchange they reverse, so this step's sizes replace the template's.
+re-implemented). The span of the same micro-batch, under the same whole-layer decisions,
+in an earlier step is the *template*: its row all-to-alls are named by the forward
+exchange they reverse, so this step's sizes replace the template's. Once a key's span
+has been seen twice alike (`alike`: the same ops, groups and order, the rows sized by
+each step's exchanges), the mode is no longer pushed for it (the mode sees every
+backward op: its cost is per op): the span only reads each group's sequence number at
+its start and end, and a refusal is placed in the template by those counts alone (the
+template's first n collectives, per group, are those issued). An unwatched span whose
+counts differ from its template's drops the template: that key is watched again.
 
 A rank refused in backward replays, with zero buffers, the template's collectives after
 those its own span issued, in the same order, with the same ops, groups and reduce ops,
 then makes its flag point. Only where it is known: the span's count equals the groups'
 sequence numbers (a collective issued outside the recorder's sight fails it), the
-template's first collectives equal those issued (kinds, shapes, sizes), and each row
+template's first collectives equal those issued (kinds, shapes, sizes; unwatched: their
+count on each group, no more than the template's), and each row
 all-to-all matched, in order, the reverse of one forward exchange, and no layer is
 recomputed whole in what is owed (its recompute re-runs the peers' routing and counts
 exchange on what they receive: zeros would change their sizes). Anything else (no
@@ -84,11 +91,13 @@ class Span(TorchDispatchMode):
     """The collectives issued from the flag point that ends micro-batch `mb`'s forward to
     the next flag point; `exchanges`: that forward's (send, recv) sizes, in order."""
 
-    def __init__(self, key: tuple, exchanges: list):
+    def __init__(self, key: tuple, exchanges: list, watch: bool = True):
         super().__init__()
-        self.key, self.exchanges = key, exchanges
+        self.key, self.exchanges, self.watch = key, exchanges, watch
         self.ops: list[Collective] = []
         self.start = issued_total()
+        self.start_groups = issued_by_group()
+        self.counts: Optional[dict] = None   # per group, issued since the start (ended)
         self.on = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -101,13 +110,18 @@ class Span(TorchDispatchMode):
 
     def begin(self) -> None:
         self.on = True
-        self.__enter__()
+        if self.watch:
+            self.__enter__()
 
     def end(self) -> bool:
-        """Stop recording; False where the span's count is not the groups' (unknown)."""
+        """Stop recording; False where the span's count is not the groups' (unknown).
+        An unwatched span (its key's template confirmed) only counts, per group."""
         if not self.on:
             return False
         self.on = False
+        self.counts = _since(self.start_groups, issued_by_group())
+        if not self.watch:
+            return self.counts is not None
         if _get_current_dispatch_mode() is self:
             self.__exit__(None, None, None)
         else:
@@ -144,15 +158,38 @@ def remaining(span: Span, template: Optional[list[Collective]]) -> Optional[list
     if template is None:
         return None
     owed = [op.sized(span.exchanges) for op in template]
-    done = len(span.ops)
-    if done > len(owed) or [op.key() for op in owed[:done]] != [op.key() for op in span.ops]:
-        return None
+    if span.watch:
+        done = len(span.ops)
+        if done > len(owed) or [op.key() for op in owed[:done]] != [
+                op.key() for op in span.ops]:
+            return None
+    else:   # placed by the groups' counts alone: the template's first `done`, per group
+        done = sum(span.counts.values()) if span.counts is not None else len(owed) + 1
+        if done > len(owed) or per_group(owed[:done]) != span.counts:
+            return None
     # A layer recomputed whole after the refusal re-runs the peers' routing and counts
     # exchange on what they receive: zeros there change their sizes (seen: a shape error
     # on the peer, "shape '[284, 1, 32]' is invalid for input of size 4064").
     if any(op.func.overloadpacket.__name__ == "alltoall_base_" for op in owed[done:]):
         return None
     return owed[done:]
+
+
+def alike(template: Optional[list[Collective]], span: Span) -> bool:
+    """Whether `span` (watched, ended) issued what `template` (an earlier step's span of
+    the same key) made: the same ops, groups and order, the row all-to-alls sized by
+    `span`'s own exchanges; each op's group known (an unwatched span is placed by them)."""
+    if template is None or len(template) != len(span.ops):
+        return False
+    if any(group_of(op) is None for op in template):
+        return False
+    return [op.sized(span.exchanges).key() for op in template] == [
+        op.key() for op in span.ops]
+
+
+def counted_whole(span: Span, template: Optional[list[Collective]]) -> bool:
+    """Whether an unwatched span (ended) issued, per group, what `template` makes."""
+    return template is not None and span.counts == per_group(template)
 
 
 def replay(owed: list[Collective]) -> None:
@@ -189,6 +226,47 @@ def issued_total() -> Optional[int]:
     except (AttributeError, RuntimeError):
         return None
     return total
+
+
+def issued_by_group() -> Optional[dict]:
+    """The collectives issued so far on each process group of the job, by group name;
+    None where a backend does not count."""
+    counts: dict = {}
+    try:
+        for group in dist.distributed_c10d._world.pg_map:
+            name = group.group_name
+            counts[name] = counts.get(name, 0) + int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return None
+    return counts
+
+
+def _since(start: Optional[dict], now: Optional[dict]) -> Optional[dict]:
+    """Per group, what was issued from `start` to `now` (groups with none left out);
+    None where either is unknown or the groups differ."""
+    if start is None or now is None or start.keys() != now.keys():
+        return None
+    return {name: now[name] - start[name] for name in now if now[name] != start[name]}
+
+
+def group_of(op: Collective) -> Optional[str]:
+    """The name of the process group `op` is issued on: its group argument (a c10d op's
+    ProcessGroup, a functional collective's group name)."""
+    names = {group.group_name for group in dist.distributed_c10d._world.pg_map}
+    for value in list(op.args) + list(op.kwargs.values()):
+        key = _key(value)
+        if isinstance(key, tuple) and key[:1] == ("group",):
+            return key[1]
+        if isinstance(key, str) and key in names:
+            return key
+    return None
+
+
+def per_group(ops: list[Collective]) -> dict:
+    counts: dict = {}
+    for name in map(group_of, ops):
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _describe(value):

@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from spikeguard.parallel.agreement import GroupAgreement
-from spikeguard.parallel.family_backward import Span, remaining, replay
+from spikeguard.parallel.family_backward import Span, alike, counted_whole, remaining, replay
 from spikeguard.runtime.agreement import STEP, Note, PeerFailed
 
 
@@ -84,6 +84,7 @@ class FamilyAgreement(GroupAgreement):
         self.decisions: list = []      # this attempt's whole-layer votes, in order
         self.span: Optional[Span] = None
         self.templates: dict = {}      # Span.key -> the last complete span's template
+        self.confirmed: set = set()    # keys whose last two spans were alike: not watched
 
     # ---- what is observed ---------------------------------------------------------------
     def observe(self, impl, unit: Optional[nn.Module]) -> None:
@@ -123,7 +124,7 @@ class FamilyAgreement(GroupAgreement):
     def close(self) -> None:
         """Every hook and wrapper removed (detach)."""
         self._end_span(keep=False)
-        self.templates = {}
+        self.templates, self.confirmed = {}, set()
         for impl in self.patched:
             for name in ("_dispatch_tokens", "_combine_tokens"):
                 vars(impl).pop(name, None)
@@ -183,8 +184,8 @@ class FamilyAgreement(GroupAgreement):
         if notes:
             self._reset_fsdp()
         elif forward_ends:   # its backward's collectives recorded up to the next flag point
-            self.span = Span((self.micro_batch, self.votes, tuple(self.decisions)),
-                             self.exchanges)
+            key = (self.micro_batch, self.votes, tuple(self.decisions))
+            self.span = Span(key, self.exchanges, watch=key not in self.confirmed)
             self.span.begin()
         return notes
 
@@ -215,14 +216,21 @@ class FamilyAgreement(GroupAgreement):
 
     def _end_span(self, keep: bool) -> None:
         """The span ends at a flag point: its template kept for the steps to come
-        (dropped where its count is not known)."""
+        (dropped where its count is not known). A key whose span was alike twice is
+        confirmed: its next spans are only counted, per group, not watched; one whose
+        counts differ from its template is dropped (watched again from scratch)."""
         span, self.span = self.span, None
         if span is None:
             return
-        if span.end() and keep:
+        known = span.end() and keep
+        template = self.templates.get(span.key)
+        if known and span.watch:
             self.templates[span.key] = span.template()
-        else:
+            if alike(template, span) and self.templates[span.key] is not None:
+                self.confirmed.add(span.key)
+        elif not (known and counted_whole(span, template)):
             self.templates.pop(span.key, None)
+            self.confirmed.discard(span.key)
 
     # ---- settling ---------------------------------------------------------------------
     def _settle(self, seg: Segment) -> bool:

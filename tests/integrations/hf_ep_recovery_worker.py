@@ -28,6 +28,10 @@ as CUDA's allocator does. CHECK says where:
              backward re-ran transformers' counts exchange before the refusal; re-run
   later_backward_whole1  the same at layer 1, before that recompute: the peer's recompute
              would route on zeros, so no replay: every rank ends in one agreed line
+  steady_backward_L  later_backward_L after three calm steps: each micro-batch's span seen
+             twice alike (steps 1 and 2), steps 3 and 4 push no recording mode (the ops
+             its `__torch_dispatch__` saw are counted per step, and in step 4 up to the
+             refusal); the refusal is placed by the groups' sequence numbers alone
 
 Each writes OUT_DIR/<check>_rank<r>.json: gradients against the uninterrupted layout's,
 the step record, the independent meter's peak; or, where the job ends, the agreed line.
@@ -51,6 +55,7 @@ from hf_ep_worker import batches, build, differ, record, run, world_max  # noqa:
 from meter import LiveMeter, model_state_tensors  # noqa: E402
 
 import spikeguard  # noqa: E402
+from spikeguard.parallel import family_backward  # noqa: E402
 from spikeguard.parallel.launch import watch_parent  # noqa: E402
 from spikeguard.runtime import device_state  # noqa: E402
 from spikeguard.runtime.agreement import JobEnds  # noqa: E402
@@ -75,13 +80,32 @@ def refuse_once(budget: int, skip: int = 0):
     return ask
 
 
-def arm(model, guard, budget: int, where: str):
-    """Place the one refusal (see the module docstring)."""
-    if where.startswith("later_backward"):
+def watched() -> list:
+    """A list whose last item counts the ops the recording mode (family_backward.Span)
+    sees from now on; append 0 to count a new step."""
+    seen = [0]
+    dispatch = family_backward.Span.__torch_dispatch__
+
+    def counted(self, *args, **kwargs):
+        seen[-1] += 1
+        return dispatch(self, *args, **kwargs)
+    family_backward.Span.__torch_dispatch__ = counted
+    return seen
+
+
+def arm(model, guard, budget: int, where: str, seen=None):
+    """Place the one refusal (see the module docstring); `seen` (watched) gets the count
+    at the refusal appended."""
+    if where.startswith(("later_backward", "steady_backward")):
         mb1 = where.endswith("mb1")
         ask = refuse_once(budget, skip=1 if mb1 else 0)
         at = model.model.layers[0 if mb1 else int(where[-1])]
-        at.mlp.register_full_backward_pre_hook(lambda module, grad_output: ask())
+
+        def hook(module, grad_output):
+            if seen is not None and len(seen) == 4:
+                seen.append(seen[-1])   # step 4's count at its first hook
+            ask()
+        at.mlp.register_full_backward_pre_hook(hook)
         return
     ask = refuse_once(budget)
     layer = model.model.layers[LAYER]
@@ -183,9 +207,15 @@ def check(out_dir: Path, where: str) -> dict:
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
     if where.startswith("later_backward_whole") and dist.get_rank() == REFUSING_RANK:
         guard.window.layer_cannot_fit = lambda layer: layer == 1
+    seen = None
     if where.startswith("later_backward"):
         run(model, batches(), guard)   # a calm step first: its backward's collectives seen
-    arm(model, guard, budget, where)
+    elif where.startswith("steady_backward"):
+        seen = watched()
+        for step in range(3):          # three calm steps: the spans confirmed by the second
+            run(model, batches(), guard)
+            seen.append(0)             # the next step's count
+    arm(model, guard, budget, where, seen)
     start = time.perf_counter()
     try:
         peak = metered_peak(model, guard)
@@ -193,7 +223,7 @@ def check(out_dir: Path, where: str) -> dict:
         return {"ended": str(err), "seconds": time.perf_counter() - start}
     g = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     return {"differ": differ(ref, g), "meter_peak": peak, "budget": budget,
-            **record(guard), "seconds": time.perf_counter() - start,
+            **record(guard), "seconds": time.perf_counter() - start, "watched": seen,
             "step_reruns": [n["reason"] for n in guard.history[-1]["safety_net"]
                             if n["scope"] == "step"]}
 

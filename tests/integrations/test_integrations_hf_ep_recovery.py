@@ -94,6 +94,25 @@ def test_a_backward_refused_after_a_calm_step_re_runs_the_step_on_every_rank(tmp
     assert ranks[0]["step_reruns"] == ranks[1]["step_reruns"]
 
 
+@pytest.mark.parametrize("where", ["steady_backward_1", "steady_backward_0"])
+def test_a_steady_backward_records_nothing_and_its_refusal_re_runs_bitwise(tmp_path, where):
+    # Steps 1 and 2 watched (each micro-batch's span seen twice alike), steps 3 and 4 not:
+    # the refusal in step 4 placed by the groups' sequence numbers alone.
+    ranks = found(tmp_path, where)
+    for rank, got in enumerate(ranks):
+        assert "ended" not in got, (rank, got)
+        step1, step2, step3, step4_to_refusal = got["watched"][:4]
+        assert step1 > 0 and step2 > 0, (rank, got["watched"])
+        assert step3 == 0 and step4_to_refusal == 0, (rank, got["watched"])
+        assert got["differ"] == [], (rank, got)
+        assert got["reruns"] == 1, (rank, got)
+        assert len(got["step_reruns"]) == 1, (rank, got)
+        assert got["step_reruns"][0].startswith("rank 1 ran out of memory in backward of "
+                                                "micro-batch 0"), (rank, got)
+        assert got["meter_peak"] <= got["budget"], (rank, got)
+    assert ranks[0]["step_reruns"] == ranks[1]["step_reruns"]
+
+
 def test_a_backward_refused_before_a_whole_layer_recompute_ends_every_rank(tmp_path):
     # The peer's recompute of that layer would route on the zeros replayed to it.
     ranks = found(tmp_path, "later_backward_whole1")
