@@ -15,7 +15,7 @@ rotates, the first round is a warm-up. Prints the median and spread of seconds p
 
 from __future__ import annotations
 
-import argparse
+import sys
 import statistics
 import time
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import spikeguard
+from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.parallel import family_backward, family_journal
 
 STEPS = 10
@@ -72,9 +73,15 @@ def timed(mode: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
-    args = parser.parse_args()
+    try:
+        args = parser.parse_args()
+        if args.reps <= 0:
+            raise UsageError(f"--reps must be positive, got {args.reps}")
+    except UsageError as err:
+        print(f"hf_ep_span_cost: {err}", file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     modes = ("off", "every", "on")

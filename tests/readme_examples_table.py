@@ -144,6 +144,9 @@ EXAMPLES: dict = {
         Listed("two `medium` ranks for 15 min here (about 9 GB each): the same module as the "
                "`small` line above it, which tests/bench/test_bench_oracle.py runs under "
                "torchrun on `tiny`"),
+    "torchrun --nproc-per-node 2 scripts/hf_ep_span_cost.py --reps 7":
+        Run(cap={"--reps": 1}, expect=("recording on", "recording every"), timeout_s=300,
+            long=True),
     "make bench-pp": Run(cap={"--steps": 2, "--segments": 1, "--checkpoint-every": 1},
                          expect=("adaptive",), timeout_s=300, long=True),   # 48 steps: 2.2 min
     "python -m spikeguard.plan.room": Run(expect=("per decision",)),

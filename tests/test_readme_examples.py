@@ -180,6 +180,7 @@ def make_recipe(target: str) -> list[str]:
 
 def scratch_root(tmp_path: Path) -> Path:
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")   # a page's `torchrun scripts/...`
     (tmp_path / "docs" / "img").mkdir(parents=True)
     return tmp_path
 
