@@ -229,7 +229,9 @@ class Guard:
         self.ledger.set_static(self._static_bytes())
         # An optimizer step that raised left its scope open (no post hook ran): closed.
         self.wiring.optimizer_scope.close_down_to()
-        self._recorder = recorder or StepRecorder(self.engine.offloaded_bytes_total)
+        # The scope notes its peak on the recorder it opened: an interrupt can leave this
+        # generator to be closed by the collector later, after the guard let go of it.
+        step = self._recorder = recorder or StepRecorder(self.engine.offloaded_bytes_total)
         with self.meter.active(), self.meter.enforcing():
             self.meter.reset_peak()
             self.position.set_where(PHASE_FORWARD, -1)
@@ -237,7 +239,7 @@ class Guard:
                 yield
             finally:
                 self.position.set_where(PHASE_IDLE, -1)
-                self._recorder.note_peak(self.meter.peak(), self.meter.peak_where())
+                step.note_peak(self.meter.peak(), self.meter.peak_where())
 
     def finish_step(self) -> None:
         """Close the open step: learn the layer peaks from it, append its record."""
