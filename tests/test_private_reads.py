@@ -118,6 +118,9 @@ ALLOWED = {
     ("parallel/family_backward.py", "_world"),
     ("parallel/family_backward.py", "_get_sequence_number_for_group"),
     ("parallel/family_backward.py", "_c10d_functional"),
+    # an op's nested arguments mapped (tensors to their specs, specs to zeros) with torch's
+    # own tree map, which torch 2.13 has only as torch.utils._pytree
+    ("parallel/family_backward.py", "_pytree"),
     # DDP's own way to leave parameters out of its all-reduce (the experts, sharded)
     ("parallel/pipeline_training.py", "_set_params_and_buffers_to_ignore_for_model"),
     # transformers v5 internals read to recognise its grouped_mm experts and layers that

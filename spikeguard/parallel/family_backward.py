@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_map_only
 
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 # No exchange: the waits of issued collectives, and the functional autograd all-to-all's
@@ -270,23 +271,14 @@ def per_group(ops: list[Collective]) -> dict:
 
 
 def _describe(value):
-    if torch.is_tensor(value):
-        return Spec(tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_describe(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _describe(v) for k, v in value.items()}
-    return value
+    """`value` (an op's arguments) with each tensor as its Spec."""
+    return tree_map_only(torch.Tensor, lambda t: Spec(tuple(t.shape), t.dtype, t.device), value)
 
 
 def _zeros(value):
-    if isinstance(value, Spec):
-        return torch.zeros(value.shape, dtype=value.dtype, device=value.device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_zeros(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _zeros(v) for k, v in value.items()}
-    return value
+    """`value` with each Spec as a zero buffer of it."""
+    return tree_map_only(Spec, lambda s: torch.zeros(s.shape, dtype=s.dtype, device=s.device),
+                         value)
 
 
 def _key(value):
