@@ -35,7 +35,7 @@ the order of F and B actions, which is all that is used here, is right.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Optional, Sequence
 
 FORWARD_KINDS = ("F",)
@@ -158,6 +158,28 @@ class Residency:
                              "backward_reserved_bytes": backward})
         return Reserve(reserved, backward)
 
+
+    # ---- the forwards to come (the hookless proof, runtime/hookless.py) --------------
+    def later_forwards(self) -> Optional[tuple[int, ...]]:
+        """The forwards this stage runs after this one and before this one's backward:
+        this micro-batch is among their older residents, so their decisions may evict it.
+        None where the position is unknown; none when disabled (nothing is evicted then)."""
+        pos = self.position()
+        if pos is None:
+            return None
+        if not self.enabled:
+            return ()
+        return tuple(range(pos.forward + 1, pos.forward + 1 + pos.at_backward))
+
+    def freed_before(self, forward: int) -> tuple[int, ...]:
+        """The micro-batches resident now whose backward runs before forward `forward`."""
+        now = self.position()
+        return tuple(sorted(set(now.older) - set(self.schedule_positions[forward].older)))
+
+    def at_forward(self, forward: int) -> "Residency":
+        """This residency as forward `forward` will read it, reading today's figures (the
+        older ones' bytes now, on the device and the host), with a log of its own."""
+        return replace(self, micro_batch=lambda: forward, log=[], _seen=set())
 
     # ---- eviction of resident micro-batches ----------------------------------------
     def _evict_order(self) -> list[int]:

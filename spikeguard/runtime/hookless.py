@@ -18,7 +18,6 @@ and only adaptive's window evicts, a pipeline's residency included): every layer
 proven, the first one's expert path on and every later layer whole, in one process,
 under expert parallelism and in a pipeline alike. Under "adaptive" the proof, at the
 decision of layer L:
-  * no pipeline residency;
   * L keeps everything, with no eviction asked;
   * the later layers of this micro-batch, walked now with the window's own procedure
     (plan/decide.py `fits_unaided`: the entry check, the planner's inputs with the layer
@@ -28,12 +27,18 @@ decision of layer L:
     more) for the most routed copies, each growing the device by what L grew it since
     its entry (or by its attention part, the larger: same shapes, same bytes), plus that
     expert path and the post-expert part.
+  * in a pipeline, the same of every layer of each forward the stage runs before this
+    micro-batch's backward (the residency's `later_forwards`: it is among their older
+    residents, which their shortfalls may evict), from a bound on the in-use each will
+    see (`_later_forwards_fit`: this micro-batch and the forwards between whole at the
+    most they can keep, less what the older ones whose backward runs first hold now,
+    plus the gradients it makes) at the reserve that forward will read.
 The most routed copies: in one process exactly L's (the built-in router is dropless
 top-k: tokens x top-k copies in every layer). Under expert parallelism a rank's count
 moves from layer to layer; there it is the forecast's own bound, (1 + its load margin) x
 the most seen in this micro-batch: the planner's prediction, not a proof.
 Then no decision of the micro-batch asks for eviction (other micro-batches evict only
-their own layers, outside a pipeline): L's expert stages run hookless, and every later
+their own layers outside a pipeline, and none before its backward inside one): L's expert stages run hookless, and every later
 layer of the micro-batch is covered whole from its entry on (attention, router, experts,
 combine, shared expert), unless its own plan is not all-save: then the hook is back from
 its expert path on (the executor's tags need it). Should the prediction still be wrong,
@@ -62,11 +67,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import NamedTuple, Optional
 
 from spikeguard.memory.ledger import Ledger
 from spikeguard.plan.catalogue import ALL_SAVE, CONSUMERS, OPS, ExpertShape
 from spikeguard.plan.decide import LayerFacts, fits_unaided
-from spikeguard.plan.room import EntryState, forward_transient_bytes_per_routed
+from spikeguard.plan.forecast import Forecast
+from spikeguard.plan.room import EntryState, Seen, forward_transient_bytes_per_routed
 from spikeguard.runtime.executor import release_all
 from spikeguard.runtime.hooks import SavedTensorTracker
 
@@ -76,6 +83,17 @@ STAGE_OPS = tuple(op for op in OPS if CONSUMERS[op])
 COMBINE_OPS = tuple(op for op in OPS if not CONSUMERS[op]) + ("combine",)
 # What the hook measures on a hooked layer, for the covered layers after it.
 MEASURED_OPS = ("attn", "router", "shared")
+
+
+class _Walk(NamedTuple):
+    """What the proof's walk holds fixed over the layers it asks `fits_unaided` about."""
+
+    routed: int              # the most routed copies a layer may get
+    layer_part: int          # an attention part's bytes (same shapes, same bytes)
+    seen: Seen               # the window's memory of earlier decisions, at `routed`
+    resident: int            # the other micro-batches' backward above their forward's end
+    forecast: Optional[Forecast] = None   # the window's, unless the walk is another forward's
+    grads: Optional[int] = None           # gradients to come at every layer; None: the window's
 
 
 class HooklessLayers:
@@ -180,8 +198,6 @@ class HooklessLayers:
             return False
         if w.policy == "none":   # nothing of its step ever offloads or evicts
             return True
-        if w.forecast.residency is not None:
-            return False
         mb = w.ctx.micro_batch
         in_use = self.ledger.in_use()
         layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
@@ -191,35 +207,67 @@ class HooklessLayers:
             routed = int(routed * (1 + w.forecast.load_margin))
         per_layer = growth + self._keep_all_bytes(routed) + int(
             (w.forecast.post_bytes_per_token + w.forecast.combine_bytes_per_token) * w.num_tokens)
-        seen = replace(w.seen, max_routed=routed)
-        resident = max((v for m, v in w.pending_backward.items() if m != mb), default=0)
+        walk = _Walk(routed, layer_part, replace(w.seen, max_routed=routed), max(
+            (v for m, v in w.pending_backward.items() if m != mb), default=0))
         for later in range(layer + 1, w.num_layers):
             at_decision = in_use + (later - layer) * per_layer
-            if not self._needs_no_eviction(later, at_decision, layer_part, routed, seen,
-                                          resident):
+            if not self._needs_no_eviction(later, at_decision, walk):
                 return False
+        return w.forecast.residency is None or self._later_forwards_fit(
+            layer, in_use, per_layer, walk)
+
+    def _later_forwards_fit(self, layer: int, in_use: int, per_layer: int, walk) -> bool:
+        """Under a pipeline, the forwards the stage runs before this micro-batch's backward
+        (plan/residency.py: it is among their older residents) decide with no eviction
+        either: each of their layers walked as this one's later layers are, at the
+        residency's reserve as that forward will read it, from a bound on the in-use it
+        will see: this micro-batch's forward ended (every later layer keeping everything,
+        then the head), each forward between whole (its layers, head and stage input: an
+        attention part's bytes), less what the older micro-batches whose backward runs
+        first hold now, plus the gradients that backward makes. Their backward peaks
+        beside it: the largest predicted, this micro-batch's included."""
+        w, residency = self.window, self.window.forecast.residency
+        later = residency.later_forwards()
+        if later is None:
+            return False
+        head = int(w.forecast.head_bytes_per_token * w.num_tokens)
+        whole = w.num_layers * per_layer + head + walk.layer_part
+        start = in_use + (w.num_layers - layer) * per_layer + head + walk.layer_part
+        grads = max(w.grads_to_come.values(), default=0)
+        resident = max(walk.resident, w.backward_above(w.ctx.micro_batch, in_use))
+        for i, forward in enumerate(later):
+            freed = residency.freed_before(forward)
+            base = start + i * whole + (grads if freed else 0) - sum(
+                self.ledger.bytes_by(micro_batch=mb) for mb in freed)
+            there = _Walk(walk.routed, walk.layer_part, walk.seen, resident,
+                          replace(w.forecast, residency=residency.at_forward(forward)),
+                          0 if freed else grads)
+            for later_layer in range(w.num_layers):
+                if not self._needs_no_eviction(later_layer, base + later_layer * per_layer
+                                               + walk.layer_part, there):
+                    return False
         return True
 
-    def _needs_no_eviction(self, layer: int, in_use: int, layer_part: int, routed: int,
-                           seen, resident: int) -> bool:
+    def _needs_no_eviction(self, layer: int, in_use: int, walk) -> bool:
         """Would `layer`, at `in_use` after its attention part, decide with no eviction and
         no whole-layer fallback? The window's own procedure (plan/decide.py
         `fits_unaided`), on a prediction."""
         w = self.window
         extra = w.fsdp_extra(layer)
-        entry = EntryState(layer, w.budget_bytes, in_use - layer_part, w.num_tokens,
-                           w.planner.min_bytes_per_token, seen, resident,
+        forecast = walk.forecast or w.forecast
+        grads = w.grads_to_come.get(layer, 0) if walk.grads is None else walk.grads
+        entry = EntryState(layer, w.budget_bytes, in_use - walk.layer_part, w.num_tokens,
+                           w.planner.min_bytes_per_token, walk.seen, walk.resident,
                            extra["forward_extra_bytes"])
         facts = LayerFacts(
-            layer=layer, budget_bytes=w.budget_bytes, num_routed=routed,
-            layer_part_bytes=layer_part, max_routed=routed, num_tokens=w.num_tokens,
-            min_bytes_per_token=w.planner.min_bytes_per_token,
-            grads_to_come=w.grads_to_come.get(layer, 0),
+            layer=layer, budget_bytes=w.budget_bytes, num_routed=walk.routed,
+            layer_part_bytes=walk.layer_part, max_routed=walk.routed, num_tokens=w.num_tokens,
+            min_bytes_per_token=w.planner.min_bytes_per_token, grads_to_come=grads,
             transient_bytes_per_routed=forward_transient_bytes_per_routed(self.shape, w.on_cuda),
             prefetch=w.engine.prefetch_enabled, last_layer=layer >= w.num_layers - 1,
-            resident_backward_bytes=resident,
+            resident_backward_bytes=walk.resident,
             fixed_backward=w.layer_room.fsdp.layer_backward(layer), **extra)
-        return fits_unaided(entry, facts, in_use, w.layer_room.room, w.forecast, w.planner)
+        return fits_unaided(entry, facts, in_use, w.layer_room.room, forecast, w.planner)
 
     def _keep_all_bytes(self, num_routed: int) -> int:
         planner = self.window.planner

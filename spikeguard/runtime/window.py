@@ -223,6 +223,11 @@ class DecisionWindow:
         peak, over = self._backward_peak.get(mb, (0, 0))
         self._backward_peak[mb] = (max(peak, backward_peak), max(over, backward_peak - in_use))
 
+    def backward_above(self, mb: int, in_use: int) -> int:
+        """How far micro-batch `mb`'s backward is predicted so far to reach above `in_use`
+        (its forward's in-use now: at its end the device holds at least as much)."""
+        return max(0, self._backward_peak.get(mb, (0, 0))[0] - in_use)
+
     def _resident_backward(self) -> int:
         """The largest predicted backward excess of the other resident micro-batches (each
         over the in-use its forward left, which the device's figure holds now)."""

@@ -203,6 +203,20 @@ def test_pp_residency_follows_the_1f1b_schedule(pp2):
     assert all(e["to_add"] == 0 and e["resident"] == 0 for e in log1), log1
 
 
+def test_pp_adaptive_runs_every_layer_without_the_hook_when_everything_fits(pp2):
+    """Under a pipeline adaptive runs hookless where it proves that no later decision of
+    the stage can want a layer's saved tensors: its own later layers and every layer of
+    the forwards the schedule runs before its backward (runtime/hookless.py); with
+    everything fitting, that is every layer of every micro-batch on both stages (the
+    bitwise test above holds the gradients). The first layer of a step's first
+    micro-batch runs its attention hooked: it measures what the covered ones model."""
+    world, load = pp2
+    layers_per_stage = CFG["num_layers"] // 2
+    for rank in range(world):
+        for record in load("adaptive", rank)["records"]:
+            assert record["hookless_layers"] == layers_per_stage * MICRO_BATCHES, (rank, record)
+
+
 # ---- PP=2 x EP=2 -----------------------------------------------------------------------
 def test_pp_ep_gradients_equal_single_process(pp2ep2):
     world, load = pp2ep2
@@ -260,6 +274,9 @@ def test_pp_ep_calm_adaptive_saves_everywhere_when_keeping_everything_fits(pp2ep
                 where = (rank, step, d, record["evicted_bytes"], record["full_layers"])
                 assert d["recompute"] == d["offload"] == 0 and d["save"] > 0, where
                 assert record["evicted_bytes"] == record["full_layers"] == 0, where
+                # ... and, proven so, runs layers without the saved-tensor hook
+                # (runtime/hookless.py): under EP the counts' bound is the forecast's.
+                assert record["hookless_layers"] > 0, where + (record["hookless_layers"],)
 
 
 def test_pp_ep_none_runs_every_layer_without_the_hook(pp2ep2):

@@ -43,6 +43,31 @@ def test_an_older_micro_batchs_backward_makes_every_gradient_first(micro_batches
     assert all(grads_at_backward(grads, p) == grads for p in positions(order[1], 1))
 
 
+def test_the_forwards_that_may_evict_a_micro_batch_are_those_before_its_backward():
+    """Stage 0 of PP=2, 4 micro-batches, 1F1B: F0 F1 B0 F2 B1 F3 B2 B3. Micro-batch 1 is
+    an older resident of F2 only (B1 runs before F3), and B0 frees micro-batch 0 before
+    F2; the hookless proof (runtime/hookless.py) walks F2's layers at the reserve F2 will
+    read, whose log is not the live one. The last stage runs each backward at once."""
+    order = torch_1f1b(2, 4)
+    at = {"k": 1}
+    residency = Residency(positions(order[0], 0), micro_batch=lambda: at["k"],
+                          device_bytes=lambda mb: 5 * MiB if mb == 0 else 0)
+    assert residency.later_forwards() == (2,)
+    assert residency.freed_before(2) == (0,)
+    at["k"] = 0
+    assert residency.later_forwards() == (1,) and residency.freed_before(1) == ()
+    third = residency.at_forward(2)
+    assert third.position().forward == 2 and third.position().older == (1,)
+    third.reserve(0, 8 * MiB)
+    assert residency.log == [] and len(third.log) == 1
+    at["k"] = 3
+    assert residency.later_forwards() == ()
+    last = Residency(positions(order[1], 1), micro_batch=lambda: 1)
+    assert last.later_forwards() == ()
+    at["k"] = 9   # a position the schedule does not have
+    assert residency.later_forwards() is None
+
+
 def _last_forward_of_stage_0(first_keeps: int) -> tuple[Residency, Forecast]:
     residency = Residency(positions(torch_1f1b(2, 2)[0], 0), micro_batch=lambda: 1,
                           device_bytes=lambda mb: first_keeps if mb == 0 else 0)
