@@ -224,8 +224,10 @@ class HooklessLayers:
         will see: this micro-batch's forward ended (every later layer keeping everything,
         then the head), each forward between whole (its layers, head and stage input: an
         attention part's bytes), less what the older micro-batches whose backward runs
-        first hold now, plus the gradients that backward makes. Their backward peaks
-        beside it: the largest predicted, this micro-batch's included."""
+        first hold now, plus the gradients that backward makes. The older ones'
+        backward excess beside them: the largest predicted, this micro-batch's taken as
+        the last finished forward's (same shapes; before the first, all of its predicted
+        backward peak above the in-use now)."""
         w, residency = self.window, self.window.forecast.residency
         later = residency.later_forwards()
         if later is None:
@@ -234,7 +236,10 @@ class HooklessLayers:
         whole = w.num_layers * per_layer + head + walk.layer_part
         start = in_use + (w.num_layers - layer) * per_layer + head + walk.layer_part
         grads = max(w.grads_to_come.values(), default=0)
-        resident = max(walk.resident, w.backward_above(w.ctx.micro_batch, in_use))
+        own = w.last_backward_excess
+        if own is None:   # no forward finished yet: its predicted peak over the in-use now
+            own = w.backward_above(w.ctx.micro_batch, in_use)
+        resident = max(walk.resident, own)
         for i, forward in enumerate(later):
             freed = residency.freed_before(forward)
             base = start + i * whole + (grads if freed else 0) - sum(

@@ -73,6 +73,9 @@ class DecisionWindow:
         self.pending_backward: dict[int, int] = {}
         # mb -> (largest backward peak predicted, largest excess over its decision's in-use)
         self._backward_peak: dict[int, tuple[int, int]] = {}
+        # The last finished forward's entry in pending_backward (None before the first):
+        # what the hookless proof expects of a forward still running (same shapes).
+        self.last_backward_excess: Optional[int] = None
 
     # ---- what the guard tells the window ----------------------------------------------
     def begin_micro_batch(self, num_tokens: int, grads_to_come: dict[int, int]) -> None:
@@ -128,6 +131,7 @@ class DecisionWindow:
             peak, over = self._backward_peak.pop(mb)
             self.pending_backward[mb] = backward_above_end(
                 peak, self.ledger.in_use(), over, self.layer_room.room.observed)
+            self.last_backward_excess = self.pending_backward[mb]
         # The head's backward is measured from what is in use when it starts: the loss's
         # gradient is its first (the caller may have dropped the logits by then).
         self.layer_room.record_head(mb, self.ledger.in_use(), num_tokens)
