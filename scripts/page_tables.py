@@ -40,6 +40,8 @@ TRAINER_EP = (".venv/bin/python -m torch.distributed.run --standalone --nproc-pe
 CALM = ".venv/bin/python scripts/calm_overhead.py --reps 30 --clock cpu"
 CALM_EP = ".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 20 --clock cpu"
 CALM_HF = ".venv/bin/python scripts/calm_overhead.py --hf qwen3_moe --reps 30 --clock cpu"
+CALM_PP = (".venv/bin/torchrun --nproc-per-node 4 scripts/calm_overhead_pp.py --reps 15 "
+           "--clock cpu --budget-factor 1.25")
 CALM_HF_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --hf qwen3_moe "
               "--reps 20 --clock cpu")
 
@@ -546,6 +548,7 @@ MORE = [
     Block("calm-overhead-ep", CALM_EP, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-hf", CALM_HF, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-hf-ep", CALM_HF_EP, calm_overhead, timeout_s=1200, links=("scripts",)),
+    Block("calm-overhead-pp", CALM_PP, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("bench-prose", "make bench", bench_prose, source="docs/bench.json"),
     Block("bench-pp-prose", "make bench-pp", bench_pp_prose, source="docs/bench_pp.json"),
 ]
