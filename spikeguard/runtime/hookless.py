@@ -38,13 +38,18 @@ top-k: tokens x top-k copies in every layer). Under expert parallelism a rank's 
 moves from layer to layer; there it is the forecast's own bound, (1 + its load margin) x
 the most seen in this micro-batch: the planner's prediction, not a proof.
 Then no decision of the micro-batch asks for eviction (other micro-batches evict only
-their own layers outside a pipeline, and none before its backward inside one): L's expert stages run hookless, and every later
-layer of the micro-batch is covered whole from its entry on (attention, router, experts,
-combine, shared expert), unless its own plan is not all-save: then the hook is back from
-its expert path on (the executor's tags need it). Should the prediction still be wrong,
-the bytes are just not evictable: the later layer picks a smaller plan, or the safety
-net re-runs; gradients and peaks are the same either way (the tensors autograd saves,
-and when it frees them, do not depend on the hook).
+their own layers outside a pipeline, and none before its backward inside one): L's
+expert stages run hookless, and every later layer of the micro-batch is covered whole
+from its entry on (attention, router, experts, combine, shared expert), unless its own
+plan is not all-save: then the hook is back from its expert path on (the executor's tags
+need it). The first layer that runs hooked measures what the covered ones model; that
+measurement is carried to later micro-batches and steps by the layer input's shape, so
+a micro-batch's first layer is covered from its entry too where the proof holds there
+(`_proven_at_entry`: under none always; under adaptive in one process, whose routed
+count is known before the router runs, with that layer walked as a later one).
+Should the prediction still be wrong, the bytes are just not evictable: the later layer
+picks a smaller plan, or the safety net re-runs; gradients and peaks are the same either
+way (the tensors autograd saves, and when it frees them, do not depend on the hook).
 
 A transformers experts call (integrations/hf_window.py `run_region`) is one region, not
 five stages: proven alike, it runs paused (`run_call`) and is attributed to op "experts"
@@ -113,6 +118,10 @@ class HooklessLayers:
         self._covered_after: dict[int, int] = {}
         # Micro-batch -> {op: bytes} of MEASURED_OPS on its last layer run hooked.
         self._measured: dict[int, dict[str, int]] = {}
+        # Layer input shape -> MEASURED_OPS and the growth to the decision ("growth") on
+        # the last layer of that shape run hooked, for the next micro-batch's first layer.
+        self._carried: dict[tuple, dict[str, int]] = {}
+        self._growth = 0   # in-use from the running layer's entry to its decision
         self._whole = False   # the layer running now is covered from its entry
         self._decided = False   # the layer running now decided (it is not recomputed whole)
 
@@ -121,8 +130,12 @@ class HooklessLayers:
         """A guarded layer's forward starts on input `x`: covered, it runs paused."""
         mb = self.window.ctx.micro_batch
         self._whole = self._decided = False
-        if not self.enabled or layer <= self._covered_after.get(mb, layer) \
-                or mb not in self._measured or not getattr(x, "requires_grad", False):
+        if not self.enabled or not getattr(x, "requires_grad", False):
+            return
+        if mb not in self._measured and mb not in self._covered_after \
+                and not self._proven_at_entry(mb, layer, x):
+            return
+        if layer <= self._covered_after.get(mb, layer) or mb not in self._measured:
             return
         self.tracker.pause()
         self._whole = True
@@ -137,6 +150,8 @@ class HooklessLayers:
             return
         if not self._whole and self._decided:
             self._measured[mb] = {op: self.ledger.bytes_by(mb, layer, op) for op in MEASURED_OPS}
+            if getattr(x, "requires_grad", False):
+                self._carried[tuple(x.shape)] = dict(self._measured[mb], growth=self._growth)
         elif self.tracker.is_paused:   # the shared expert ran hookless too
             self._model(mb, layer, {"shared": self._measured[mb]["shared"]}, x)
         self.tracker.resume()
@@ -193,28 +208,59 @@ class HooklessLayers:
     def proven(self, layer: int, num_routed: int, decision) -> bool:
         """Nothing of the step can later want this layer's saved tensors (module doc)."""
         w = self.window
+        in_use = self.ledger.in_use()
+        self._growth = in_use - w.layer_entry_in_use   # carried if the layer ran hooked
         if not self.enabled or decision.plan != ALL_SAVE or decision.evict_bytes \
                 or not w.num_tokens:
             return False
         if w.policy == "none":   # nothing of its step ever offloads or evicts
             return True
         mb = w.ctx.micro_batch
-        in_use = self.ledger.in_use()
         layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
-        growth = max(layer_part, in_use - w.layer_entry_in_use)
         routed = max(num_routed, w.seen.max_routed)   # exact in one process (module doc)
+        return self._layers_fit(layer + 1, layer, in_use, layer_part,
+                                max(layer_part, self._growth), routed)
+
+    def _layers_fit(self, first: int, layer: int, in_use: int, layer_part: int, growth: int,
+                    routed: int) -> bool:
+        """Layers `first`.. of this micro-batch (and, in a pipeline, the forwards before its
+        backward) need no eviction, walked from `in_use` at layer `layer`'s decision."""
+        w = self.window
         if not self.exact_routing:
             routed = int(routed * (1 + w.forecast.load_margin))
         per_layer = growth + self._keep_all_bytes(routed) + int(
             (w.forecast.post_bytes_per_token + w.forecast.combine_bytes_per_token) * w.num_tokens)
+        mb = w.ctx.micro_batch
         walk = _Walk(routed, layer_part, replace(w.seen, max_routed=routed), max(
             (v for m, v in w.pending_backward.items() if m != mb), default=0))
-        for later in range(layer + 1, w.num_layers):
+        for later in range(first, w.num_layers):
             at_decision = in_use + (later - layer) * per_layer
             if not self._needs_no_eviction(later, at_decision, walk):
                 return False
         return w.forecast.residency is None or self._later_forwards_fit(
             layer, in_use, per_layer, walk)
+
+    def _proven_at_entry(self, mb: int, layer: int, x) -> bool:
+        """A micro-batch's first guarded layer, before its attention runs: covered whole
+        from its entry where a layer of the same input shape ran hooked before (its
+        measurement is carried across micro-batches and steps: same shapes, same bytes)
+        and the proof holds already: under none always; under adaptive where the routed
+        count is exact before the router runs (one process: tokens x top-k), with this
+        layer itself walked too, at its entry plus the growth measured there."""
+        carried = self._carried.get(tuple(x.shape))
+        w = self.window
+        if carried is None or not w.num_tokens:
+            return False
+        if w.policy != "none":
+            routed = int(w.seen.routed_per_token * w.num_tokens)
+            layer_part = carried["attn"] + carried["router"]
+            growth = max(layer_part, carried["growth"])
+            if not self.exact_routing or routed <= 0 or not self._layers_fit(
+                    layer, layer, self.ledger.in_use() + growth, layer_part, growth, routed):
+                return False
+        self._measured[mb] = {op: carried[op] for op in MEASURED_OPS}
+        self._covered_after[mb] = layer - 1
+        return True
 
     def _later_forwards_fit(self, layer: int, in_use: int, per_layer: int, walk) -> bool:
         """Under a pipeline, the forwards the stage runs before this micro-batch's backward
