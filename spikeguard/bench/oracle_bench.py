@@ -56,11 +56,12 @@ class Recorder:
         self.guard, self.seen = guard, []
 
     def decide(self, layer: int, num_routed: int):
-        w = self.guard.window
+        w, meter = self.guard.window, self.guard.meter
         mb = w.ctx.micro_batch
         part = w.ledger.bytes_by(mb, layer) - w.ledger.bytes_by(mb, layer, "dispatch")
         self.seen.append((mb, layer, w.ledger.in_use(), num_routed, w.grads_to_come.get(layer, 0),
-                          part, w.num_tokens, w.ledger.bytes_by(mb, layer)))
+                          part, w.num_tokens, w.ledger.bytes_by(mb, layer),
+                          meter.where_peak(meter.where()) or None))   # its entry (CUDA: None)
         return w.decide(layer, num_routed)
 
 
@@ -124,10 +125,10 @@ def oracle_problems(seen: list, guard, budget: int, room=None) -> dict:
     room = room or guard.layer_room.room
     num_layers = max(s[1] for s in seen) + 1
     by_mb: dict[int, list] = {}
-    for mb, layer, in_use, routed, grads, part, tokens, holds in seen:
+    for mb, layer, in_use, routed, grads, part, tokens, holds, entry in seen:
         margin = part if guard.engine.prefetch_enabled and layer < num_layers - 1 else 0
         by_mb.setdefault(mb, []).append(
-            (layer, LayerFigures(in_use, routed, grads, part, margin, holds), tokens))
+            (layer, LayerFigures(in_use, routed, grads, part, margin, holds, entry), tokens))
     out = {}
     for mb, rows in by_mb.items():
         rows.sort(key=lambda r: r[0])

@@ -16,10 +16,11 @@ plan/room.py and plan/layer_room.py, with the forecast replaced by the exact fut
 `base_i` holds everything the plans do not change (parameters, gradients, the attention
 parts, what the layers below keep beyond their expert path); `own_peak_i` the most the
 layer reaches above its decision's in-use in its forward and backward (the layer's own
-peaks, which no plan of its own changes, and the planner's backward check: the plan's
-kept and reloaded bytes beside the prefetch margin). A plan's `kept` is what its expert
-path leaves on the device for the layers above; its `seconds` the cost model's
-(plan/cost.py) added time. Offloading an earlier layer's tensor is one of the
+peaks, which no plan of its own changes, the planner's backward check: the plan's kept
+and reloaded bytes beside the prefetch margin, and the next layer's entry: its attention
+and dispatch run beside all this layer keeps, before the next decision). A plan's
+`kept` is what its expert path leaves on the device for the layers above; its
+`seconds` the cost model's (plan/cost.py) added time. Offloading an earlier layer's tensor is one of the
 catalogue's plans there, so the oracle needs no eviction of its own; adaptive's
 evictions move bytes at any granularity, which the per-layer plans do not (a cut a few
 bytes deep can cost adaptive less than any whole plan: see docs/oracle.md).
@@ -185,16 +186,22 @@ class LayerFigures:
     # All the layer holds at its decision (the part and its dispatched rows): with the
     # next layer's, what the layer keeps after its forward (0: not measured, no eviction).
     layer_bytes: int = 0
+    # The device's most in use in the layer's forward before its decision (its attention,
+    # router and dispatch: under EP the exchange's sent and received rows beside the
+    # regrouped ones); None: not measured, not checked.
+    entry_peak_bytes: Optional[int] = None
 
 
 def layer_options(planner: Planner, room: LayerRoom, f: LayerFigures, kept_all_bytes: int,
-                  evictable: bool, menu: Optional[Sequence[LayerPlan]] = None
-                  ) -> tuple[Option, ...]:
+                  evictable: bool, menu: Optional[Sequence[LayerPlan]] = None,
+                  next_entry_bytes: Optional[int] = None) -> tuple[Option, ...]:
     """Every plan of the menu (default: the catalogue's) as the planner costs and sizes it
     at this layer: what the layer keeps for those above (`kept_all_bytes` with everything
     saved, less what the plan moves off), its own peak (the layer's own forward and
-    backward peaks, `LayerRoom.needs`, and the planner's backward check), its seconds;
-    and, when `evictable`, each plan followed by the eviction of all the layer keeps."""
+    backward peaks, `LayerRoom.needs`, the planner's backward check, and the next layer's
+    entry: `next_entry_bytes` above this decision's in-use with everything saved, less
+    what the plan moves off), its seconds; and, when `evictable`, each plan followed by
+    the eviction of all the layer keeps."""
     forward, backward = room.needs(f.in_use_bytes, f.num_routed, f.grads_to_come,
                                    f.layer_part_bytes)
     own_layer = max(forward, backward) - f.in_use_bytes
@@ -204,6 +211,8 @@ def layer_options(planner: Planner, room: LayerRoom, f: LayerFigures, kept_all_b
         kept = planner.fixed(plan, f.num_routed).device_bytes
         reloaded = planner.offload_bytes_per_token(plan) * f.num_routed
         own = max(own_layer, kept + reloaded + f.prefetch_margin_bytes)
+        if next_entry_bytes is not None:
+            own = max(own, next_entry_bytes - (all_saved - kept))
         seconds = planner.added_s(plan, f.num_routed)
         keeps = kept_all_bytes - (all_saved - kept)
         out.append(Option(Choice(plan), keeps, own, seconds))
@@ -225,7 +234,13 @@ def problem_from_model(planner: Planner, room: LayerRoom, figures: Sequence[Laye
     plus what it held itself (`layer_bytes`); without those figures, or for the last
     layer (no later decision to evict it at), its expert path's saved bytes only.
     `whole_layer_evictions` False leaves those options out (plan/oracle_evict.py evicts
-    to the byte instead)."""
+    to the byte instead). A layer's entry (`entry_peak_bytes`: its attention, router and
+    dispatch, before its decision) runs beside all the layer below keeps, before anything
+    can be evicted at its own decision: it is the layer below's to fit, in that layer's
+    own peak. Without it (`medium`, EP=2, 0.70x, CPU, emulated device) the oracle's plans
+    ran out in their first step, in micro-batch 1 layer 5's dispatch exchange: 4.8 MiB
+    asked with 339.8 MiB in use on 342.3 MiB, where the byte model's largest term was
+    342.3 (its entry rose 8.9 MiB above its decision's in-use, in no term)."""
     layers, kept_below = [], 0
     for i, f in enumerate(figures):
         nxt = figures[i + 1] if i + 1 < len(figures) else None
@@ -233,8 +248,11 @@ def problem_from_model(planner: Planner, room: LayerRoom, figures: Sequence[Laye
         all_saved = planner.fixed(ALL_SAVE, f.num_routed).device_bytes
         kept_all = (nxt.in_use_bytes - nxt.layer_bytes - f.in_use_bytes + f.layer_bytes
                     if measured else all_saved)
+        entry = (nxt.entry_peak_bytes - f.in_use_bytes
+                 if nxt is not None and nxt.entry_peak_bytes is not None else None)
         layers.append(Layer(f.in_use_bytes - kept_below,
                             layer_options(planner, room, f, kept_all,
-                                          bool(measured) and whole_layer_evictions, menu)))
+                                          bool(measured) and whole_layer_evictions, menu,
+                                          entry)))
         kept_below += kept_all
     return Problem(tuple(layers), budget_bytes, end_in_use_bytes - kept_below)

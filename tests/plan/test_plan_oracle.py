@@ -12,6 +12,7 @@ without raising and stay under the budget.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -242,3 +243,29 @@ def test_adaptive_does_not_fit_where_the_oracle_finds_nothing_by_far():
     except BudgetInfeasible:
         return
     assert peak > problem.budget_bytes
+
+
+def test_the_next_layers_entry_is_the_layer_belows_to_fit():
+    # Layer 1's attention and dispatch (under EP the exchange's rows) run before its
+    # decision, beside all layer 0 keeps: nothing is evicted until that decision, so layer
+    # 0's options carry it (less what each moves off), and the solution leaves room for it.
+    planner = Planner(SHAPE, _cost())
+    room = LayerRoom.from_shape(SHAPE.bytes_per_token())
+    plain = _figures([900, 1500])
+    entry = 5_000_000   # above layer 1's decision in-use, everything saved
+    figures = [plain[0], replace(plain[1], entry_peak_bytes=plain[1].in_use_bytes + entry)]
+    end = figures[-1].in_use_bytes + planner.fixed(ALL_SAVE, 1500).device_bytes + 30_000
+    without = problem_from_model(planner, room, plain, end, 1 << 60)
+    problem = problem_from_model(planner, room, figures, end, 1 << 60)
+    all_saved = planner.fixed(ALL_SAVE, 900).device_bytes
+    step = plain[1].in_use_bytes - plain[0].in_use_bytes
+    for old, new in zip(without.layers[0].options, problem.layers[0].options):
+        moved_off = all_saved - planner.fixed(new.label.plan, 900).device_bytes
+        assert new.own_peak_bytes == max(old.own_peak_bytes, step + entry - moved_off)
+    assert problem.layers[1] == without.layers[1]
+    # At a budget the entry decides, the plans solved for it leave it room.
+    budget = least_budget(problem)
+    assert least_budget(without) < budget
+    sol = solve(replace(problem, budget_bytes=budget))
+    moved_off = all_saved - planner.fixed(sol.labels(problem)[0].plan, 900).device_bytes
+    assert sol.feasible and plain[1].in_use_bytes + entry - moved_off <= budget

@@ -1,0 +1,65 @@
+"""Spawned rank function for tests/bench/test_bench_oracle_ep.py (importable by the children)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import spikeguard
+from spikeguard.bench import oracle_bench
+from spikeguard.bench.oracle_ep import ExpertParallel
+from spikeguard.bench.runtime_ratios import plain_step
+from spikeguard.data.corpus import load_corpus
+from spikeguard.errors import DeviceOutOfMemory
+from spikeguard.model import model_config
+from spikeguard.parallel.launch_utils import close_gloo, init_gloo
+from spikeguard.plan.oracle_evict import solve_evict
+
+# `medium`'s proportions at `tiny`'s size: experts narrower than the model (d_expert <
+# d_model) and top-4, so the exchange's rows weigh beside the expert path's tensors.
+NARROW_EXPERTS = dict(d_model=64, d_expert=16, num_layers=4, num_experts=8, top_k=4)
+
+
+def oracle_plans_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                        fraction: float) -> None:
+    """oracle_ep's oracle row on one rank: probe, adaptive's calibrating step, the oracle
+    solved on its byte model, then its plans run under the budget. Writes what happened."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        torch.manual_seed(0)
+        cfg = model_config("tiny", **NARROW_EXPERTS)
+        layout = ExpertParallel(cfg, 0, dist.group.WORLD)
+        gen = torch.Generator().manual_seed(1000 * rank)   # as oracle_ep: each rank its data
+        corpus = load_corpus(None)
+        batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
+        peak, seen = oracle_bench.probe(cfg, 0, batches, layout)
+        budget = int(fraction * peak)
+        adaptive = spikeguard.attach(layout.build(), budget=budget, policy="adaptive")
+        adaptive.run_step(lambda: plain_step(adaptive.model, batches))
+        problems = oracle_bench.oracle_problems(seen, adaptive, budget)
+        solutions = {mb: solve_evict(p, adaptive.cost.offload_s_for_bytes)
+                     for mb, p in problems.items()}
+        found = {"budget": budget, "feasible": layout.all_ranks(
+            all(s.feasible for s in solutions.values()))}
+        if found["feasible"]:
+            choices = {(mb, i): problems[mb].layers[i].options[c].label
+                       for mb, s in solutions.items() for i, c in enumerate(s.choices)}
+            evict_at = {(mb, i): n for mb, s in solutions.items()
+                        for i, n in enumerate(s.evict_at)}
+            guard = spikeguard.attach(layout.build(), budget=budget, policy="none")
+            guard.hookless.enabled = False
+            guard.decide = oracle_bench.PlanTable(guard, choices, evict_at).decide
+            try:
+                guard.run_step(lambda: plain_step(guard.model, batches))
+                found["error"] = None
+                found["peak"] = guard.history[-1]["peak_bytes"]
+            except DeviceOutOfMemory as err:
+                found["error"] = str(err).splitlines()[0]
+            found["plans"] = sorted({c.describe() for c in choices.values()})
+            found["evicted"] = sum(evict_at.values())
+        (Path(out_dir) / f"oracle_rank{rank}.json").write_text(json.dumps(found))
+    finally:
+        close_gloo()
