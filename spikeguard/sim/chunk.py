@@ -90,11 +90,13 @@ class Forward:
 class Chunk:
     """The forward and backward of one micro-batch chunk, for one stage and policy."""
 
-    def __init__(self, walker):
+    def __init__(self, walker, figures: Optional[LayerFigures] = None):
+        """`figures`: the byte model's, remembered (shared by every walker of the run: the
+        same layer and tokens on every stage)."""
         self.w = walker
         dm = walker.dm
         self.lb, self.hb, self.T = dm.layer, dm.head, dm.tokens
-        self.figures = LayerFigures(dm.layer, dm.tokens)
+        self.figures = figures or LayerFigures(dm.layer, dm.tokens)
         # id(plan) -> (plan, its actions counted, offload bytes/token, its number)
         self._plans: dict = {}
         self._numbers = itertools.count()

@@ -115,7 +115,7 @@ class StageWalker(StageTimes):
     """Walks one stage's schedule for one policy; memoises forwards."""
 
     def __init__(self, cfg: SimConfig, dm: DeviceModel, stage: StageShape, policy: str,
-                 cost: CostModel):
+                 cost: CostModel, figures=None):   # figures: Chunk's
         self.cfg, self.dm, self.stage, self.policy = cfg, dm, stage, policy
         lay, dev = cfg.layout, cfg.device
         self.capacity = float("inf") if policy == "ceiling" else dev.capacity_bytes
@@ -126,16 +126,15 @@ class StageWalker(StageTimes):
         self.flop_rate = dev.peak_flops * dev.efficiency
         self.planner = Planner(dm.expert_shape, cost)
         self.ops: list[Op] = stage_ops(stage.stage, lay.pp, lay.micro_batches, lay.virtual_stages)
-        self.ep = lay.ep
-        self.chunks = Chunk(self)
+        self.ep, self.chunks = lay.ep, Chunk(self, figures)
         self._memo: dict = {}
         self._grads: dict = {}   # grads_by_layer's answers
         self._next: dict = {}    # (id(room), seen's rates, head) -> (room, next memory, number)
         self._memory_ids: dict = {}   # memory -> its number in the memo key
         self.positions = _positions(self.ops) if policy == "adaptive" else []
         # per op of the schedule: a forward?, its chunk (sim/uniform.py's cumulative sum)
-        self.is_forward = np.array([op.kind == "F" for op in self.ops])
-        self.chunk_of = np.array([op.chunk for op in self.ops])
+        self.is_forward, self.chunk_of = (np.array([op.kind == "F" for op in self.ops]),
+                                          np.array([op.chunk for op in self.ops]))
         self.uniform_schedule = schedule_facts(self.is_forward, self.chunk_of, len(stage.chunks))
         # The runtime calibrates its layer peaks from the emulated device only.
         self.calibrates = policy == "adaptive" and not self.cuda
@@ -286,7 +285,8 @@ class StageWalker(StageTimes):
 
     def _full_walker(self) -> "StageWalker":
         if getattr(self, "_full", None) is None:
-            self._full = StageWalker(self.cfg, self.dm, self.stage, "full", self.planner.cost)
+            self._full = StageWalker(self.cfg, self.dm, self.stage, "full", self.planner.cost,
+                                     self.chunks.figures)
         return self._full
 
     def static_bytes(self, state: StepState) -> int:
