@@ -107,8 +107,9 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     check_fits(cfg, dm, cost)
     loads = Loads(cfg, dm.tokens)
     steps = cfg.workload.steps
-    figures = LayerFigures(dm.layer, dm.tokens)   # the byte model remembered, for every walker
-    runs = {p: PolicySteps(dm.stages, [StageWalker(cfg, dm, st, p, cost, figures)
+    # the byte model's figures and the static policies' forwards, for every walker
+    figures, statics = LayerFigures(dm.layer, dm.tokens), {}
+    runs = {p: PolicySteps(dm.stages, [StageWalker(cfg, dm, st, p, cost, figures, statics)
                                        for st in dm.stages]) for p in needed}
     lay = cfg.layout
     bubble = bubble_micro_batches(lay.pp, lay.virtual_stages) / lay.micro_batches

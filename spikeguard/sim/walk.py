@@ -115,19 +115,18 @@ class StageWalker(StageTimes):
     """Walks one stage's schedule for one policy; memoises forwards."""
 
     def __init__(self, cfg: SimConfig, dm: DeviceModel, stage: StageShape, policy: str,
-                 cost: CostModel, figures=None):   # figures: Chunk's
+                 cost: CostModel, figures=None, statics=None):   # shared by a run's walkers
         self.cfg, self.dm, self.stage, self.policy = cfg, dm, stage, policy
         lay, dev = cfg.layout, cfg.device
         self.capacity = float("inf") if policy == "ceiling" else dev.capacity_bytes
         self.cuda = dev.kind == "cuda"
-        # The runtime's offload engine prefetches on CUDA only (runtime/offload.py).
-        self.prefetch = self.cuda
+        self.prefetch = self.cuda   # the runtime's offload engine's, on CUDA only (offload.py)
         self.transient = forward_transient_bytes_per_routed(dm.expert_shape, self.cuda)
         self.flop_rate = dev.peak_flops * dev.efficiency
         self.planner = Planner(dm.expert_shape, cost)
         self.ops: list[Op] = stage_ops(stage.stage, lay.pp, lay.micro_batches, lay.virtual_stages)
         self.ep, self.chunks = lay.ep, Chunk(self, figures)
-        self._memo: dict = {}
+        self._memo, self._statics = {}, ({} if statics is None else statics)   # forwards
         self._grads: dict = {}   # grads_by_layer's answers
         self._next: dict = {}    # (id(room), seen's rates, head) -> (room, next memory, number)
         self._memory_ids: dict = {}   # memory -> its number in the memo key
@@ -286,7 +285,7 @@ class StageWalker(StageTimes):
     def _full_walker(self) -> "StageWalker":
         if getattr(self, "_full", None) is None:
             self._full = StageWalker(self.cfg, self.dm, self.stage, "full", self.planner.cost,
-                                     self.chunks.figures)
+                                     self.chunks.figures, self._statics)
         return self._full
 
     def static_bytes(self, state: StepState) -> int:
@@ -329,10 +328,11 @@ class StageWalker(StageTimes):
         eviction takes is the one thing their split decides, and it is spread again over
         this forward's split (sim/residents.py `spread`)."""
         if self.policy != "adaptive":
-            key = (chunk, counts)
-            hit = self._memo.get(key)
+            # the same on every stage whose chunk has the same ends (sim/chunk.py `static`)
+            key = (self.policy, self.first_chunk(chunk), self.last_chunk(chunk), counts)
+            hit = self._statics.get(key)
             if hit is None:
-                hit = self._memo[key] = self.chunks.static(chunk, counts)
+                hit = self._statics[key] = self.chunks.static(chunk, counts)
             return hit
         host, device, evictable = host or {}, device or {}, evictable or {}
         memory, memory_id = self._next_micro_batch(memory or self.initial_state().memory)
