@@ -40,6 +40,7 @@ that is the one structural constraint `region_of` and `valid_plans` enforce.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -192,13 +193,21 @@ def is_valid(plan: LayerPlan) -> bool:
 
 
 def valid_plans() -> list[LayerPlan]:
-    """Every valid plan of one layer (a few dozen): the planner's menu."""
+    """Every valid plan of one layer (a few dozen): the planner's menu. A fresh list of
+    the same (frozen) plan objects at every call, so that what is remembered per plan
+    object is shared by every planner: the simulator's 16 stages x 7 policies of walkers
+    on `1t` each had their own menu, and each worked out the same layer figures again."""
+    return list(_valid_plans())
+
+
+@functools.cache
+def _valid_plans() -> tuple[LayerPlan, ...]:
     menu = []
     for actions in itertools.product(*(ALLOWED[op] for op in OPS)):
         plan = LayerPlan(tuple(actions))
         if is_valid(plan):
             menu.append(plan)
-    return menu
+    return tuple(menu)
 
 
 ALL_SAVE = LayerPlan.of()

@@ -56,9 +56,12 @@ class Seen:
         """The memory once a layer has decided on `num_routed` copies."""
         if not num_tokens:
             return replace(self, max_routed=max(self.max_routed, num_routed))
-        return Seen(max(self.max_routed, num_routed),
-                    max(self.layer_bytes_per_token, layer_part_bytes / num_tokens),
-                    max(self.routed_per_token, num_routed / num_tokens))
+        # max() written out (`b if b > a else a` is max(a, b), ties and NaN alike): the
+        # simulator's `1t` calls this 140k times a run
+        part, routed = layer_part_bytes / num_tokens, num_routed / num_tokens
+        return Seen(num_routed if num_routed > self.max_routed else self.max_routed,
+                    part if part > self.layer_bytes_per_token else self.layer_bytes_per_token,
+                    routed if routed > self.routed_per_token else self.routed_per_token)
 
     def next_micro_batch(self) -> "Seen":
         return replace(self, max_routed=0)

@@ -90,11 +90,13 @@ class Forward:
 class Chunk:
     """The forward and backward of one micro-batch chunk, for one stage and policy."""
 
-    def __init__(self, walker):
+    def __init__(self, walker, figures: Optional[LayerFigures] = None):
+        """`figures`: the byte model's, remembered (shared by every walker of the run: the
+        same layer and tokens on every stage)."""
         self.w = walker
         dm = walker.dm
         self.lb, self.hb, self.T = dm.layer, dm.head, dm.tokens
-        self.figures = LayerFigures(dm.layer, dm.tokens)
+        self.figures = figures or LayerFigures(dm.layer, dm.tokens)
         # id(plan) -> (plan, its actions counted, offload bytes/token, its number)
         self._plans: dict = {}
         self._numbers = itertools.count()
@@ -180,7 +182,7 @@ class Chunk:
                 decisions: Counter, forward_where: list, moved: int = 0, **extra) -> Forward:
         """`moved`: bytes of older resident micro-batches this forward sent to host (the
         relative figures are over the in-use before it started, those bytes included)."""
-        kept = embed + sum(layer.kept for layer in layers) + tail
+        kept = embed + sum([layer.kept for layer in layers]) + tail
         bwd, bwd_first, both = self._backward_pair(chunk, layers, tail)
         end = kept - moved
         head = self.hb.forward_over_end(self.T) if self.w.last_chunk(chunk) else 0
@@ -188,7 +190,7 @@ class Chunk:
         return Forward(kept, peak, bwd, bwd_first, seconds, decisions,
                        host=tuple(extra.pop("host", ())), forward_where=tuple(forward_where),
                        backward_where=both, end=end,
-                       evictable=sum(layer.evictable for layer in layers), **extra)
+                       evictable=sum([layer.evictable for layer in layers]), **extra)
 
     def _backward_pair(self, chunk: int, layers: list[Layer], tail: int) -> tuple:
         """`backward` in a later and in the step's first backward: (peak, peak first,
@@ -289,8 +291,9 @@ class Chunk:
                 decided.append(-1)
                 continue
             # The window remembers the device's growth since the layer's entry.
-            seen = seen.after(count, max(layer_part, figures.at_decision(count)), T)
-            at_decision = start + figures.at_decision(count)
+            grown = figures.at_decision(count)
+            seen = seen.after(count, max(layer_part, grown), T)
+            at_decision = start + grown
             probes.append((i, at_decision - in_use, count, evictor.resident_moved, 0, 0))
             facts = self._facts(i, count, seen.max_routed, grads_by_layer[i],
                                 i == len(counts) - 1, resident_backward)
@@ -303,11 +306,12 @@ class Chunk:
                 net.memory = Memory(seen, room, memory.head_per_token)
                 return net
             d = out.decision
-            layers.append(self._planned_layer(d.plan, count))
-            kept[0] += layers[-1].kept
+            fig = figures.planned(d.plan, count)
+            layers.append(Layer(d.plan, count, fig.kept, list(fig.storages), fig.evictable))
+            kept[0] += fig.kept
             # The device held all of it at the decision, before anything was evicted.
-            forward_where.append((i, max(at_decision, out.in_use_bytes + figures.planned(
-                d.plan, count).over_decision) - in_use))
+            forward_where.append((i, max(at_decision, out.in_use_bytes + fig.over_decision)
+                                  - in_use))
             seconds += d.added_s
             decided.append(self._plan_facts(d.plan)[2])
         decisions = self._decisions(tuple(decided))

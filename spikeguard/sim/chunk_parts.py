@@ -47,8 +47,10 @@ class BackwardPeaks:
         self.over = 0
 
     def note(self, backward: int, at: int) -> None:
-        self.peak = max(self.peak, backward)
-        self.over = max(self.over, backward - at)
+        if backward > self.peak:   # max(), written out: once per layer decision
+            self.peak = backward
+        if backward - at > self.over:
+            self.over = backward - at
 
 
 class ChunkEvictor:
@@ -66,7 +68,7 @@ class ChunkEvictor:
         self.resident_moved = 0   # of them, older resident micro-batches' bytes
 
     def evictable(self) -> int:
-        own = sum(layer.evictable for layer in self.layers)
+        own = sum([layer.evictable for layer in self.layers])
         return own + self.residency.evictable(self.residents)
 
     def _moved_below(self, probe: tuple, j: int, moved: int) -> tuple:

@@ -30,6 +30,7 @@ from spikeguard.errors import UsageError
 from spikeguard.memory.budget import format_bytes
 from spikeguard.plan.cost import CostModel
 from spikeguard.sim.config import STATIC_CANDIDATES, SimConfig
+from spikeguard.sim.layer_figures import LayerFigures
 from spikeguard.sim.loads import Loads
 from spikeguard.sim.schedule import bubble_micro_batches
 from spikeguard.sim.shape import DeviceModel, build
@@ -106,8 +107,10 @@ def simulate(cfg: SimConfig, cost: Optional[CostModel] = None,
     check_fits(cfg, dm, cost)
     loads = Loads(cfg, dm.tokens)
     steps = cfg.workload.steps
-    runs = {p: PolicySteps(dm.stages, [StageWalker(cfg, dm, st, p, cost) for st in dm.stages])
-            for p in needed}
+    # the byte model's figures and the static policies' forwards, for every walker
+    figures, statics = LayerFigures(dm.layer, dm.tokens), {}
+    runs = {p: PolicySteps(dm.stages, [StageWalker(cfg, dm, st, p, cost, figures, statics)
+                                       for st in dm.stages]) for p in needed}
     lay = cfg.layout
     bubble = bubble_micro_batches(lay.pp, lay.virtual_stages) / lay.micro_batches
     step_s = {p: np.zeros(steps) for p in needed}
@@ -238,9 +241,9 @@ def check_fits(cfg: SimConfig, dm: DeviceModel, cost: CostModel) -> None:
 def full_recompute_peak(cfg: SimConfig, dm: DeviceModel, cost: CostModel) -> int:
     """Worst stage's peak under full recompute with every rank at the mean load."""
     mean = dm.tokens * cfg.model.top_k
-    peaks = []
+    peaks, figures = [], LayerFigures(dm.layer, dm.tokens)
     for st in dm.stages:
-        walker = StageWalker(cfg, dm, st, "full", cost)
+        walker = StageWalker(cfg, dm, st, "full", cost, figures)
         walker.capacity = float("inf")  # the whole peak, not where it would first overflow
         peaks.append(walker.walk(mean).peak_bytes)
     return max(peaks)

@@ -29,23 +29,35 @@ def walk_uniform_static(walker, count: int, state) -> tuple[int, float, bool, Co
     delta = np.where(w.is_forward, kept, -kept)
     over = np.where(w.is_forward, fwd_over, bwd_over)
     static = w.static_bytes(state)
+    first_backward, forwards_of, backward_zero = w.uniform_schedule
     if lazy:   # each chunk's first backward makes its gradients
         for c, f in enumerate(fwds):
-            first = np.flatnonzero(~w.is_forward & (w.chunk_of == c))
-            if first.size:
-                over[first[0]] = f.bwd_first
-                delta[first[0]] += st.chunk_grad_bytes[c]
-    backwards = np.flatnonzero(~w.is_forward)
-    if backwards.size:
-        delta[backwards[0]] += w.lingering()
+            if first_backward[c] is not None:
+                over[first_backward[c]] = f.bwd_first
+                delta[first_backward[c]] += st.chunk_grad_bytes[c]
+    if backward_zero is not None:
+        delta[backward_zero] += w.lingering()
     before = static + np.concatenate(([0], np.cumsum(delta)[:-1]))
     tops = before + over
     decisions: Counter = Counter()
     for c, f in enumerate(fwds):
-        n = int(np.sum(w.is_forward & (w.chunk_of == c)))
-        decisions.update({k: v * n for k, v in f.decisions.items()})
+        decisions.update({k: v * forwards_of[c] for k, v in f.decisions.items()})
     bad = np.flatnonzero(tops > w.capacity)
     if bad.size:
         end = bad[0] + 1
         return int(max(static, tops[:end].max())), float(secs[:end].sum()), True, decisions
     return int(max(static, tops.max())), float(secs.sum()), False, decisions
+
+
+def schedule_facts(is_forward, chunk_of, num_chunks: int) -> tuple:
+    """What `walk_uniform_static` reads of a stage's schedule, found once per walker (a
+    1,000-step run walks each stage under each load and static policy): per chunk the
+    index of its first backward (None: none) and its number of forwards, and the index of
+    the stage's first backward (None: none)."""
+    first, forwards = [], []
+    for c in range(num_chunks):
+        found = np.flatnonzero(~is_forward & (chunk_of == c))
+        first.append(found[0] if found.size else None)
+        forwards.append(int(np.sum(is_forward & (chunk_of == c))))
+    backwards = np.flatnonzero(~is_forward)
+    return tuple(first), tuple(forwards), backwards[0] if backwards.size else None

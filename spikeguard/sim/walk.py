@@ -52,7 +52,7 @@ from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MICRO_BATCH_CODES, La
 from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
 from spikeguard.sim.stage_times import StageTimes
-from spikeguard.sim.uniform import walk_uniform_static
+from spikeguard.sim.uniform import schedule_facts, walk_uniform_static
 
 
 @dataclass(frozen=True)
@@ -80,13 +80,22 @@ class _Walk:
     evictable: dict = field(default_factory=dict)  # forward ordinal -> of those, what may go
     host: dict = field(default_factory=dict)       # (forward ordinal, layer) -> host bytes
     host_max: dict = field(default_factory=dict)   # forward ordinal -> its largest of those
-    decisions: Counter = field(default_factory=Counter)
+    # id(a forward's decisions) -> [them, how many forwards had them] (memoised ones share)
+    tally: dict = field(default_factory=dict)
     memory: Optional[Memory] = None
     where: dict = field(default_factory=dict)      # (phase, layer, mb mod 4): position codes
     probes: list = field(default_factory=list)
     # forward ordinal -> its probes, until its backward says what the others hold then
     waiting: dict = field(default_factory=dict)
     head_probes: dict = field(default_factory=dict)
+
+    def decisions(self) -> Counter:
+        """The forwards' decisions added up, as adding each in turn would (int counts)."""
+        out: Counter = Counter()
+        for counted, n in self.tally.values():
+            for key, value in counted.items():
+                out[key] += value * n
+        return out
 
 
 @dataclass
@@ -106,27 +115,26 @@ class StageWalker(StageTimes):
     """Walks one stage's schedule for one policy; memoises forwards."""
 
     def __init__(self, cfg: SimConfig, dm: DeviceModel, stage: StageShape, policy: str,
-                 cost: CostModel):
+                 cost: CostModel, figures=None, statics=None):   # shared by a run's walkers
         self.cfg, self.dm, self.stage, self.policy = cfg, dm, stage, policy
         lay, dev = cfg.layout, cfg.device
         self.capacity = float("inf") if policy == "ceiling" else dev.capacity_bytes
         self.cuda = dev.kind == "cuda"
-        # The runtime's offload engine prefetches on CUDA only (runtime/offload.py).
-        self.prefetch = self.cuda
+        self.prefetch = self.cuda   # the runtime's offload engine's, on CUDA only (offload.py)
         self.transient = forward_transient_bytes_per_routed(dm.expert_shape, self.cuda)
         self.flop_rate = dev.peak_flops * dev.efficiency
         self.planner = Planner(dm.expert_shape, cost)
         self.ops: list[Op] = stage_ops(stage.stage, lay.pp, lay.micro_batches, lay.virtual_stages)
-        self.ep = lay.ep
-        self.chunks = Chunk(self)
-        self._memo: dict = {}
+        self.ep, self.chunks = lay.ep, Chunk(self, figures)
+        self._memo, self._statics = {}, ({} if statics is None else statics)   # forwards
         self._grads: dict = {}   # grads_by_layer's answers
         self._next: dict = {}    # (id(room), seen's rates, head) -> (room, next memory, number)
         self._memory_ids: dict = {}   # memory -> its number in the memo key
         self.positions = _positions(self.ops) if policy == "adaptive" else []
         # per op of the schedule: a forward?, its chunk (sim/uniform.py's cumulative sum)
-        self.is_forward = np.array([op.kind == "F" for op in self.ops])
-        self.chunk_of = np.array([op.chunk for op in self.ops])
+        self.is_forward, self.chunk_of = (np.array([op.kind == "F" for op in self.ops]),
+                                          np.array([op.chunk for op in self.ops]))
+        self.uniform_schedule = schedule_facts(self.is_forward, self.chunk_of, len(stage.chunks))
         # The runtime calibrates its layer peaks from the emulated device only.
         self.calibrates = policy == "adaptive" and not self.cuda
         self.head_layer = len(stage.chunks[0])   # the runtime's code of the head's backward
@@ -172,7 +180,7 @@ class StageWalker(StageTimes):
         for op in self.ops:
             over = self._backward(op, w) if op.kind == "B" else self._forward(load, op, w)
             if over:
-                return self._overflow(load, state, w.peak, w.seconds, w.decisions)
+                return self._overflow(load, state, w.peak, w.seconds, w.decisions())
         memory = w.memory
         if memory is not None and self.calibrates:
             memory = replace(memory, room=memory.room.calibrated(
@@ -180,7 +188,7 @@ class StageWalker(StageTimes):
                 w.probes, w.head_probes))
         if memory is not None and self.cuda:   # every walk starts from the steady state
             memory = replace(memory, seen=self._steady_seen())
-        return WalkResult(w.peak, w.seconds, False, w.decisions, StepState(True, memory),
+        return WalkResult(w.peak, w.seconds, False, w.decisions(), StepState(True, memory),
                           None if self.cuda else w.where)
 
     def _backward(self, op: Op, w: "_Walk") -> bool:
@@ -216,7 +224,7 @@ class StageWalker(StageTimes):
         """One chunk's forward (or the safety net's re-run of it); True when it runs out."""
         counts, k = self._counts(load, op), w.k
         to_come = self.stage.chunk_grad_bytes[op.chunk] if op.chunk not in w.grads_done else 0
-        resident = max((f.pending for f in w.fwds.values()), default=0)
+        resident = max([f.pending for f in w.fwds.values()], default=0)
         grads = self.grads_by_layer(len(counts), k, to_come)
         older = self.positions[k].older if self.positions else ()
         reload = max([w.host_max[o] for o in older if o in w.host_max], default=0)
@@ -229,7 +237,7 @@ class StageWalker(StageTimes):
         w.memory = fwd.memory or w.memory
         top = w.in_use + fwd.peak
         w.peak = max(w.peak, top)
-        w.decisions.update(fwd.decisions)
+        w.tally.setdefault(id(fwd.decisions), [fwd.decisions, 0])[1] += 1
         w.seconds += fwd.seconds
         for layer, rel in () if self.cuda else fwd.forward_where:
             key = (FORWARD, layer, op.micro_batch % MICRO_BATCH_CODES)
@@ -276,7 +284,8 @@ class StageWalker(StageTimes):
 
     def _full_walker(self) -> "StageWalker":
         if getattr(self, "_full", None) is None:
-            self._full = StageWalker(self.cfg, self.dm, self.stage, "full", self.planner.cost)
+            self._full = StageWalker(self.cfg, self.dm, self.stage, "full", self.planner.cost,
+                                     self.chunks.figures, self._statics)
         return self._full
 
     def static_bytes(self, state: StepState) -> int:
@@ -319,10 +328,11 @@ class StageWalker(StageTimes):
         eviction takes is the one thing their split decides, and it is spread again over
         this forward's split (sim/residents.py `spread`)."""
         if self.policy != "adaptive":
-            key = (chunk, counts)
-            hit = self._memo.get(key)
+            # the same on every stage whose chunk has the same ends (sim/chunk.py `static`)
+            key = (self.policy, self.first_chunk(chunk), self.last_chunk(chunk), counts)
+            hit = self._statics.get(key)
             if hit is None:
-                hit = self._memo[key] = self.chunks.static(chunk, counts)
+                hit = self._statics[key] = self.chunks.static(chunk, counts)
             return hit
         host, device, evictable = host or {}, device or {}, evictable or {}
         memory, memory_id = self._next_micro_batch(memory or self.initial_state().memory)

@@ -90,3 +90,14 @@ def test_layer_plan_helpers():
     assert plan.action("silu") is R and plan.recomputed() == ("silu",)
     assert plan.region() == ("silu", "act")
     assert plan.describe() == "dispatch=sav gate_up=sav silu=rec act=off down=sav"
+
+
+def test_valid_plans_are_the_same_objects_in_a_fresh_list():
+    """Every planner gets the same (frozen) plan objects, so what is remembered per plan
+    object (the simulator's layer figures, by identity) serves all of them; the list is
+    each caller's own (an adapter may change its planner's menu)."""
+    first, second = valid_plans(), valid_plans()
+    assert first is not second
+    assert all(a is b for a, b in zip(first, second, strict=True))
+    first.pop()
+    assert len(valid_plans()) == 96
