@@ -44,8 +44,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from spikeguard.parallel.agreement import GroupAgreement
 from spikeguard.parallel.expert_parallel import exchange
-from spikeguard.parallel.release import handed, let_go
 from spikeguard.parallel.family_backward import Span, alike, counted_whole, remaining, replay
+from spikeguard.parallel.release import handed, let_go
 from spikeguard.runtime.agreement import STEP, Note, PeerFailed
 
 
