@@ -31,10 +31,12 @@ ALLOWED = {
     ("parallel/exchange_journal.py", "_C"),
     ("parallel/exchange_journal.py", "_current_graph_task_id"),
     # how many references a storage has: the one way to see that gloo's worker has let go
-    # of an exchange's input (expert_parallel.exchange); torch 2.13 has no public query
-    ("parallel/expert_parallel.py", "_C"),
-    ("parallel/expert_parallel.py", "_storage_Use_Count"),
-    ("parallel/expert_parallel.py", "_cdata"),
+    # of a collective's tensors (release.py, for expert_parallel.exchange and the rest);
+    # torch 2.13 has no public query. Its views handed in a tree: torch's own tree map
+    ("parallel/release.py", "_C"),
+    ("parallel/release.py", "_storage_Use_Count"),
+    ("parallel/release.py", "_cdata"),
+    ("parallel/release.py", "_pytree"),
     # PipelineStage's received buffers and static metadata: a ghost action (a rank whose
     # step failed, playing the schedule to its end) must take and give exactly what the
     # schedule's sends and receives expect; no public accessor in torch 2.13
@@ -99,13 +101,12 @@ ALLOWED = {
     ("parallel/agreement.py", "_get_default_store"),
     ("parallel/agreement.py", "_abort_process_group"),
     # the family journal: FSDP2's per-mesh groups (whether a unit gathers across ranks),
-    # whether code runs inside a backward, and the functional all-to-all of its zeros
-    # (as parallel/exchange_journal.py; no public equivalents in torch 2.13)
+    # and whether code runs inside a backward (as parallel/exchange_journal.py; no public
+    # equivalents in torch 2.13)
     ("parallel/family_journal.py", "_get_fsdp_state"),
     ("parallel/family_journal.py", "_fsdp_param_groups"),
     ("parallel/family_journal.py", "_C"),
     ("parallel/family_journal.py", "_current_graph_task_id"),
-    ("parallel/family_journal.py", "_c10d_functional"),
     # ... and how many collectives this rank has issued on the EP group (a refusal inside
     # transformers' combine: was its all-to-all made?); torch 2.13 has no public count
     ("parallel/family_journal.py", "_get_sequence_number_for_group"),

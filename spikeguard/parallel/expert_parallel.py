@@ -35,7 +35,6 @@ exchange of the step owes, so a rank whose attempt ran out of memory can still m
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -52,6 +51,7 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing
 from spikeguard.parallel.exchange_journal import Exchange, ExchangeJournal
 from spikeguard.parallel.gradients import sum_grads
+from spikeguard.parallel.release import SETTLE_S, handed, let_go
 from spikeguard.runtime.agreement import Note, PeerFailed
 from spikeguard.runtime.guard_arguments import attached_guard
 
@@ -157,7 +157,7 @@ class _Exchange(torch.autograd.Function):
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str,
-             settle_s: float = 10.0) -> torch.Tensor:
+             settle_s: float = SETTLE_S) -> torch.Tensor:
     """`all_to_all_single` and its wait as the raw functional ops (not
     `_functional_collectives.all_to_all_single`, which wraps its output in an
     AsyncCollectiveTensor in eager mode; these are the very ops the checkpoint policies
@@ -172,20 +172,13 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
     view of `x` (a storage reference of its own), and the exchange waits until the
     storage's count says the view is gone, so `x` is freed where the program drops it, on
     this thread. A recompute that replays the cached exchange (the checkpoint policies)
-    holds no work item: the count is back at once. CPU tensors only (gloo, measured)."""
-    storage = x.untyped_storage()
-    view = x.view(x.shape)
-    held = torch._C._storage_Use_Count(storage._cdata)   # x, the view, and this frame's
-    out = torch.ops._c10d_functional.all_to_all_single(view, out_splits, in_splits, group_name)
+    holds no work item: the count is back at once. CPU tensors only (gloo, measured):
+    spikeguard.parallel.release."""
+    views, marks = handed(x)
+    out = torch.ops._c10d_functional.all_to_all_single(views, out_splits, in_splits, group_name)
     out = torch.ops._c10d_functional.wait_tensor(out)
-    del view
-    if x.device.type != "cpu":   # gloo on CPU measured; a GPU backend is not watched
-        return out
-    deadline = time.monotonic() + settle_s
-    while torch._C._storage_Use_Count(storage._cdata) >= held:
-        if time.monotonic() > deadline:   # a backend that keeps it longer: as before
-            break
-        time.sleep(0)
+    del views
+    let_go(marks, settle_s)
     return out
 
 

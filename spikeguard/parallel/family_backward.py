@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_map_only
 
+from spikeguard.parallel.release import handed, let_go
+
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 # No exchange: the waits of issued collectives, and the functional autograd all-to-all's
 # wrapping of a cached output (a recomputed layer's, in backward). The groups' sequence
@@ -194,15 +196,20 @@ def counted_whole(span: Span, template: Optional[list[Collective]]) -> bool:
 
 
 def replay(owed: list[Collective]) -> None:
-    """Each collective again, in order, with zero buffers, waited before the next."""
+    """Each collective again, in order, with zero buffers, waited before the next, and
+    let go of by the backend before the next (release.py: gloo's worker thread freed
+    the zeros late otherwise)."""
     for op in owed:
-        out = op.func(*_zeros(op.args), **_zeros(op.kwargs))
+        zeros = _zeros((op.args, op.kwargs))
+        (args, kwargs), marks = handed(zeros)
+        out, item = op.func(*args, **kwargs), None
         for item in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(item, torch.ScriptObject):
                 dist.Work.unbox(item).wait()
             elif torch.is_tensor(item) and op.func.namespace.startswith("_c10d_functional"):
                 torch.ops._c10d_functional.wait_tensor(item)
-        del out
+        del out, item, args, kwargs   # a c10d op returns the views it wrote
+        let_go(marks)
 
 
 def _sizes_known(op: Collective) -> bool:

@@ -43,7 +43,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from spikeguard.parallel.agreement import GroupAgreement
+from spikeguard.parallel.expert_parallel import exchange
 from spikeguard.parallel.family_backward import Span, alike, counted_whole, remaining, replay
+from spikeguard.parallel.release import handed, let_go
 from spikeguard.runtime.agreement import STEP, Note, PeerFailed
 
 
@@ -113,9 +115,9 @@ class FamilyAgreement(GroupAgreement):
 
         def combine_tokens(*args):
             if not (self.open and recording()):
-                return combine(*args)
+                return released_combine(combine, *args)
             self.segment.exchange, self.segment.issued = "combining", issued(impl)
-            out = combine(*args)
+            out = released_combine(combine, *args)
             self.segment.exchange = "combined"
             return out
         impl._dispatch_tokens, impl._combine_tokens = dispatch_tokens, combine_tokens
@@ -263,7 +265,10 @@ class FamilyAgreement(GroupAgreement):
         group, R = impl.ep_mesh.get_group(), impl.ep_mesh.size()
         send_RL = torch.zeros(R, impl.num_local_experts, dtype=torch.long, device=self.device)
         recv_RL = torch.empty_like(send_RL)
-        dist.all_to_all_single(recv_RL, send_RL, group=group)
+        views, marks = handed((recv_RL, send_RL))
+        dist.all_to_all_single(*views, group=group)
+        del views
+        let_go(marks)
         send_sizes, recv_sizes = [0] * R, recv_RL.sum(dim=1).tolist()
         self._exchange(impl, send_sizes, recv_sizes)
         return send_sizes, recv_sizes
@@ -271,15 +276,29 @@ class FamilyAgreement(GroupAgreement):
     def _exchange(self, impl, out_of: list, in_of: list) -> None:
         """One all-to-all of zero rows: `out_of` rows to each rank, `in_of` from each."""
         send = torch.zeros(sum(out_of), self.width, dtype=self.dtype, device=self.device)
-        out = torch.ops._c10d_functional.all_to_all_single(
-            send, list(in_of), list(out_of), impl.ep_mesh.get_group().group_name)
-        torch.ops._c10d_functional.wait_tensor(out)
+        exchange(send, list(in_of), list(out_of), impl.ep_mesh.get_group().group_name)
 
     def _reset_fsdp(self) -> None:
         """FSDP2's own recovery after an aborted forward: every unit resharded, its
         iteration state cleared (torch 2.13 `reset_iter_state`, on the root)."""
         if isinstance(self.model, FSDPModule):
             self.model.reset_iter_state()
+
+
+def released_combine(combine, expert_output, *rest):
+    """transformers' combine handed a view of the expert output (`exchange`'s way), and
+    returned once gloo let go of it: the functional all-to-all's work item holds its input
+    and output until gloo's worker thread drops it, after the wait; the expert output
+    (M rows) and the received rows, which nothing else holds, were freed on that thread
+    while the step went on (33 KB each in the tiny Qwen3-MoE of the tests, at a peak
+    that rose meanwhile). Both go with the work item; the input is what can be watched."""
+    if type(expert_output) is not torch.Tensor or not expert_output.is_contiguous():
+        return combine(expert_output, *rest)   # a copy would be handed: nothing to watch
+    view, marks = handed(expert_output)
+    out = combine(view, *rest)
+    del view
+    let_go(marks)
+    return out
 
 
 def issued(impl) -> Optional[int]:

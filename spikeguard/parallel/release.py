@@ -1,0 +1,60 @@
+"""Collectives that return once a CPU backend has let go of the tensors it was handed.
+
+gloo's work item holds a collective's tensors until its worker thread drops the item,
+which is after the wait has returned: a tensor nothing else holds (a flag point's row, a
+zero buffer of a settlement or a replay, transformers' expert output at its combine) is
+then freed on that thread whenever it next runs, while the step goes on allocating, and
+a step's peak moves with the same data (found by counting the frees made off the main
+thread, tiny Qwen3-MoE under transformers' EP=2, gloo, torch 2.13: the flag point's
+64 + 128 bytes moved both ranks' metered peak by 192 B and the budget derived from it;
+the combine's 33 KB expert output and its received rows were freed on gloo's threads
+while the peak rose). The backend is handed views (a storage reference each, its own),
+and the caller waits until each storage's use count says the views are gone, so the
+tensors are freed where the program drops them, on its own thread:
+
+    views, marks = handed([out, mine])
+    dist.all_gather_single(*views)
+    del views
+    let_go(marks)
+
+CPU tensors only (gloo, measured); a GPU tensor gets no mark and no wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+SETTLE_S = 10.0   # a backend that keeps its tensors longer: the caller goes on, as before
+
+
+def use_count(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def handed(value):
+    """`value` (a tensor or a tree of them) with each tensor replaced by a view of it, to
+    hand a backend, and the marks `let_go` waits on (one per CPU storage)."""
+    bases = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    views = tree_map_only(torch.Tensor, lambda t: t.view(t.shape), value)
+    storages = {}
+    for t in bases:
+        if t.device.type == "cpu":
+            storage = t.untyped_storage()
+            storages[storage._cdata] = storage
+    # Counted with the views alive: each view holds one reference, the backend's own.
+    return views, [(s, use_count(s)) for s in storages.values()]
+
+
+def let_go(marks: list, settle_s: float = SETTLE_S) -> None:
+    """Wait until every marked storage lost a reference (its view, dropped by the caller,
+    and then by the backend); at most `settle_s` seconds. A collective that held none
+    (a recompute replaying a cached exchange) returns at once."""
+    deadline = time.monotonic() + settle_s
+    for storage, held in marks:
+        while use_count(storage) >= held:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0)

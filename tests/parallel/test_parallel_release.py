@@ -1,0 +1,34 @@
+"""What spikeguard hands gloo under transformers' EP is freed on the main thread.
+
+gloo's work item holds a collective's tensors until its worker thread drops it, after the
+wait has returned; a tensor nothing else held was freed on that thread whenever it ran,
+and a step's peak moved with the same data (spikeguard.parallel.release). Each collective
+spikeguard makes there (the flag points' all-gathers, the settlement's zero counts and
+rows, the replay of a backward span, and transformers' combine, handed a view) returns
+once gloo let go: counted here by the storages freed off the main thread after the call
+returned.
+
+    .venv/bin/python -m pytest tests/parallel/test_parallel_release.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spikeguard.parallel.launch_utils import run_spawned
+
+import release_workers
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+def test_what_spikeguard_hands_gloo_is_freed_on_the_main_thread(tmp_path):
+    world = 2
+    run_spawned(release_workers.release_worker, world, (str(tmp_path), 300),
+                store_path=tmp_path / "store", timeout_s=150)
+    for rank in range(world):
+        found = torch.load(tmp_path / f"release_rank{rank}.pt", weights_only=False)
+        assert found["right"], rank
+        assert found["ops"] == 3, (rank, found)
+        assert found["late"] == dict.fromkeys(found["late"], 0), (rank, found["late"])
