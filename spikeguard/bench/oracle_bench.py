@@ -74,6 +74,8 @@ class PlanTable:
 
     def __init__(self, guard, choices: dict, evict_at: Optional[dict] = None):
         self.guard, self.choices, self.evict_at = guard, choices, evict_at or {}
+        # It evicts through a guard of policy none, whose hookless proof says none do.
+        guard.hookless.enabled = False
 
     def decide(self, layer: int, num_routed: int):
         mb = self.guard.window.ctx.micro_batch
@@ -216,8 +218,6 @@ def one_budget(cfg, seed: int, batches, peak: int, seen: list, fraction: float, 
         models[name] = layout.build()
         guards[name] = spikeguard.attach(models[name], budget=budget,
                                          policy="none" if name == "oracle" else name)
-    # PlanTable evicts through a guard of policy none, whose hookless proof says none do.
-    guards["oracle"].hookless.enabled = False
     tally = Tally(guards["adaptive"])
     guards["adaptive"].decide = tally.decide
     # The adaptive guard's first step calibrates the byte model the oracle is solved on.

@@ -50,7 +50,6 @@ def oracle_plans_worker(rank: int, world_size: int, store_path: str, out_dir: st
             evict_at = {(mb, i): n for mb, s in solutions.items()
                         for i, n in enumerate(s.evict_at)}
             guard = spikeguard.attach(layout.build(), budget=budget, policy="none")
-            guard.hookless.enabled = False
             guard.decide = oracle_bench.PlanTable(guard, choices, evict_at).decide
             try:
                 guard.run_step(lambda: plain_step(guard.model, batches))
