@@ -45,6 +45,19 @@ class PipelineResidency(Protocol):
         """Move up to `num_bytes` of them to the host; the bytes freed."""
         ...
 
+    # The hookless proof's (spikeguard/runtime/hookless.py): the forwards to come.
+    def later_forwards(self) -> Optional[tuple[int, ...]]:
+        """The forwards run here before this one's backward (None: position unknown)."""
+        ...
+
+    def freed_before(self, forward: int) -> tuple[int, ...]:
+        """The micro-batches resident now whose backward runs before that forward."""
+        ...
+
+    def at_forward(self, forward: int) -> "PipelineResidency":
+        """This residency as that forward will read it."""
+        ...
+
 
 @dataclass
 class Forecast:
