@@ -23,13 +23,10 @@ recompute would route on zeros) every rank ends in the same line, within seconds
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_rank_job import torchrun_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -41,18 +38,8 @@ JOB_TIMEOUT_S = 150   # a hung collective fails here (the group's own timeout is
 
 
 def found(tmp_path: Path, where: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(WORKER), str(tmp_path), where]
-    # A session of its own, so that a hung job's ranks go with it (no orphans).
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the torchrun job of {where} did not finish in {JOB_TIMEOUT_S} s (hang)")
-    assert proc.returncode == 0, err[-3000:]
+    code, err = torchrun_job(WORKER, [tmp_path, where], JOB_TIMEOUT_S, f"of {where}")
+    assert code == 0, err[-3000:]
     return [json.loads((tmp_path / f"{where}_rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -16,13 +16,10 @@ transformers' dispatch are not spikeguard's calls: still freed there at times.)
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_rank_job import torchrun_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -34,17 +31,8 @@ JOB_TIMEOUT_S = 150
 
 
 def test_flag_points_let_go_before_the_step_goes_on(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(WORKER), str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the torchrun job did not finish in {JOB_TIMEOUT_S} s (hang)")
-    assert proc.returncode == 0, err[-3000:]
+    code, err = torchrun_job(WORKER, [tmp_path], JOB_TIMEOUT_S)
+    assert code == 0, err[-3000:]
     for rank in (0, 1):
         late = json.loads((tmp_path / f"release_rank{rank}.json").read_text())
         assert late.get("flag point", 0) == 0, (rank, late)

@@ -20,14 +20,11 @@ optimizer steps, each rank its own share of the data (the Trainer's distributed 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from two_rank_job import torchrun_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -44,17 +41,7 @@ def job(out_dir: Path, case: str, budget: int = 1 << 40, name: str = "") -> list
     (None for a rank ended by the launcher before it wrote them: its peer died)."""
     out_dir = out_dir / (name or case)
     out_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(WORKER), str(out_dir), case, str(budget)]
-    # A session of its own, so that a hung job's ranks go with it (no orphans).
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the torchrun job {case} did not finish in {JOB_TIMEOUT_S} s (hang)")
+    torchrun_job(WORKER, [out_dir, case, budget], JOB_TIMEOUT_S, case)
     files = [out_dir / f"{case}_rank{r}.json" for r in RANKS]
     return [json.loads(f.read_text()) if f.exists() else None for f in files]
 

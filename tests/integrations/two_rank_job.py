@@ -1,9 +1,12 @@
-"""A 2-rank torchrun job of a worker script that writes rank{r}.json into a folder: the
-launch, the hang timeout and the exit check the HF layout tests share."""
+"""A 2-rank torchrun job of a worker script: the launch, the hang timeout and the exit
+check the HF layout and EP tests share. The job runs in a session of its own, so a hung
+job's ranks go with it when the timeout kills it (no orphans)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +14,26 @@ from pathlib import Path
 import pytest
 
 
-def run_two_ranks(worker: Path, out_dir: Path, timeout_s: int) -> list[dict]:
-    """Run `worker out_dir` on 2 gloo ranks under torchrun (--standalone); each rank's
-    JSON record, rank 0 first. Fails the test on a hang or a non-zero exit."""
+def torchrun_job(worker: Path, args: list, timeout_s: int, what: str = "") -> tuple[int, str]:
+    """Run `worker *args` on 2 gloo ranks under torchrun (--standalone): its exit code and
+    stderr. Fails the test on a hang, after killing the job's whole session."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(worker), str(out_dir)]
+           "--standalone", str(worker), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the torchrun job did not finish in {timeout_s} s (hang)")
-    assert done.returncode == 0, done.stderr[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the torchrun job{' ' + what if what else ''} did not finish in "
+                    f"{timeout_s} s (hang)")
+    return proc.returncode, err
+
+
+def run_two_ranks(worker: Path, out_dir: Path, timeout_s: int) -> list[dict]:
+    """Run `worker out_dir` on 2 ranks; each rank's rank{r}.json record, rank 0 first.
+    Fails the test on a hang or a non-zero exit."""
+    code, err = torchrun_job(worker, [out_dir], timeout_s)
+    assert code == 0, err[-3000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
