@@ -16,6 +16,8 @@ from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import DeviceOutOfMemory
 from spikeguard.model import model_config
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
+from spikeguard.plan.cost import CostModel
+from spikeguard.plan.cost_rates import rates_of, use_rates
 from spikeguard.plan.oracle_evict import solve_evict
 
 # `medium`'s proportions at `tiny`'s size: experts narrower than the model (d_expert <
@@ -38,6 +40,9 @@ def oracle_plans_worker(rank: int, world_size: int, store_path: str, out_dir: st
         peak, seen = oracle_bench.probe(cfg, 0, batches, layout)
         budget = int(fraction * peak)
         adaptive = spikeguard.attach(layout.build(), budget=budget, policy="adaptive")
+        # Rates frozen: timed at attach and corrected online, they moved the oracle's
+        # plans with the machine's load (CI here once chose plans this test rejects).
+        use_rates(adaptive.cost, rates_of(CostModel()))
         adaptive.run_step(lambda: plain_step(adaptive.model, batches))
         problems = oracle_bench.oracle_problems(seen, adaptive, budget)
         solutions = {mb: solve_evict(p, adaptive.cost.offload_s_for_bytes)
