@@ -20,8 +20,8 @@ peaks, which no plan of its own changes, the planner's backward check: the plan'
 and reloaded bytes beside the prefetch margin, and the next layer's entry: its attention
 and dispatch run beside all this layer keeps, before the next decision). A plan's
 `kept` is what its expert path leaves on the device for the layers above; its
-`seconds` the cost model's (plan/cost.py) added time. Offloading an earlier layer's tensor is one of the
-catalogue's plans there, so the oracle needs no eviction of its own; adaptive's
+`seconds` the cost model's (plan/cost.py) added time. Offloading an earlier layer's
+tensor is one of the catalogue's plans there, so the oracle needs no eviction of its own; adaptive's
 evictions move bytes at any granularity, which the per-layer plans do not (a cut a few
 bytes deep can cost adaptive less than any whole plan: see docs/oracle.md).
 

@@ -158,7 +158,6 @@ class Residency:
                              "backward_reserved_bytes": backward})
         return Reserve(reserved, backward)
 
-
     # ---- the forwards to come (the hookless proof, runtime/hookless.py) --------------
     def later_forwards(self) -> Optional[tuple[int, ...]]:
         """The forwards this stage runs after this one and before this one's backward:
