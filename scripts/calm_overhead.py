@@ -12,8 +12,11 @@ step is calm). Three copies of the same model take turns every step in one proce
 saved-tensor hooks; `adaptive`), so the machine's noise hits all alike; the first round
 warms up and is dropped. Budget: the calm step's true peak plus 10% (`--budget-factor`;
 calm steps fit, so adaptive keeps everything). Prints medians and the spread
-(lowest-highest) of seconds per step and of the per-round ratios to plain, the bytes
-adaptive evicted per step and the layers it ran hookless (spikeguard/runtime/hookless.py).
+(lowest-highest) of seconds per step, and of the per-round ratio plain/this its median with
+a 95% interval of that median (spikeguard/bench/spread.py: order statistics, no assumed
+distribution; a cost "under 2%" is shown only where the interval's low end is >= 0.98), the
+range, and the rounds that would resolve +-0.01; then the bytes adaptive evicted per step and
+the layers it ran hookless (spikeguard/runtime/hookless.py).
 `--clock cpu` times this process's CPU only: steadier on a shared machine, blind to
 waiting in collectives. `--hf NAME` measures a transformers MoE model instead (hf_bench's
 sizes: 4 layers, 8 experts, top-2, width 128; under torchrun laid out with transformers' own
@@ -33,6 +36,7 @@ import time
 import torch
 
 import spikeguard
+from spikeguard.bench.spread import interval, ratio_spread, rounds_text
 from spikeguard.data.corpus import load_corpus
 from spikeguard.model import build_model, model_config
 
@@ -162,10 +166,10 @@ def main() -> None:
               f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, "
               f"budget {budget / 2**20:.1f} MiB")
         for p in POLICIES:
-            ratios = [a / b for a, b in zip(times["plain"], times[p])]
+            s = ratio_spread(times[p], times["plain"])
             print(f"  {p:9s} {statistics.median(times[p]) * 1e3:7.1f} ms "
                   f"({min(times[p]) * 1e3:.1f}-{max(times[p]) * 1e3:.1f})   plain/this "
-                  f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+                  f"{s['median']:.3f} [95% {interval(s)}] ({rounds_text(s)})"
                   + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step, hookless layers "
                      f"{hookless[p]:.1f}/step" if p in evicted else ""))
     if group is not None:

@@ -10,8 +10,9 @@ each (dp = 1). Three pipelines of the same model take turns every step in the sa
 processes (`plain`: no guard; `none`; `adaptive`), gradients dropped before each as after
 an optimizer step, so every step is calm and the machine's noise hits all alike; the first
 round warms up and is dropped. Budget per rank: its calm step's true peak (a probe
-pipeline under policy none) times `--budget-factor`. Prints, per rank, the medians and
-spread of the per-round ratios plain/this, and the layers adaptive ran hookless a step
+pipeline under policy none) times `--budget-factor`. Prints, per rank, the median of the
+per-round ratios plain/this with a 95% interval of that median (spikeguard/bench/spread.py),
+their range and the rounds that would resolve +-0.01, and the layers adaptive ran hookless a step
 (runtime/hookless.py: under a pipeline, proven against the forwards its stage runs before
 each micro-batch's backward too). `--clock cpu` times each process's CPU only: steadier
 on a shared machine, blind to the waits of the schedule's sends and the all-to-alls.
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import spikeguard
+from spikeguard.bench.spread import interval, needed, ratio_spread
 from spikeguard.data.corpus import load_corpus
 from spikeguard.model import build_model, model_config
 from spikeguard.parallel.mesh import MeshGroups, ParallelLayout
@@ -124,7 +126,8 @@ def _report(ranks: list, args, cfg) -> None:
           f"micro-batches of {args.batch_size} x {cfg.seq_len} tokens per stage, "
           f"{args.reps} rounds, {args.clock} clock, budget {args.budget_factor}x each "
           f"rank's calm true peak; CPU, emulated device")
-    print("| rank (stage) | plain ms | none: plain/this | adaptive: plain/this "
+    print("| rank (stage) | plain ms | none: plain/this [95%] (range, rounds for +-0.01) "
+          "| adaptive: plain/this [95%] (range, rounds for +-0.01) "
           "| adaptive hookless layers / step | adaptive recompute / offload ops, "
           "evicted MiB / step |")
     print("|---|---|---|---|---|---|")
@@ -132,8 +135,9 @@ def _report(ranks: list, args, cfg) -> None:
         t = r["times"]
         cells = []
         for p in ("none", "adaptive"):
-            ratios = [a / b for a, b in zip(t["plain"], t[p])]
-            cells.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+            s = ratio_spread(t[p], t["plain"])
+            cells.append(f"{s['median']:.3f} [95% {interval(s)}] ({s['min']:.3f}-{s['max']:.3f}, "
+                         f"{needed(s)})")
         print(f"| {r['rank']} ({r['stage']}) | {statistics.median(t['plain']) * 1e3:.1f} | "
               f"{cells[0]} | {cells[1]} | {r['hookless']:.1f} | "
               f"{r['cut'][0]:.1f} / {r['cut'][1]:.1f}, {r['cut'][2]:.2f} |")

@@ -186,7 +186,14 @@ class Planner:
 
     def fits(self, num_routed: int, headroom_bytes: int, backward_room: Optional[int]) -> bool:
         """Whether some plan of the menu fits as it is, with no eviction: `decide`'s own
-        test, without the ranking's choice (the hookless proof asks it of later layers)."""
+        test, without the ranking's choice (the hookless proof asks it of later layers).
+        Keeping everything first, as `decide` does: on a calm step it fits, and no ranking
+        is made (the cost model moves every step, so a ranking is a fresh sort)."""
+        keep_all, keep_all_per_token = self._keep_all()
+        if keep_all is not None:
+            need = keep_all_per_token * num_routed + self.layer_bytes(keep_all)[0]
+            if need <= headroom_bytes and (backward_room is None or need <= backward_room):
+                return True
         return any(self._fits(r, num_routed, headroom_bytes, backward_room) is not None
                    for r in self.ranked())
 

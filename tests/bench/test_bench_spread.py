@@ -91,3 +91,24 @@ def test_titan_table_shows_each_ratio_with_its_spread_and_rounds():
         assert f"| {spread.cell(want)} | {spread.needed(want)} |" in by[s]
     assert by["adaptive"].endswith("| 45 / 0 / 3 | 3 MiB (3 MiB back) |")   # 3 timed rounds
     assert by["ceiling"].endswith("| - | - |")
+
+
+def test_the_medians_interval_is_the_order_statistics_of_a_binomial_by_hand():
+    # n = 100: 50 -+ 1.96 x 10 / 2 = 40.2 .. 60.8 (+1): the 40th and the 61st value.
+    values = [i / 100 for i in range(1, 101)]
+    s = spread.spread(values)
+    assert s["ci95"] == (0.40, 0.61)
+    assert spread.interval(s) == "0.400-0.610"
+    assert spread.median_interval([0.1, 0.2, 0.3]) == (0.1, 0.3)   # few rounds: all of them
+    assert spread.spread([0.9])["ci95"] == (0.9, 0.9)
+
+
+def test_the_medians_interval_covers_the_true_median_95_times_in_100():
+    import random
+    rng = random.Random(7)
+    for n in (11, 30, 120):
+        covered = sum(lo <= 0.0 <= hi for lo, hi in (
+            spread.median_interval(sorted(rng.gauss(0.0, 1.0) for _ in range(n)))
+            for _ in range(1500)))
+        assert covered / 1500 >= 0.94, (n, covered)
+        assert covered / 1500 < 1.0, n   # an interval of the whole range would cover always
