@@ -4,6 +4,7 @@
     .venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 15   # EP=2
     .venv/bin/python scripts/calm_overhead.py --profile adaptive      # cProfile of one policy
     .venv/bin/python scripts/calm_overhead.py --hf qwen3_moe --clock cpu   # a transformers model
+    .venv/bin/python scripts/calm_overhead.py --titan deepseek_v3 --clock cpu   # a torchtitan one
 
 The built-in `small` model, 1 micro-batch of 8 x 128 tokens per rank (the bench's calm
 step), forward and backward, no optimizer step (so routing stays where it is, and every
@@ -20,8 +21,9 @@ the layers it ran hookless (spikeguard/runtime/hookless.py).
 `--clock cpu` times this process's CPU only: steadier on a shared machine, blind to
 waiting in collectives. `--hf NAME` measures a transformers MoE model instead (hf_bench's
 sizes: 4 layers, 8 experts, top-2, width 128; under torchrun laid out with transformers' own
-`DistributedConfig(fsdp_size=N, ep_size=N)`), 8 x 128 tokens per rank likewise. CPU
-figures: the device is emulated.
+`DistributedConfig(fsdp_size=N, ep_size=N)`), 8 x 128 tokens per rank likewise; `--titan
+NAME` a torchtitan one (spikeguard.integrations.titan_models, the same sizes; under torchrun
+torchtitan's own expert parallelism over the N ranks). CPU figures: the device is emulated.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 import pstats
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -43,7 +46,7 @@ from spikeguard.model import build_model, model_config
 POLICIES = ("plain", "none", "adaptive")
 
 
-def _setup(group, hf: str):
+def _setup(group, hf: str, titan: str = ""):
     cfg = model_config("small")
     corpus = load_corpus(None)
     rank = group.rank() if group is not None else 0
@@ -51,6 +54,8 @@ def _setup(group, hf: str):
     batches = [corpus.get_batch("train", 8, cfg.seq_len, gen)]
     if hf:
         return cfg, batches, _hf_models(hf, group)
+    if titan:
+        return cfg, batches, _titan_models(titan, group, cfg.seq_len)
     models = {}
     for p in POLICIES:
         model = build_model(cfg, seed=0)
@@ -74,6 +79,14 @@ def _hf_models(name: str, group) -> dict:
     return models
 
 
+def _titan_models(name: str, group, seq_len: int) -> dict:
+    from spikeguard.integrations.titan_models import TitanSizes, build_titan_model
+    warnings.filterwarnings("ignore", message="In CPU autocast")   # as titan_ratios does
+    sizes = TitanSizes(d_model=128, num_layers=4, d_expert=128, seq_len=seq_len)
+    ep = group.size() if group is not None else 1
+    return {p: build_titan_model(name, sizes, seed=0, ep=ep) for p in POLICIES}
+
+
 CLOCK = time.perf_counter
 
 
@@ -83,6 +96,9 @@ def _step(model, batches) -> None:
             # a transformers model: the labels are the window itself (it shifts them)
             w_BT = torch.cat([idx_BT, targets_BT[:, -1:]], dim=1)
             model(input_ids=w_BT, labels=w_BT).loss.backward()
+        elif type(model).__module__.startswith("torchtitan"):
+            from spikeguard.integrations.titan_models import lm_loss
+            lm_loss(model, idx_BT, targets_BT).backward()
         else:
             model(idx_BT, targets_BT).loss.backward()
 
@@ -111,7 +127,12 @@ def main() -> None:
                         help="cpu: this process's CPU time (less noisy on a shared machine)")
     parser.add_argument("--hf", default="", help="a transformers MoE model type (qwen3_moe, "
                         "mixtral, olmoe) instead of the built-in small")
+    parser.add_argument("--titan", default="", help="a torchtitan MoE (deepseek_v3, qwen3) "
+                        "instead of the built-in small")
     args = parser.parse_args()
+    if args.reps < 1 or args.threads < 1 or args.budget_factor <= 0 or (args.hf and args.titan):
+        parser.exit(2, "calm_overhead.py: --reps and --threads take 1 or more, "
+                    "--budget-factor a positive number; --hf or --titan, not both\n")
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
@@ -119,7 +140,7 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         torch.distributed.init_process_group("gloo")
         group = torch.distributed.group.WORLD
-    cfg, batches, models = _setup(group, args.hf)
+    cfg, batches, models = _setup(group, args.hf, args.titan)
     budget = _budget(models, batches, group, args.budget_factor)
     guards = {p: spikeguard.attach(models[p], budget=budget, policy=p)
               for p in POLICIES if p != "plain"}
@@ -162,7 +183,7 @@ def main() -> None:
             / max(1, len(g.history) - 1)
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
-        print(f"calm step of {args.hf or 'small'}, 8 x {cfg.seq_len} tokens per rank, {where}, "
+        print(f"calm step of {args.hf or args.titan or 'small'}, 8 x {cfg.seq_len} tokens per rank, {where}, "
               f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, "
               f"budget {budget / 2**20:.1f} MiB")
         for p in POLICIES:

@@ -164,10 +164,13 @@ def derive_titan_bytes(part: TitanBlock, top_k: int, grouped: bool) -> TitanRegi
                             num_local_experts=e)
 
 
-def titan_window(door: WindowDoor, layer: int, orig_forward, x_RD, num_tokens_per_expert_e,
-                 *more, **kwargs):
+def titan_window(door: WindowDoor, layer: int, hookless: bool, orig_forward, x_RD,
+                 num_tokens_per_expert_e, *more, **kwargs):
     """In place of `inner_experts.forward`: decide on the R rows received, run the call
-    as one region under the plan (the guard reached through `door` only)."""
+    as one region under the plan (the guard reached through `door` only). `hookless`
+    (one process, as for transformers: runtime/hookless.py): the call may run with no
+    saved-tensor hook where nothing of the step can later want what it saves off the
+    device; what it keeps is then the region byte model's (module doc)."""
     def call(x_RD, num_tokens_per_expert_e):
         return orig_forward(x_RD, num_tokens_per_expert_e, *more, **kwargs)
 
@@ -177,7 +180,8 @@ def titan_window(door: WindowDoor, layer: int, orig_forward, x_RD, num_tokens_pe
     # Per-expert counts for the record only: read where that costs no device sync.
     counts = (num_tokens_per_expert_e.tolist() if num_tokens_per_expert_e.device.type == "cpu"
               else [num_routed])
-    return run_region(door, layer, call, (x_RD, num_tokens_per_expert_e), counts, num_routed)
+    return run_region(door, layer, call, (x_RD, num_tokens_per_expert_e), counts, num_routed,
+                      hookless=hookless)
 
 
 def refuse_wrappers(model: nn.Module, blocks: list[TitanBlock]) -> None:
@@ -243,7 +247,10 @@ class TitanAdapter(BlockAdapter):
         experts = self.part(block).experts
         orig = experts.forward
         self._own_forward[id(block)] = vars(experts).get("forward")
-        window = functools.partial(titan_window, door, self.layer_index(block), orig)
+        # Under EP a layer covered whole would also hold the exchanges' rows (outside the
+        # call), which nothing here models: hooked there, as for transformers.
+        window = functools.partial(titan_window, door, self.layer_index(block),
+                                   self.group() is None, orig)
         window.__signature__ = inspect.signature(orig)
         experts.forward = window
 

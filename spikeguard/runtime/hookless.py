@@ -55,7 +55,8 @@ A transformers experts call (integrations/hf_window.py `run_region`) is one regi
 five stages: proven alike, it runs paused (`run_call`) and is attributed to op "experts"
 with the region byte model's keep-everything bytes (integrations/hf_bytes.py); in one
 process only (under transformers' EP the call also holds the exchanges' rows, which that
-model does not separate). torchtitan's calls keep the hook.
+model does not separate). torchtitan's experts call likewise, in one process (its combine,
+after the call, is what the hook measured, as attention's).
 
 Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
 ops are the byte model's bytes (ExpertShape.predict, which tests/runtime/
@@ -86,8 +87,10 @@ from spikeguard.runtime.hooks import SavedTensorTracker
 # them); combine's after them (the last stage's, read by combine, and combine's own).
 STAGE_OPS = tuple(op for op in OPS if CONSUMERS[op])
 COMBINE_OPS = tuple(op for op in OPS if not CONSUMERS[op]) + ("combine",)
-# What the hook measures on a hooked layer, for the covered layers after it.
-MEASURED_OPS = ("attn", "router", "shared")
+# What the hook measures on a hooked layer, for the covered layers after it ("combine":
+# for a region call whose combine runs after it, torchtitan's; the built-in path models
+# its combine from the byte model, a transformers call holds its own).
+MEASURED_OPS = ("attn", "router", "shared", "combine")
 
 
 class _Walk(NamedTuple):
@@ -199,7 +202,10 @@ class HooklessLayers:
         out = run()
         if not (self._whole and self.tracker.is_paused):
             self.tracker.resume()   # the rest of this layer runs hooked, and is measured
-        self._model(mb, layer, {"experts": self._keep_all_bytes(num_routed)}, x)
+        modelled = {"experts": self._keep_all_bytes(num_routed)}
+        if self._whole and self.tracker.is_paused:   # its combine runs paused too
+            modelled["combine"] = self._measured[mb]["combine"]
+        self._model(mb, layer, modelled, x)
         step = self.window.recorder()
         if step is not None:
             step.hookless_layers += 1
