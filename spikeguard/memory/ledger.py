@@ -29,8 +29,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage this rank holds: a DTensor's local shard (a DTensor has no
     storage of its own: `untyped_storage()` raises on it, torch 2.13), else `t`. Outside
     autograd `to_local()` returns the shard itself, not an alias (torch 2.13)."""
+    if type(t) is torch.Tensor:   # the common case first: no attribute looked up
+        return t
     to_local = getattr(t, "to_local", None)
-    if to_local is not None and type(t) is not torch.Tensor:
+    if to_local is not None:
         with torch.no_grad():
             return to_local()
     return t
@@ -40,8 +42,10 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """`t`, or the tensor an asynchronous collective's result wraps once it is waited for
     (torch's AsyncCollectiveTensor, what `_functional_collectives.all_to_all_single`
     returns, e.g. in torchtitan's dispatcher: the wrapper has no valid storage of its own)."""
+    if type(t) is torch.Tensor:
+        return t
     wait = getattr(t, "trigger_wait", None)
-    return wait() if wait is not None and type(t) is not torch.Tensor else t
+    return wait() if wait is not None else t
 
 
 def storage_key(t: torch.Tensor) -> StorageKey:

@@ -261,7 +261,16 @@ def is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (a matmul saves `weight.t()`). FSDP2 all-gathers its
     unsharded parameters into storages it frees again after each forward and refills in
     backward: they are state, not activations, and their bytes are never the tracker's."""
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+    return _is_param(t) or _is_param(t._base)
+
+
+def _is_param(t) -> bool:
+    """`isinstance(t, torch.nn.Parameter)`, the same answer without the metaclass's Python
+    `__instancecheck__` for a plain tensor (1.8 us a call, every pack): that check is its
+    `_is_param` flag (torch 2.13, torch/nn/parameter.py `_ParameterMeta`)."""
+    if type(t) is torch.Tensor:
+        return bool(getattr(t, "_is_param", False))
+    return t is not None and isinstance(t, torch.nn.Parameter)
 
 
 def unpack(packed):

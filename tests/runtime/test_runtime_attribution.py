@@ -99,3 +99,33 @@ def test_expert_bytes_are_attributed_to_their_own_micro_batch(measured):
         assert by[(1, None, op)] == 2 * by[(0, None, op)] > 0
         for layer in range(CFG.num_layers):
             assert by[(0, layer, op)] > 0
+
+
+def test_is_parameter_answers_as_isinstance_does():
+    """The pack hook's parameter test (runtime/hooks.py `is_parameter`, a fast path past
+    Parameter's metaclass) against `isinstance` itself: plain tensors, parameters, views
+    of each, a plain tensor flagged `_is_param` (the metaclass honours the flag) and a
+    view of it, a DTensor parameter and a DTensor (FSDP2 and expert parallelism hold those)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from spikeguard.runtime.hooks import is_parameter
+
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    flagged = torch.randn(4, 4)
+    flagged._is_param = True
+    cases = [torch.randn(3), torch.randn(3, 3).t(), p, p.t(), p.detach(), flagged, flagged.t(),
+             torch.randn(3, requires_grad=True) * 2]
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        cases += [torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh)),
+                  distribute_tensor(torch.randn(4, 4), mesh)]
+        want = [isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+                for t in cases]
+        got = [is_parameter(t) for t in cases]
+    finally:
+        torch.distributed.destroy_process_group()
+    assert got == want
+    assert want == [False, False, True, True, False, True, True, False, True, False]
