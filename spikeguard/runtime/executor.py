@@ -106,6 +106,8 @@ class ExpertPathExecutor:
             return local[region[-1]]
 
         def policy(sac_ctx, op, *args, **kwargs):
+            assert torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()), \
+                f"{op} draws random numbers: the region does not keep the RNG state"
             if op in ALWAYS_SAVED_OPS:
                 return CheckpointPolicy.MUST_SAVE
             if (current["stage"] == "silu" and op is torch.ops.aten.silu.default
@@ -116,7 +118,14 @@ class ExpertPathExecutor:
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
+        # No stage draws random numbers (the policy asserts it), so the RNG state is not
+        # kept: checkpoint's default stashes torch.get_rng_state() (torch 2.13: 5,056 bytes,
+        # host memory under CUDA) until the region's backward. On the emulated device it
+        # counted as device bytes, per recomputed layer and micro-batch, which no byte
+        # model has: the oracle's plans ran out by 4 bytes at `tiny` with narrow experts,
+        # EP=2, 0.6x (tests/bench/test_bench_oracle_ep.py; issue 24).
         out = checkpoint(region_fn, *(tensors[n] for n in names), use_reentrant=False,
+                         preserve_rng_state=False,
                          context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
         if cached and out.requires_grad:
             # SAC's cache is freed by the region's backward, which starts when this grad arrives.
