@@ -37,13 +37,17 @@ HF_BENCH_EP = (".venv/bin/python -m torch.distributed.run --standalone --nproc-p
 TRAINER = ".venv/bin/python -m spikeguard.bench.trainer_bench --reps 5"
 TRAINER_EP = (".venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 -m "
               "spikeguard.bench.trainer_bench --reps 3 --ep 2")
-CALM = ".venv/bin/python scripts/calm_overhead.py --reps 30 --clock cpu"
-CALM_EP = ".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 20 --clock cpu"
-CALM_HF = ".venv/bin/python scripts/calm_overhead.py --hf qwen3_moe --reps 30 --clock cpu"
-CALM_PP = (".venv/bin/torchrun --nproc-per-node 4 scripts/calm_overhead_pp.py --reps 15 "
+CALM = ".venv/bin/python scripts/calm_overhead.py --reps 150 --clock cpu"
+CALM_EP = ".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --reps 100 --clock cpu"
+CALM_HF = ".venv/bin/python scripts/calm_overhead.py --hf qwen3_moe --reps 150 --clock cpu"
+CALM_PP = (".venv/bin/torchrun --nproc-per-node 4 scripts/calm_overhead_pp.py --reps 60 "
            "--clock cpu --budget-factor 1.25")
+CALM_TITAN = (".venv/bin/python scripts/calm_overhead.py --titan deepseek_v3 --reps 150 "
+              "--clock cpu")
+CALM_TITAN_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --titan "
+                 "deepseek_v3 --reps 100 --clock cpu")
 CALM_HF_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --hf qwen3_moe "
-              "--reps 20 --clock cpu")
+              "--reps 100 --clock cpu")
 
 
 def _raw(record: dict) -> str:
@@ -496,7 +500,10 @@ def trainer_bench(record: dict) -> str:
 
 def calm_overhead(record: dict) -> str:
     return _indented(_lines(record["stdout"])) + "\n\n" + _example(
-        record, "in brackets the fastest and slowest round; the medians move with the load")
+        record, "ms: the median step, in brackets its fastest and slowest round; plain/this: "
+        "the median of the per-round ratios, [95%] that median's interval (order statistics), "
+        "then the rounds' range and how many would resolve +-0.01; the medians move with the "
+        "load")
 
 
 def snippet(record: dict) -> str:
@@ -549,6 +556,9 @@ MORE = [
     Block("calm-overhead-hf", CALM_HF, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-hf-ep", CALM_HF_EP, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-pp", CALM_PP, calm_overhead, timeout_s=1200, links=("scripts",)),
+    Block("calm-overhead-titan", CALM_TITAN, calm_overhead, timeout_s=1200, links=("scripts",)),
+    Block("calm-overhead-titan-ep", CALM_TITAN_EP, calm_overhead, timeout_s=1200,
+          links=("scripts",)),
     Block("bench-prose", "make bench", bench_prose, source="docs/bench.json"),
     Block("bench-pp-prose", "make bench-pp", bench_pp_prose, source="docs/bench_pp.json"),
 ]
