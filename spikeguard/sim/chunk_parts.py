@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from spikeguard.plan.catalogue import LayerPlan
 
@@ -19,13 +19,17 @@ class Layer:
     plan: Optional[LayerPlan]     # None: recomputed whole
     num_routed: int
     kept: int
-    storages: list                # (op, bytes) evictable, still on the device, save order
+    # (op, bytes) evictable, still on the device, save order: the layer figures' own
+    # tuple until something is evicted (a list of its own then; most layers never are)
+    storages: Sequence
     evictable: int                # their bytes
     # evicted bytes per op (None until something is: most layers never are)
     on_host: Optional[Counter] = None
 
     def evict(self, num_bytes: int) -> int:
         freed = 0
+        if type(self.storages) is not list:
+            self.storages = list(self.storages)
         while self.storages and freed < num_bytes:
             op, size = self.storages.pop(0)
             if self.on_host is None:
@@ -66,10 +70,17 @@ class ChunkEvictor:
         self.deciding = 0   # the layer whose entry or decision evicts
         self.moved = 0   # bytes sent to host, from this micro-batch's layers and older ones
         self.resident_moved = 0   # of them, older resident micro-batches' bytes
+        # (layers, evictions) -> the layers' evictable sum: asked at every decision, it
+        # changes only when the chunk adds a layer or this evictor moves bytes of one
+        self._own = (-1, -1, 0)
+        self._evictions = 0
 
     def evictable(self) -> int:
-        own = sum([layer.evictable for layer in self.layers])
-        return own + self.residency.evictable(self.residents)
+        own = self._own
+        if own[0] != len(self.layers) or own[1] != self._evictions:
+            own = self._own = (len(self.layers), self._evictions,
+                               sum([layer.evictable for layer in self.layers]))
+        return own[2] + self.residency.evictable(self.residents)
 
     def _moved_below(self, probe: tuple, j: int, moved: int) -> tuple:
         """A probe once `moved` bytes of layer `j` went to host at layer `deciding`: the
@@ -89,6 +100,7 @@ class ChunkEvictor:
                 break
             moved = layer.evict(num_bytes - freed)
             freed += moved
+            self._evictions += 1
             self.probes[:] = [self._moved_below(probe, j, moved) for probe in self.probes]
         if freed < num_bytes:
             before = sum(self.residents.evicted.values())
