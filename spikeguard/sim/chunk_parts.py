@@ -70,17 +70,10 @@ class ChunkEvictor:
         self.deciding = 0   # the layer whose entry or decision evicts
         self.moved = 0   # bytes sent to host, from this micro-batch's layers and older ones
         self.resident_moved = 0   # of them, older resident micro-batches' bytes
-        # (layers, evictions) -> the layers' evictable sum: asked at every decision, it
-        # changes only when the chunk adds a layer or this evictor moves bytes of one
-        self._own = (-1, -1, 0)
-        self._evictions = 0
 
     def evictable(self) -> int:
-        own = self._own
-        if own[0] != len(self.layers) or own[1] != self._evictions:
-            own = self._own = (len(self.layers), self._evictions,
-                               sum([layer.evictable for layer in self.layers]))
-        return own[2] + self.residency.evictable(self.residents)
+        own = sum([layer.evictable for layer in self.layers])
+        return own + self.residency.evictable(self.residents)
 
     def _moved_below(self, probe: tuple, j: int, moved: int) -> tuple:
         """A probe once `moved` bytes of layer `j` went to host at layer `deciding`: the
@@ -100,7 +93,6 @@ class ChunkEvictor:
                 break
             moved = layer.evict(num_bytes - freed)
             freed += moved
-            self._evictions += 1
             self.probes[:] = [self._moved_below(probe, j, moved) for probe in self.probes]
         if freed < num_bytes:
             before = sum(self.residents.evicted.values())

@@ -23,6 +23,8 @@ class ForwardMemo:
     the memo key), the gradients each layer's backward finds, and the guard's memory as
     the next micro-batch starts."""
 
+    _last_next: tuple = (None, None)   # _next_micro_batch's last (memory, answer)
+
     def forward(self, chunk: int, counts: tuple[int, ...], in_use: int, k: int = 0,
                 host: dict | None = None, device: dict | None = None,
                 memory: Optional[Memory] = None, grads_to_come: int = 0,
@@ -93,6 +95,9 @@ class ForwardMemo:
         besides (max_routed reset), since hashing a memory is hashing its slopes and
         window state, and each computed forward hands on a new Memory with the same room
         (one in three forwards of `1t`'s adaptive walk missed when this was per object)."""
+        last = self._last_next   # the same memory as the forward before (a memoised one)
+        if last[0] is memory:
+            return last[1]
         seen = memory.seen
         key = (id(memory.room), seen.layer_bytes_per_token, seen.routed_per_token,
                memory.head_per_token)
@@ -103,4 +108,5 @@ class ForwardMemo:
             after = replace(memory, seen=seen.next_micro_batch())
             number = self._memory_ids.setdefault(after, len(self._memory_ids))
             hit = self._next[key] = (memory.room, after, number)
+        self._last_next = (memory, (hit[1], hit[2]))
         return hit[1], hit[2]
