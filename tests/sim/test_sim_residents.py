@@ -1,7 +1,8 @@
 """The walk's memo key holds only the sums of what the older resident micro-batches hold
-(sim/walk.py `forward`): which of them an eviction takes is spread again over the split
-at hand (sim/residents.py `spread`). Here `spread` is checked against the runtime's own
-Residency.evict, through the walk's tracker, for many splits and request sequences.
+(sim/forward_memo.py `forward`): which of them an eviction takes is spread again over the
+split at hand (sim/residents.py `spread`). Here `spread` is checked against the runtime's
+own Residency.evict, through the walk's tracker, for many splits and request sequences,
+and the reserve a forward reads from the walk's figures against Residency.reserve.
 
     .venv/bin/python -m pytest tests/sim/test_sim_residents.py -q
 """
