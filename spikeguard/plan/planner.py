@@ -131,23 +131,43 @@ class Planner:
         evicts or raises when nothing fits. `deferrable_bytes`: of a forward shortfall,
         what only the rest of the micro-batch needs and its later layers will be able to
         move then (the decision evicts only the rest now)."""
-        keep_all, keep_all_per_token = self._keep_all()
+        # `_keep_all` and `_fits` written out, and no `layer_bytes` call where it is this
+        # class's (0, 0) (the simulator's `1t` makes 140k decisions a run, walking ~9 plans
+        # of the ranking in each); `_infeasible` holds what runs only when nothing fits
+        found = self.__dict__.get("_keep_all_of")
+        if found is None or found[0] is not self.menu:
+            self._keep_all()
+            found = self._keep_all_of
+        keep_all = found[1]
+        plain = type(self).layer_bytes is Planner.layer_bytes and "layer_bytes" not in self.__dict__
         if keep_all is not None:
-            need = keep_all_per_token * num_routed + self.layer_bytes(keep_all)[0]
+            need = found[2] * num_routed + (0 if plain else self.layer_bytes(keep_all)[0])
             if need <= headroom_bytes and (backward_room is None or need <= backward_room):
                 return Decision(keep_all, need, 0.0)
-        # `_fits`, written out: the simulator's `1t` walks ~9 plans of the ranking per
-        # decision, 1.3M calls a run
-        layer_bytes = self.layer_bytes
-        for r in self.ranked():
-            fixed_device, fixed_offload = layer_bytes(r.plan)
-            need = r.device_bytes_per_token * num_routed + fixed_device
-            if need <= headroom_bytes and (backward_room is None or need + fixed_offload
-                                           + r.offload_bytes_per_token * num_routed
-                                           <= backward_room):
-                return Decision(r.plan, need, r.s_per_token * num_routed)
-        # Nothing fits: take the plan with the smallest shortfall over both passes, and
-        # evict that much from earlier layers (evicted bytes leave the device in both).
+        if plain:
+            for r in self.ranked():
+                need = r.device_bytes_per_token * num_routed + 0   # + the fixed bytes, 0
+                if need <= headroom_bytes and (backward_room is None or need + 0
+                                               + r.offload_bytes_per_token * num_routed
+                                               <= backward_room):
+                    return Decision(r.plan, need, r.s_per_token * num_routed)
+        else:
+            layer_bytes = self.layer_bytes
+            for r in self.ranked():
+                fixed_device, fixed_offload = layer_bytes(r.plan)
+                need = r.device_bytes_per_token * num_routed + fixed_device
+                if need <= headroom_bytes and (backward_room is None or need + fixed_offload
+                                               + r.offload_bytes_per_token * num_routed
+                                               <= backward_room):
+                    return Decision(r.plan, need, r.s_per_token * num_routed)
+        return self._infeasible(num_routed, headroom_bytes, evictable_bytes, backward_room,
+                                deferrable_bytes)
+
+    def _infeasible(self, num_routed: int, headroom_bytes: int, evictable_bytes: int,
+                    backward_room: Optional[int], deferrable_bytes: int) -> Decision:
+        """`decide` where no plan fits as it is: take the plan with the smallest shortfall
+        over both passes, and evict that much from earlier layers (evicted bytes leave the
+        device in both); raise when even that cannot cover it."""
         def shortfalls(r: Ranked) -> tuple[int, int]:
             fixed_device, fixed_offload = self.layer_bytes(r.plan)
             need = r.device_bytes_per_token * num_routed + fixed_device

@@ -84,7 +84,7 @@ class Forward:
 
     @property
     def resident_freed(self) -> int:
-        return sum(n for _, n in self.resident_evictions)
+        return sum([n for _, n in self.resident_evictions]) if self.resident_evictions else 0
 
 
 class Chunk:
@@ -120,7 +120,8 @@ class Chunk:
     def _decisions(self, numbers: tuple) -> Counter:
         """The decisions of layers decided `numbers` (_plan_facts's; -1: recomputed whole),
         added up in the layers' order as the runtime records them (the keys' order too);
-        a fresh copy."""
+        shared by every forward so decided (the walk adds them up by object and count):
+        the caller copies it before adding to it."""
         hit = self._decided.get(numbers)
         if hit is None:
             hit = Counter()
@@ -129,7 +130,7 @@ class Chunk:
                 # the runtime records every op of a layer recomputed whole
                 hit.update(by_number[n] if n >= 0 else {"full_layer": 1, "recompute": len(OPS)})
             self._decided[numbers] = hit
-        return Counter(hit)
+        return hit
 
     def _base_s(self, counts: tuple[int, ...], head_flops: float) -> float:
         hit = self._base.get((counts, head_flops))
@@ -155,7 +156,7 @@ class Chunk:
 
     def _planned_layer(self, plan: LayerPlan, count: int) -> Layer:
         fig = self.figures.planned(plan, count)
-        return Layer(plan, count, fig.kept, list(fig.storages), fig.evictable)
+        return Layer(plan, count, fig.kept, fig.storages, fig.evictable)
 
     def backward(self, chunk: int, layers: list[Layer], tail: int,
                  first: bool) -> tuple[int, tuple]:
@@ -179,11 +180,13 @@ class Chunk:
         return peak, tuple(where)
 
     def _finish(self, chunk: int, layers: list[Layer], embed: int, tail: int, seconds: float,
-                decisions: Counter, forward_where: list, moved: int = 0, **extra) -> Forward:
+                decisions: Counter, forward_where: list, moved: int = 0,
+                numbers: Optional[tuple] = None, **extra) -> Forward:
         """`moved`: bytes of older resident micro-batches this forward sent to host (the
-        relative figures are over the in-use before it started, those bytes included)."""
+        relative figures are over the in-use before it started, those bytes included);
+        `numbers`: adaptive's, the layers' plan numbers (`_decisions`')."""
         kept = embed + sum([layer.kept for layer in layers]) + tail
-        bwd, bwd_first, both = self._backward_pair(chunk, layers, tail)
+        bwd, bwd_first, both = self._backward_pair(chunk, layers, tail, numbers)
         end = kept - moved
         head = self.hb.forward_over_end(self.T) if self.w.last_chunk(chunk) else 0
         peak = max([end + head] + [rel for _, rel in forward_where])
@@ -192,15 +195,17 @@ class Chunk:
                        backward_where=both, end=end,
                        evictable=sum([layer.evictable for layer in layers]), **extra)
 
-    def _backward_pair(self, chunk: int, layers: list[Layer], tail: int) -> tuple:
+    def _backward_pair(self, chunk: int, layers: list[Layer], tail: int,
+                       numbers: Optional[tuple] = None) -> tuple:
         """`backward` in a later and in the step's first backward: (peak, peak first,
         ((layer, above, above first), ...)); remembered for layers nothing was evicted of
-        (their figures are then their plan's and routed count's)."""
+        (their figures are then their plan's and routed count's): by their plan numbers
+        (`numbers`), routed counts and kept bytes."""
         key = None
         # a static policy's chunks are remembered whole by the walker (chunk, counts)
-        if self.w.policy == "adaptive" and not any(layer.on_host for layer in layers):
-            key = (chunk, tail, tuple((self._plan_facts(layer.plan)[2] if layer.plan else -1,
-                                       layer.num_routed, layer.kept) for layer in layers))
+        if numbers is not None and not any([layer.on_host for layer in layers]):
+            key = (chunk, tail, numbers, tuple([layer.num_routed for layer in layers]),
+                   tuple([layer.kept for layer in layers]))
             hit = self._backwards.get(key)
             if hit is not None:
                 return hit
@@ -265,36 +270,35 @@ class Chunk:
         layer_part, min_bpt, flow = figures.layer_part, planner.min_bytes_per_token, figures.flow
         seconds = self._base_s(counts, head_flops)
         layers: list[Layer] = []
-        forward_where, probes, decided = [], [], []   # decided: _decisions's numbers
+        # decided: _decisions's numbers; offloaded: _host's
+        forward_where, probes, decided, offloaded = [], [], [], []
         residents = ResidentTracker(evictable)
         seen, room = memory.seen, memory.room
-        peaks = BackwardPeaks()
+        peaks, kept = BackwardPeaks(), 0   # kept: bytes this micro-batch's layers kept
         evictor = ChunkEvictor(layers, probes, residency, residents)
-        kept = [0]   # bytes this micro-batch's layers kept when they ran
-
-        def now() -> int:
-            """The device's figure: what was in use, plus this micro-batch's embedding,
-            hidden state and layers so far, less what went to host (older ones' and these)."""
-            return in_use + embed + flow + kept[0] - evictor.moved
 
         for i, count in enumerate(counts):
             evictor.deciding = i
-            start = now()
+            # The device's figure: what was in use, plus this micro-batch's embedding,
+            # hidden state and layers so far, less what went to host (older ones' and these).
+            start = in_use + embed + flow + kept - evictor.moved
             entry = EntryState(i, cap, start, T, min_bpt, seen, resident_backward)
             if entry_fallback(entry, forecast, room, grads_by_layer[i], evictor, planner,
                               peaks.note):
                 layers.append(self._full_layer(count))
-                kept[0] += layers[-1].kept
-                forward_where.append((i, now() - in_use - layers[-1].kept
-                                      + figures.full(count).forward_over))
+                kept += layers[-1].kept
+                forward_where.append((i, in_use + embed + flow + kept - evictor.moved - in_use
+                                      - layers[-1].kept + figures.full(count).forward_over))
                 seconds += w.layer_compute_s(count)
                 decided.append(-1)
+                offloaded.append(None)
                 continue
             # The window remembers the device's growth since the layer's entry.
             grown = figures.at_decision(count)
             seen = seen.after(count, max(layer_part, grown), T)
             at_decision = start + grown
-            probes.append((i, at_decision - in_use, count, evictor.resident_moved, 0, 0))
+            if w.calibrates:   # only then are the probes read (the walk's calibration)
+                probes.append((i, at_decision - in_use, count, evictor.resident_moved, 0, 0))
             facts = self._facts(i, count, seen.max_routed, grads_by_layer[i],
                                 i == len(counts) - 1, resident_backward)
             try:
@@ -307,19 +311,24 @@ class Chunk:
                 return net
             d = out.decision
             fig = figures.planned(d.plan, count)
-            layers.append(Layer(d.plan, count, fig.kept, list(fig.storages), fig.evictable))
-            kept[0] += fig.kept
+            layers.append(Layer(d.plan, count, fig.kept, fig.storages, fig.evictable))
+            kept += fig.kept
             # The device held all of it at the decision, before anything was evicted.
             forward_where.append((i, max(at_decision, out.in_use_bytes + fig.over_decision)
                                   - in_use))
             seconds += d.added_s
-            decided.append(self._plan_facts(d.plan)[2])
-        decisions = self._decisions(tuple(decided))
+            _, per_token, number = self._plan_facts(d.plan)
+            decided.append(number)
+            offloaded.append(per_token)
+        decided = tuple(decided)
+        decisions = self._decisions(decided)
         if evictor.moved:
             seconds += w.copy_s(evictor.moved)
+            decisions = Counter(decisions)
             decisions["evicted_bytes"] += evictor.moved
         out = self._finish(chunk, layers, embed, tail, seconds, decisions, forward_where,
-                           moved=evictor.resident_moved, host=self._host(layers),
+                           moved=evictor.resident_moved, host=self._host(layers, offloaded),
+                           numbers=decided,
                            resident_evictions=relative(residency, residents),
                            probes=tuple(probes))
         head = self.hb.ledger(T) / T + room.head_backward_per_token if w.last_chunk(chunk) \
@@ -357,11 +366,13 @@ class Chunk:
                         post_bytes_per_token=dm.shared_bytes_per_token,
                         combine_bytes_per_token=dm.combine_bytes_per_token, residency=residency)
 
-    def _host(self, layers: list) -> list[int]:
-        """Bytes each layer has on the host: evicted, and offloaded by its plan."""
+    def _host(self, layers: list, offloaded: list) -> list[int]:
+        """Bytes each layer has on the host: evicted, and offloaded by its plan
+        (`offloaded`: per layer, its plan's bytes per routed copy, `_plan_facts`'; None
+        for a layer recomputed whole)."""
         return [(layer.on_host.total() if layer.on_host else 0)
-                + (self._plan_facts(layer.plan)[1] * layer.num_routed if layer.plan else 0)
-                for layer in layers]
+                + (per_token * layer.num_routed if per_token is not None else 0)
+                for layer, per_token in zip(layers, offloaded)]
 
     def safety_net(self, chunk: int, counts: tuple[int, ...], layer: int) -> Forward:
         """The planner raised: the runtime abandons the micro-batch and re-runs it with

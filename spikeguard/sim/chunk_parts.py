@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from spikeguard.plan.catalogue import LayerPlan
 
@@ -19,13 +19,17 @@ class Layer:
     plan: Optional[LayerPlan]     # None: recomputed whole
     num_routed: int
     kept: int
-    storages: list                # (op, bytes) evictable, still on the device, save order
+    # (op, bytes) evictable, still on the device, save order: the layer figures' own
+    # tuple until something is evicted (a list of its own then; most layers never are)
+    storages: Sequence
     evictable: int                # their bytes
     # evicted bytes per op (None until something is: most layers never are)
     on_host: Optional[Counter] = None
 
     def evict(self, num_bytes: int) -> int:
         freed = 0
+        if type(self.storages) is not list:
+            self.storages = list(self.storages)
         while self.storages and freed < num_bytes:
             op, size = self.storages.pop(0)
             if self.on_host is None:

@@ -68,11 +68,31 @@ def spread(num_bytes: int, evictable_newest_first: list) -> tuple:
     return tuple(out)
 
 
-def residency(schedule_positions, forward: int, host: dict, device: dict):
-    """The runtime's Residency object, reading this walk's host and device bytes."""
-    return ForwardResidency(schedule_positions, micro_batch=lambda: forward,
-                            host_bytes=lambda: dict(host),
-                            device_bytes=lambda k: device.get(k, 0))
+def residency(schedule_positions, forward: int, host: dict, device: dict,
+              older_bytes: tuple | None = None):
+    """The runtime's Residency object, reading this walk's host and device bytes.
+    `older_bytes`: (the older resident micro-batches' largest layer on host, their device
+    bytes), where the walk has read them already (the figures `reserve` would read)."""
+    out = ForwardResidency(schedule_positions, micro_batch=lambda: forward,
+                           host_bytes=lambda: dict(host),
+                           device_bytes=lambda k: device.get(k, 0))
+    if older_bytes is not None:
+        out.read_older(older_bytes)
+    return out
+
+
+def _reserves(pos, reload: int, device: int):
+    """`ForwardResidency.reserve` at one forward's position and older bytes: `reserve_at`,
+    remembered per whole micro-batch (a decision asks twice, uniform loads' layers alike)."""
+    table: dict = {}
+
+    def reserve(layer: int, whole_micro_batch_bytes: int) -> Reserve:
+        hit = table.get(whole_micro_batch_bytes)
+        if hit is None:
+            hit = table[whole_micro_batch_bytes] = reserve_at(pos, whole_micro_batch_bytes,
+                                                              reload, device)
+        return hit
+    return reserve
 
 
 class ForwardResidency(Residency):
@@ -85,6 +105,8 @@ class ForwardResidency(Residency):
 
     _older = None
     _order = None
+    _evictable_of = None   # the tracker `_evictable` was summed over, at its `changes`
+    _evictable_at = -1
 
     def position(self):
         """The forward's place in the schedule: fixed for this object's life."""
@@ -98,12 +120,19 @@ class ForwardResidency(Residency):
         self.position()
         return self._order
 
+    def read_older(self, older_bytes: tuple[int, int]) -> None:
+        """The older ones' (largest layer on host, device bytes), as the walk read them:
+        `reserve` reads nothing more, and is one table lookup per call from now on."""
+        if self.position() is not None and self.enabled:
+            self._older = older_bytes
+            self.reserve = _reserves(self._pos, *older_bytes)
+
     def evictable(self, tracker) -> int:
         """The base's sum, again only after the tracker moved something (it is asked at
         every decision, over up to pp older micro-batches)."""
-        if self.__dict__.get("_evictable_at") != (tracker, tracker.changes):
+        if self._evictable_of is not tracker or self._evictable_at != tracker.changes:
             self._evictable = super().evictable(tracker)
-            self._evictable_at = (tracker, tracker.changes)
+            self._evictable_of, self._evictable_at = tracker, tracker.changes
         return self._evictable
 
     def reserve(self, layer: int, whole_micro_batch_bytes: int) -> Reserve:

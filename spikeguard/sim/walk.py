@@ -20,7 +20,8 @@ copies per token), so that one walk serves every rank and step that share its lo
 
 Decisions are pure functions of (chunk, loads, bytes in use, gradients still to come, the
 schedule position, what older resident micro-batches hold, the guard's memory), so one
-forward is memoised on that key (of the older ones' bytes, the sums it reads: `forward`).
+forward is memoised on that key (of the older ones' bytes, the sums it reads:
+sim/forward_memo.py).
 
 Time of a micro-batch on this rank: forward FLOPs at the device's achieved rate plus the
 all-to-all (dispatch and combine), backward `backward_ratio` (2) times the forward's
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Optional
 
 from spikeguard.extras import require
@@ -40,12 +42,10 @@ np = require("numpy", "sim", "spikeguard simulate")   # the `sim` extra
 
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.planner import Planner
-from spikeguard.plan.residency import grads_at_backward
 from spikeguard.plan.room import Seen, forward_transient_bytes_per_routed
-from spikeguard.sim.chunk import HEAD, Chunk, Forward, Memory
+from spikeguard.sim.chunk import HEAD, Chunk, Memory
+from spikeguard.sim.forward_memo import ForwardMemo
 from spikeguard.sim.residents import positions_of as _positions
-from spikeguard.sim.residents import residency as _residency
-from spikeguard.sim.residents import spread as _spread
 from spikeguard.sim.config import SimConfig
 from spikeguard.plan.layer_room import (BACKWARD, FORWARD, MICRO_BATCH_CODES, LayerRoom, Probe,
                                         expert_grads)
@@ -53,6 +53,9 @@ from spikeguard.sim.schedule import Op, stage_ops
 from spikeguard.sim.shape import DeviceModel, StageShape
 from spikeguard.sim.stage_times import StageTimes
 from spikeguard.sim.uniform import schedule_facts, walk_uniform_static
+
+
+_pending = attrgetter("pending")
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class WalkResult:
     where: Optional[dict] = None
 
 
-class StageWalker(StageTimes):
+class StageWalker(StageTimes, ForwardMemo):
     """Walks one stage's schedule for one policy; memoises forwards."""
 
     def __init__(self, cfg: SimConfig, dm: DeviceModel, stage: StageShape, policy: str,
@@ -224,10 +227,11 @@ class StageWalker(StageTimes):
         """One chunk's forward (or the safety net's re-run of it); True when it runs out."""
         counts, k = self._counts(load, op), w.k
         to_come = self.stage.chunk_grad_bytes[op.chunk] if op.chunk not in w.grads_done else 0
-        resident = max([f.pending for f in w.fwds.values()], default=0)
+        resident = max(map(_pending, w.fwds.values()), default=0)
         grads = self.grads_by_layer(len(counts), k, to_come)
         older = self.positions[k].older if self.positions else ()
-        reload = max([w.host_max[o] for o in older if o in w.host_max], default=0)
+        host_max = w.host_max
+        reload = max([host_max[o] for o in older if o in host_max], default=0) if host_max else 0
         fwd = self.forward(op.chunk, counts, w.in_use, k, w.host, w.device, w.memory, to_come,
                            resident, w.evictable, grads, reload)
         if self.policy == "adaptive" and w.in_use + fwd.peak > self.capacity and not fwd.failed:
@@ -259,11 +263,11 @@ class StageWalker(StageTimes):
                 key = (newest_first[index], "evicted")
                 w.host[key] = w.host.get(key, 0) + n
                 w.host_max[key[0]] = max(w.host_max.get(key[0], 0), w.host[key])
-        w.in_use += fwd.kept - fwd.resident_freed
+        w.in_use += fwd.kept - fwd.resident_freed if fwd.resident_evictions else fwd.kept
         w.live[(op.micro_batch, op.chunk)], w.device[k], w.fwds[k] = k, fwd.kept, fwd
         w.evictable[k] = fwd.evictable
-        w.host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
-        if fwd.host and max(fwd.host) > 0:
+        if fwd.host and max(fwd.host) > 0:   # (host bytes are never negative)
+            w.host.update({(k, layer): n for layer, n in enumerate(fwd.host) if n})
             w.host_max[k] = max(fwd.host)
         w.k += 1
         return False
@@ -313,83 +317,6 @@ class StageWalker(StageTimes):
         if isinstance(load, (int, np.integer)):
             return (int(load),) * len(chunk)
         return tuple(int(c) for c in load[op.micro_batch, list(chunk)])
-
-    def forward(self, chunk: int, counts: tuple[int, ...], in_use: int, k: int = 0,
-                host: dict | None = None, device: dict | None = None,
-                memory: Optional[Memory] = None, grads_to_come: int = 0,
-                resident_backward: int = 0, evictable: dict | None = None,
-                grads: Optional[tuple] = None, reload: Optional[int] = None) -> Forward:
-        """The k-th forward of the stage. Adaptive decisions depend on the bytes in use,
-        the gradients still to come, the guard's memory and, through the residency
-        forecast, on the schedule position and what the older resident micro-batches hold
-        on the device and host: all of it is the memo key. Of the older ones' bytes the
-        decisions read sums only (the reserve their device bytes and their largest host
-        layer, the evictor their evictable total: plan/residency.py); which of them an
-        eviction takes is the one thing their split decides, and it is spread again over
-        this forward's split (sim/residents.py `spread`)."""
-        if self.policy != "adaptive":
-            # the same on every stage whose chunk has the same ends (sim/chunk.py `static`)
-            key = (self.policy, self.first_chunk(chunk), self.last_chunk(chunk), counts)
-            hit = self._statics.get(key)
-            if hit is None:
-                hit = self._statics[key] = self.chunks.static(chunk, counts)
-            return hit
-        host, device, evictable = host or {}, device or {}, evictable or {}
-        memory, memory_id = self._next_micro_batch(memory or self.initial_state().memory)
-        pos = self.positions[k]
-        older = pos.older
-        if reload is None:   # the largest layer of the older ones on host (the walk's own)
-            reload = max([n for (o, _), n in host.items() if o in older], default=0)
-        grads = grads or self.grads_by_layer(len(counts), k, grads_to_come)
-        key = (chunk, counts, in_use, grads, resident_backward, pos.to_add,
-               pos.at_backward, reload, sum([device.get(o, 0) for o in older]),
-               sum([evictable.get(o, 0) for o in older]), memory_id)
-        hit = self._memo.get(key)
-        if hit is None:
-            residency = _residency(self.positions, k, host, device)
-            hit = self._memo[key] = self.chunks.adaptive(chunk, counts, in_use, residency,
-                                                         evictable, memory, grads,
-                                                         resident_backward)
-        elif hit.resident_evictions:
-            taken = _spread(hit.resident_freed, [evictable.get(o, 0) for o in reversed(older)])
-            if taken != hit.resident_evictions:
-                hit = replace(hit, resident_evictions=taken)
-        return hit
-
-    def grads_by_layer(self, num_layers: int, k: int, grads_to_come: int) -> tuple:
-        """Layer of the chunk -> gradient bytes not allocated yet that exist by the k-th
-        forward's backward there, as the runtime's guard counts them (runtime/grads.py:
-        the layer's own and those above; plan/residency.py, grads_at_backward: all of
-        them when an older resident micro-batch's backward runs first)."""
-        key = (num_layers, k, grads_to_come)
-        hit = self._grads.get(key)
-        if hit is None:
-            lg = self.dm.layer_grad_bytes
-            by_layer = {i: max(0, grads_to_come - i * lg) if grads_to_come else 0
-                        for i in range(num_layers)}
-            pos = self.positions[k] if k < len(self.positions) else None
-            by_layer = grads_at_backward(by_layer, pos)
-            hit = self._grads[key] = tuple(by_layer[i] for i in range(num_layers))
-        return hit
-
-    def _next_micro_batch(self, memory: Memory) -> tuple[Memory, int]:
-        """The guard's memory as the next micro-batch starts (`Seen.next_micro_batch`),
-        and a number that stands for its value in the forwards' memo key (equal memories,
-        equal numbers): remembered per room object and the figures the next memory has
-        besides (max_routed reset), since hashing a memory is hashing its slopes and
-        window state, and each computed forward hands on a new Memory with the same room
-        (one in three forwards of `1t`'s adaptive walk missed when this was per object)."""
-        seen = memory.seen
-        key = (id(memory.room), seen.layer_bytes_per_token, seen.routed_per_token,
-               memory.head_per_token)
-        hit = self._next.get(key)
-        if hit is None or hit[0] is not memory.room:
-            if len(self._next) >= 1 << 12:
-                self._next.clear()
-            after = replace(memory, seen=seen.next_micro_batch())
-            number = self._memory_ids.setdefault(after, len(self._memory_ids))
-            hit = self._next[key] = (memory.room, after, number)
-        return hit[1], hit[2]
 
     # ---- pieces the chunk uses -----------------------------------------------------------
     def first_chunk(self, chunk: int) -> bool:

@@ -191,3 +191,38 @@ def test_the_keep_all_shortcut_decides_as_the_ranking_would():
         assert walk is not None and fast.plan == walk.plan, (headroom, room)
         assert fast.device_bytes == walk.device_bytes_per_token * NUM_ROUTED
     assert planner.ranked()[0].plan == ALL_SAVE and planner.ranked()[0].s_per_token == 0
+
+
+class _ConstantBytes(Planner):
+    """A planner whose layers keep bytes whatever the count (as titan_blocks' adapter)."""
+
+    def layer_bytes(self, plan: LayerPlan) -> tuple[int, int]:
+        return (3000, 0) if plan.action("gate_up") is Action.SAVE else (1000, 500)
+
+
+@pytest.mark.parametrize("kind", [Planner, _ConstantBytes])
+def test_decide_takes_the_first_ranked_plan_that_fits_both_passes(kind):
+    """decide's loop (written out, no layer_bytes call where it is Planner's own) against
+    the ranking walked with `_fits` as it is written, over headrooms and backward rooms on
+    both sides of every plan's edge: the same plan, the same bytes and seconds."""
+    planner = kind(SHAPE, _cost())
+    edges = set()
+    for r in planner.ranked():
+        device, offload = planner.layer_bytes(r.plan)
+        need = r.device_bytes_per_token * NUM_ROUTED + device
+        back = need + offload + r.offload_bytes_per_token * NUM_ROUTED
+        edges |= {need - 1, need, back - 1, back}
+    edges = sorted(edges)
+    checked = 0
+    for headroom in edges:
+        for room in [None] + edges:
+            walk = next((r for r in planner.ranked()
+                         if planner._fits(r, NUM_ROUTED, headroom, room) is not None), None)
+            if walk is None:
+                continue
+            d = planner.decide(NUM_ROUTED, headroom, 0, room)
+            assert d.plan == walk.plan, (kind.__name__, headroom, room)
+            assert d.device_bytes == planner._fits(walk, NUM_ROUTED, headroom, room)
+            assert d.added_s == walk.s_per_token * NUM_ROUTED and d.evict_bytes == 0
+            checked += 1
+    assert checked > 100

@@ -1,7 +1,8 @@
 """The walk's memo key holds only the sums of what the older resident micro-batches hold
-(sim/walk.py `forward`): which of them an eviction takes is spread again over the split
-at hand (sim/residents.py `spread`). Here `spread` is checked against the runtime's own
-Residency.evict, through the walk's tracker, for many splits and request sequences.
+(sim/forward_memo.py `forward`): which of them an eviction takes is spread again over the
+split at hand (sim/residents.py `spread`). Here `spread` is checked against the runtime's
+own Residency.evict, through the walk's tracker, for many splits and request sequences,
+and the reserve a forward reads from the walk's figures against Residency.reserve.
 
     .venv/bin/python -m pytest tests/sim/test_sim_residents.py -q
 """
@@ -78,3 +79,29 @@ def test_a_remembered_forward_takes_from_the_split_at_hand():
     assert len(w._memo) == remembered             # looked up, not computed again
     assert second.resident_evictions != first.resident_evictions
     assert second == forward(walker(), in_use, split)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_forward_reads_the_older_ones_once_as_the_runtime_would(seed):
+    """`residency(..., older_bytes)` (the walk's figures, read for the memo key) reserves
+    what the runtime's Residency.reserve reads from the host and device bytes itself, at
+    every whole micro-batch and layer, asked in any order and again."""
+    from spikeguard.plan.residency import Residency
+
+    rng = random.Random(seed)
+    older = tuple(range(rng.randrange(0, 3), rng.randrange(3, 9)))
+    pos = SchedulePosition(forward=older[-1] + 1, phase="steady", resident=len(older),
+                           to_add=rng.randrange(0, 4), at_backward=rng.randrange(0, 16),
+                           older=older)
+    positions = [pos] * (pos.forward + 1)
+    device = {o: rng.randrange(0, 10**9) for o in older + (pos.forward + 5,)}
+    host = {(o, layer): rng.randrange(1, 10**8) for o in older + (pos.forward + 5,)
+            for layer in range(3) if rng.random() < 0.4}
+    reload = max([n for (o, _), n in host.items() if o in older], default=0)
+    walk = residency(positions, pos.forward, host, device,
+                     (reload, sum(device[o] for o in older)))
+    runtime = Residency(positions, micro_batch=lambda: pos.forward,
+                        host_bytes=lambda: dict(host), device_bytes=lambda k: device.get(k, 0))
+    for _ in range(30):
+        layer, whole = rng.randrange(0, 6), rng.choice([0, 1, rng.randrange(1, 10**10)])
+        assert tuple(walk.reserve(layer, whole)) == tuple(runtime.reserve(layer, whole))
