@@ -48,6 +48,9 @@ def run_window(door: WindowDoor, block: MoEBlock, dispatched) -> torch.Tensor:
 
 class BuiltinAdapter(BlockAdapter):
     looked_for = "spikeguard MoEBlock"
+    # spikeguard/parallel/expert_parallel.py: the sent rows and the received ones go once
+    # the received are regrouped, before `run_window`
+    exchange_freed_before_window = True
 
     @staticmethod
     def find(model: nn.Module) -> Optional["BuiltinAdapter"]:

@@ -15,6 +15,9 @@ change nothing.
                        (the reserve is negative where older residents are freed first)
     layer shortfall  = max(layer's forward peak, layer's backward peak + backward reserve)
                        - budget: to evict first, whatever the plan
+    at a layer's entry: in use + its attention part + its least expert path (+ still to
+                       come), and under expert parallelism at least in use + its attention
+                       part + the dispatch exchange's sent and received rows
 
     .venv/bin/python -m spikeguard.plan.room      # microseconds per decision, 8 x 64
 """
@@ -196,6 +199,13 @@ class EntryState:
     seen: Seen
     resident_backward_bytes: int = 0   # as in WindowState
     forward_extra_bytes: int = 0       # as in WindowState
+    # Under expert parallelism, where the dispatch exchange's rows are freed before the
+    # decision (the built-in dispatcher): the rows sent, per token of the micro-batch, and
+    # the rows received, per routed copy. Both are alive at once during the layer's
+    # dispatch, beside all it grew by up to its decision, and in none of that growth.
+    # 0: no exchange (one process, the simulator).
+    sent_bytes_per_token: int = 0
+    received_bytes_per_routed: int = 0
 
 
 def entry_estimate(state: EntryState) -> Optional[tuple[int, float]]:
@@ -211,7 +221,8 @@ def entry_estimate(state: EntryState) -> Optional[tuple[int, float]]:
 def entry_overflow(state: EntryState, forecast: ToCome) -> tuple[int, int]:
     """(overflow, own overflow) at a layer's entry with its expert path at the least the
     planner can keep: the bytes over budget with what is still to come in the micro-batch,
-    and without it (what must leave the device before this layer's own forward can run).
+    and without it (what must leave the device before this layer's own forward can run);
+    under expert parallelism each at least the dispatch's peak (EntryState's exchange rows).
     Not positive where it fits; (0, 0) before an attention part was measured."""
     estimate = entry_estimate(state)
     if estimate is None:
@@ -222,7 +233,18 @@ def entry_overflow(state: EntryState, forecast: ToCome) -> tuple[int, int]:
                                      state.num_tokens)
     own = (state.in_use_bytes + least + state.resident_backward_bytes
            + state.forward_extra_bytes - state.budget_bytes)
-    return int(own + to_come), int(own)
+    overflow = own + to_come
+    rows = (state.sent_bytes_per_token * state.num_tokens
+            + state.received_bytes_per_routed * routed)
+    if rows:
+        # The dispatch's peak: the exchange's rows beside what the layer grows by up to its
+        # decision, on top of all that is in use now. It is over by the decision, before
+        # anything the rest of the micro-batch adds (`medium`, EP=2, 0.7x, CPU, emulated
+        # device: the regrouping copy of the received rows ran out 1 MiB over a budget this
+        # check said had 6 MiB to spare, one safety-net re-run per rank every other step).
+        at_dispatch = state.in_use_bytes + layer_part + rows - state.budget_bytes
+        own, overflow = max(own, at_dispatch), max(overflow, at_dispatch)
+    return int(overflow), int(own)
 
 
 def layer_cannot_fit(state: EntryState, forecast: ToCome) -> bool:

@@ -60,6 +60,10 @@ class BlockAdapter:
     #: then adaptive's per-layer fallback is agreed by the expert-parallel group
     #: (`agreement().any_rank`) before the layer runs, so all its ranks recompute it or none
     layer_fallback_agreed = False
+    #: whether, under expert parallelism, the dispatch exchange's sent and received rows are
+    #: freed before the decision window opens (then they are in no growth the window
+    #: measures, and a layer's entry check adds them: plan/room.py `EntryState`)
+    exchange_freed_before_window = False
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module]):
         self.model = model

@@ -113,7 +113,7 @@ class Guard:
             planner=self.planner, shape=self.shape, ctx=self.ctx, tracker=self.tracker,
             engine=self.engine, forecast=self.forecast, layer_room=self.layer_room,
             num_layers=len(self.moe_blocks), on_cuda=self.device.type == "cuda",
-            recorder=lambda: self._recorder)
+            recorder=lambda: self._recorder, exchange_rows=self._exchange_rows())
         self.engine.on_reload = (   # a host copy came back: the open step counts it
             lambda n, where: self._recorder is not None and self._recorder.note_reload(n, where))
         self.hookless = HooklessLayers(self.window, self.tracker, self.ledger, self.shape,
@@ -152,6 +152,14 @@ class Guard:
                    if self.group is not None else 0.0)
         return Forecast.for_model(self.model, len(self.moe_blocks), shared[0] if shared else None,
                                   2 * head_logit_bytes(self.model), combine)
+
+    def _exchange_rows(self) -> tuple[int, int]:
+        """Under EP, the dispatch exchange's rows the window measures in no growth: sent
+        per token (top-k rows), received per routed copy (one row); see the adapter."""
+        if self.group is None or not self.adapter.exchange_freed_before_window:
+            return 0, 0
+        row = self.shape.d_model * self.shape.elem_bytes
+        return self.adapter.top_k() * row, row
 
     # ---- life cycle -------------------------------------------------------------------
     def _static_bytes(self) -> int:

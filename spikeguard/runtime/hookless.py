@@ -315,7 +315,7 @@ class HooklessLayers:
         grads = w.grads_to_come.get(layer, 0) if walk.grads is None else walk.grads
         entry = EntryState(layer, w.budget_bytes, in_use - walk.layer_part, w.num_tokens,
                            w.planner.min_bytes_per_token, walk.seen, walk.resident,
-                           extra["forward_extra_bytes"])
+                           extra["forward_extra_bytes"], *w.exchange_rows)
         facts = LayerFacts(
             layer=layer, budget_bytes=w.budget_bytes, num_routed=walk.routed,
             layer_part_bytes=walk.layer_part, max_routed=walk.routed, num_tokens=w.num_tokens,

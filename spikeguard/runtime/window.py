@@ -44,7 +44,8 @@ class DecisionWindow:
     def __init__(self, *, policy: str, budget_bytes: int, ledger: Ledger, planner, shape,
                  ctx: Context, tracker: SavedTensorTracker, engine: OffloadEngine,
                  forecast: Forecast, layer_room: LayerPeaks, num_layers: int, on_cuda: bool,
-                 recorder: Callable[[], Optional[StepRecorder]]):
+                 recorder: Callable[[], Optional[StepRecorder]],
+                 exchange_rows: tuple[int, int] = (0, 0)):
         self.policy = policy
         self.budget_bytes = budget_bytes
         self.ledger = ledger
@@ -58,6 +59,9 @@ class DecisionWindow:
         self.num_layers = num_layers
         self.on_cuda = on_cuda
         self.recorder = recorder   # the open step's recorder, or None outside a step
+        # Under EP: the dispatch's sent rows per token, received rows per routed copy, which
+        # the entry check adds (plan/room.py EntryState); (0, 0) without an exchange.
+        self.exchange_rows = exchange_rows
         # Earlier decisions: the largest routed count of this micro-batch (reset per
         # micro-batch), the largest attention part and routed copies per token (kept).
         self.seen = Seen()
@@ -211,7 +215,7 @@ class DecisionWindow:
         entry = EntryState(layer, self.budget_bytes, self.ledger.in_use(), self.num_tokens,
                            self.planner.min_bytes_per_token, self.seen,
                            self._resident_backward(),
-                           self.fsdp_extra(layer)["forward_extra_bytes"])
+                           self.fsdp_extra(layer)["forward_extra_bytes"], *self.exchange_rows)
         # Its backward is a working set later micro-batches must leave room for too.
         if not entry_fallback(entry, self.forecast, self.layer_room.room,
                               self.grads_to_come.get(layer, 0), self._evictor(mb, layer),

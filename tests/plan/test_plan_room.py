@@ -12,7 +12,8 @@ import pytest
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs, entry_estimate,
-                                  forward_transient_bytes_per_routed, layer_cannot_fit)
+                                  entry_overflow, forward_transient_bytes_per_routed,
+                                  layer_cannot_fit)
 
 
 class FakeResidency:
@@ -129,6 +130,33 @@ def test_layer_entry_by_hand():
     busy = dataclasses.replace(seen, max_routed=100)
     assert entry_estimate(_entry(0, busy)) == (1000, 100)
     assert layer_cannot_fit(_entry(need, busy), _forecast())
+
+
+def test_layer_entry_with_the_dispatch_exchange_by_hand():
+    # Under EP the dispatch holds its sent rows (8 B per token: 160) and received ones (4 B
+    # per routed copy: 4 * 40 = 160) beside the attention part (1000), gone by the decision:
+    # a peak of 10_000 + 1000 + 320 = 11_320, over the least plan's 11_200 but not over the
+    # least plan and what is still to come (STILL_TO_COME, later).
+    seen = Seen(max_routed=30, layer_bytes_per_token=50.0, routed_per_token=2.0)
+    rows = dict(sent_bytes_per_token=8, received_bytes_per_routed=4)
+    for budget in (11_320, 11_319, 11_100):
+        plain, exchange = _entry(budget, seen), dataclasses.replace(_entry(budget, seen), **rows)
+        overflow, own = entry_overflow(plain, _forecast())
+        assert own == 11_200 - budget and overflow == own + STILL_TO_COME
+        assert entry_overflow(exchange, _forecast()) == (overflow, max(own, 11_320 - budget))
+    # with little else to come, the dispatch is the larger of the two, in both figures
+    tight = dataclasses.replace(_entry(11_000, seen), num_tokens=20, **rows)
+    assert entry_overflow(tight, FixedToCome(0)) == (320, 320)
+    assert entry_overflow(dataclasses.replace(tight, **dict.fromkeys(rows, 0)),
+                          FixedToCome(0)) == (200, 200)
+
+
+class FixedToCome:
+    def __init__(self, bytes_to_come: int):
+        self.bytes_to_come = bytes_to_come
+
+    def still_to_come(self, *args) -> int:
+        return self.bytes_to_come
 
 
 def test_no_layer_entry_check_before_an_attention_part_was_measured():
