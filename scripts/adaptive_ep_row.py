@@ -16,6 +16,7 @@ CPU figures, emulated device.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--fraction", type=float, default=0.7)
     args = parser.parse_args()
+    _check(parser, args)
     init_worker()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -75,6 +77,22 @@ def main() -> None:
         print("\n".join(every), flush=True)
     guard.detach()
     close_gloo()
+
+
+def _check(parser, args) -> None:
+    """Bad input: one line, exit 2, before any rank builds a model."""
+    from spikeguard.model.config import PRESETS
+    why = ""
+    if args.preset not in PRESETS:
+        why = f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset!r}"
+    elif min(args.batch_size, args.micro_batches) < 1 or args.reps < 2:
+        why = "--batch-size and --micro-batches take 1 or more, --reps 2 or more"
+    elif not 0 < args.fraction <= 1:
+        why = f"--fraction must be in (0, 1], got {args.fraction}"
+    elif int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        why = "run it under torch.distributed.run --nproc-per-node 2 (or more)"
+    if why:
+        parser.exit(2, f"adaptive_ep_row.py: {why}\n")
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ def titan_ratios(record: dict) -> str:
     lines = _lines(record["stdout"])
     return "\n".join([line for line in lines if line.startswith("budget ")] + [""]
                      + [line for line in lines if line.startswith("|")]) + "\n\n" + \
-        _example(record, "read the ratios as +-0.1")
+        _example(record, "read the wall-clock ratios as +-0.1, the CPU column by its interval")
 
 
 def _from_json(path: str) -> Callable[[dict], str]:
@@ -258,7 +258,7 @@ _BLOCKS = [
     Block("bench-pp", "make bench-pp", bench_readme, source="docs/bench_pp.json"),
     Block("sim-1t", SIM, sim_readme, output="sim.json", timeout_s=1200),
     Block("sim-1t-docs", SIM_DOCS, sim_docs, output="sim.json", record="sim-scaling"),
-    Block("titan-ratios", ".venv/bin/python -m spikeguard.bench.titan_ratios --reps 7 --steps 8",
+    Block("titan-ratios", ".venv/bin/python -m spikeguard.bench.titan_ratios --reps 21 --steps 8",
           titan_ratios, timeout_s=1200),
     Block("decision-time", ".venv/bin/python -m spikeguard.plan.room",
           stdout_block("timings, the p90 tail most, follow the machine's load")),

@@ -144,6 +144,10 @@ EXAMPLES: dict = {
         Listed("two `medium` ranks for 15 min here (about 9 GB each): the same module as the "
                "`small` line above it, which tests/bench/test_bench_oracle.py runs under "
                "torchrun on `tiny`"),
+    "python -m torch.distributed.run --standalone --nproc-per-node 2 "
+    "scripts/adaptive_ep_row.py --preset medium --batch-size 4 --reps 8 --fraction 0.7":
+        Listed("two `medium` ranks for minutes here (about 9 GB each); the entry term it "
+               "shows is held on `small` by tests/runtime/test_runtime_entry_exchange.py"),
     "torchrun --nproc-per-node 2 scripts/hf_ep_span_cost.py --reps 7":
         Run(cap={"--reps": 1}, expect=("recording on", "recording every"), timeout_s=300,
             long=True),
@@ -222,7 +226,7 @@ EXAMPLES: dict = {
     "torchrun --nproc-per-node 8 -m torchtitan.train --module my_pkg --config my_run "
     "--spikeguard.budget 60GiB": Listed("a user's config module and 8 GPUs; the same entry "
                                         "point on CPU is test_integrations_titan_train.py's"),
-    "python -m spikeguard.bench.titan_ratios --reps 7 --steps 8":
+    "python -m spikeguard.bench.titan_ratios --reps 21 --steps 8":
         Run(cap={"--reps": 2, "--steps": 2}, timeout_s=240, long=True),   # --reps >= 2
 }
 

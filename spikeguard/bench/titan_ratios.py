@@ -145,8 +145,9 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
                 guard = spikeguard.attach(model, budget="1GiB" if setting == "none" else budget,
                                           policy=setting, optimizer=opt)
             torch.distributed.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             peak = max(one_step(guard, i, meter) for i in range(steps))
+            cpu_s = time.process_time() - cpu_start   # this rank's CPU, before the barrier
             torch.distributed.barrier()
             seconds = time.perf_counter() - start
             moved = {} if guard is None else moved_of(guard.history)
@@ -155,7 +156,8 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
             if meter is not None:
                 restore_blocks(model, originals)
                 meter.close()
-            rows.append({"rep": rep, "setting": setting, "s": seconds, "peak": peak,
+            rows.append({"rep": rep, "setting": setting, "s": seconds, "cpu_s": cpu_s,
+                         "peak": peak,
                          "tokens": steps * 2 * batch * seq, **moved})
     (Path(out) / f"{rank}.json").write_text(json.dumps({"budget": budget, "rows": rows}))
     del model, opt, guard, probe, meter
@@ -193,7 +195,9 @@ def main(argv=None) -> int:
     print(f"budget {ranks[0]['budget'] / 2**20:.2f} MiB (calm peak x 1.04, worst rank); "
           f"medians of {args.reps} interleaved rounds (first dropped), EP=2, CPU, emulated device")
     print("\n".join(table(rows, peaks, ranks[0]["budget"])))
-    print("(vs ceiling: per-round ratios, median (quartiles); peak: the device's whole count, "
+    print("(vs ceiling: per-round ratios of wall-clock tokens/s, median (quartiles); the CPU "
+          "column the same of rank 0's CPU seconds, with the median's 95% interval; "
+          "peak: the device's whole count, "
           "the optimizer step included; the ceiling's is none's, which keeps the same; "
           "titan-*: torchtitan's own activation checkpointing, unguarded, 'ran out' where a "
           "step passed the budget on a rank)")
@@ -205,9 +209,11 @@ def table(rows: list[dict], peaks: dict, budget: int = 0) -> list[str]:
     evictions are rank 0's, summed over the timed rounds' steps. An unguarded torchtitan
     AC row whose peak passed `budget` ran out (on a device, at the allocation)."""
     ceiling = {r["rep"]: r["s"] for r in rows if r["setting"] == "ceiling"}
-    lines = ["| setting | tokens/s (rank 0) | vs ceiling | rounds for +-0.01 | peak (worst rank) "
-             "| save / recompute / offload (rank 0) | evicted (rank 0) |",
-             "|---|---|---|---|---|---|---|"]
+    ceiling_cpu = {r["rep"]: r.get("cpu_s") for r in rows if r["setting"] == "ceiling"}
+    lines = ["| setting | tokens/s (rank 0) | vs ceiling | rounds for +-0.01 | vs ceiling, "
+             "rank 0's CPU [95%] | peak (worst rank) | save / recompute / offload (rank 0) "
+             "| evicted (rank 0) |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in [s for s in SETTINGS if any(r["setting"] == s for r in rows)]:
         mine = [r for r in rows if r["setting"] == s and r["rep"] > 0]
         tps = statistics.median(r["tokens"] / r["s"] for r in mine)
@@ -219,10 +225,19 @@ def table(rows: list[dict], peaks: dict, budget: int = 0) -> list[str]:
                  "prefetched_bytes": sum(r["prefetched_bytes"] for r in guarded)} \
             if guarded else {"decisions": {}}
         out = budget and s in TITAN_AC and peaks[s] > budget
+        timed = s != "ceiling" and not out and all(r.get("cpu_s") is not None for r in mine)
+        cpu = _cpu_cell(ratio_spread([r["cpu_s"] for r in mine],
+                                     [ceiling_cpu[r["rep"]] for r in mine])) if timed else "-"
         lines.append(f"| {s} | {tps:.0f} | {'ran out' if out else cell(vs)} | "
-                     f"{'-' if s == 'ceiling' else needed(vs)} | {peak} | "
+                     f"{'-' if s == 'ceiling' else needed(vs)} | {cpu} | {peak} | "
                      + " | ".join(decision_cells(moved)) + " |")
     return lines
+
+
+def _cpu_cell(s: dict) -> str:
+    """'0.962 [0.95-0.97] (~40)': the median CPU ratio, its 95% interval, the rounds for
+    +-0.01 (CPU time is blind to the waits in collectives: a rank's own work only)."""
+    return f"{s['median']:.3f} [{s['ci95'][0]:.2f}-{s['ci95'][1]:.2f}] ({needed(s)})"
 
 
 if __name__ == "__main__":

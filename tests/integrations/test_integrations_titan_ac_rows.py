@@ -61,8 +61,13 @@ def test_every_row_is_in_the_table_with_its_spread_and_peak(capsys):
             for line in out.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(SETTINGS) <= set(rows)
     for s in TITAN_AC:
-        name, tokens, ratio, needed, peak, decisions, evicted = (c.strip() for c in rows[s])
+        name, tokens, ratio, needed, cpu, peak, decisions, evicted = \
+            (c.strip() for c in rows[s])
         assert float(tokens) > 0 and needed.startswith("~")
+        if ratio != "ran out":   # rank 0's CPU: median [95% interval] (rounds for +-0.01)
+            median, rest = cpu.split(" [")
+            low, high = (float(v) for v in rest.split("]")[0].split("-"))
+            assert low - 0.005 <= float(median) <= high + 0.005 and rest.endswith(")")
         peak_mib = float(peak.split(" MiB")[0])
         # The device counts the model and AdamW's state (0.77 MiB on this model), the
         # gradients (0.26 MiB) and the activations: 2.1-2.6 MiB measured; 1.0 without the
