@@ -41,6 +41,7 @@ import torch
 import spikeguard
 from spikeguard.bench.spread import interval, ratio_spread, rounds_text
 from spikeguard.data.corpus import load_corpus
+from spikeguard.errors import UsageError
 from spikeguard.model import build_model, model_config
 
 POLICIES = ("plain", "none", "adaptive")
@@ -140,7 +141,10 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         torch.distributed.init_process_group("gloo")
         group = torch.distributed.group.WORLD
-    cfg, batches, models = _setup(group, args.hf, args.titan)
+    try:   # an unknown model type: one line, exit 2
+        cfg, batches, models = _setup(group, args.hf, args.titan)
+    except UsageError as err:
+        parser.exit(2, f"calm_overhead.py: {err}\n")
     budget = _budget(models, batches, group, args.budget_factor)
     guards = {p: spikeguard.attach(models[p], budget=budget, policy=p)
               for p in POLICIES if p != "plain"}
@@ -183,7 +187,8 @@ def main() -> None:
             / max(1, len(g.history) - 1)
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
-        print(f"calm step of {args.hf or args.titan or 'small'}, 8 x {cfg.seq_len} tokens per rank, {where}, "
+        name = args.hf or args.titan or "small"
+        print(f"calm step of {name}, 8 x {cfg.seq_len} tokens per rank, {where}, "
               f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, "
               f"budget {budget / 2**20:.1f} MiB")
         for p in POLICIES:
