@@ -96,21 +96,23 @@ def device_cost(cfg: SimConfig, dm: DeviceModel) -> CostModel:
                                 copies_overlap=dev.kind == "cuda")
 
 
-# Young-generation threshold of the cyclic garbage collector while `simulate` runs
-# (CPython's default 700). The walks' memos keep many small objects alive, and each older
-# collection traverses them again: at the defaults one 1,000-step adaptive run of `1t`
-# made ~800 young, ~70 middle and 4 full collections, and took 4.04, 4.27, 4.35 s of
-# CPU against 3.43 s at this threshold (13 young, no older ones) and 3.41-3.50 s with
-# the collector off (load ~3, CPU, emulated device). Its peak RSS was the same (301 MB)
-# in all three: the simulator makes few reference cycles, and they are still collected.
-YOUNG_GC_THRESHOLD = 50_000
+# The cyclic garbage collector's thresholds while `simulate` runs (CPython's default
+# (700, 10, 10)): young collections only, one per 10,000 allocations. The walks' memos
+# keep many small objects alive, and each older collection traverses them again: at the
+# defaults one 1,000-step adaptive run of `1t` made 802 young, 73 middle and 4 full
+# collections. Interleaved, four runs each (load ~2.5, CPU, emulated device): 4.14 s of
+# CPU at the defaults (4.06, 4.17, 4.22, 4.12), 3.54 s at these (3.46, 3.70, 3.63, 3.39;
+# 58 young collections, no older one), 3.75 s at (50,000, 10, 10) and 3.77 s with the
+# collector off: the simulator does make some cyclic garbage, which young collections
+# free. Peak RSS 301 MB in all four.
+RUN_GC_THRESHOLDS = (10_000, 1_000, 1_000)
 
 
 @contextmanager
-def fewer_collections(young: int = YOUNG_GC_THRESHOLD):
-    """The garbage collector's young threshold at `young` inside, as it was after."""
+def fewer_collections(thresholds: tuple[int, int, int] = RUN_GC_THRESHOLDS):
+    """The garbage collector's thresholds at `thresholds` inside, as they were after."""
     before = gc.get_threshold()
-    gc.set_threshold(max(young, before[0]), *before[1:])
+    gc.set_threshold(*thresholds)
     try:
         yield
     finally:

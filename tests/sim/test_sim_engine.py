@@ -157,12 +157,12 @@ def test_calibration_hits_the_target():
 
 
 def test_simulate_collects_less_often_and_puts_the_collector_back():
-    """While `simulate` runs the collector's young threshold is YOUNG_GC_THRESHOLD (fewer
-    traversals of the walks' memos); after it, and after a run that raises, the
-    thresholds are the caller's."""
+    """While `simulate` runs the collector's thresholds are RUN_GC_THRESHOLDS (fewer
+    traversals of the walks' memos); after it, and after a run that raises, they are the
+    caller's."""
     import gc
 
-    from spikeguard.sim.engine import YOUNG_GC_THRESHOLD, fewer_collections
+    from spikeguard.sim.engine import RUN_GC_THRESHOLDS, fewer_collections
 
     before = gc.get_threshold()
     try:
@@ -170,7 +170,7 @@ def test_simulate_collects_less_often_and_puts_the_collector_back():
         inside = []
         simulate(_cfg(**{"workload.steps": 2, "run.policies": ["adaptive"]}),
                  progress=lambda step: inside.append(gc.get_threshold()))
-        assert inside and set(inside) == {(YOUNG_GC_THRESHOLD, 9, 11)}
+        assert inside and set(inside) == {RUN_GC_THRESHOLDS} != {(700, 9, 11)}
         assert gc.get_threshold() == (700, 9, 11)
         with pytest.raises(KeyError), fewer_collections():
             raise KeyError("a run that fails")
