@@ -102,6 +102,23 @@ class Forecast:
         reserve = self.residency.reserve(layer, whole)[0]
         return int(post + remaining * per_layer + head + (self.resident_bytes + reserve))
 
+    def to_come_and_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
+                            min_expert_bytes_per_token: int, num_tokens: int) -> tuple[int, int]:
+        """(`still_to_come`, `backward_reserve`) of one decision, the pair
+        plan/room.py `decision_inputs` asks for: the same operations in the same order,
+        with one `residency.reserve` call for both (the simulator's `1t` makes 140k
+        decisions a run)."""
+        future_routed = max_routed_seen * (1 + self.load_margin)
+        post = (self.post_bytes_per_token + self.combine_bytes_per_token) * num_tokens
+        per_layer = layer_part_bytes + post + min_expert_bytes_per_token * future_routed
+        head = self.head_bytes_per_token * num_tokens
+        remaining = self.num_layers - layer - 1
+        if self.residency is None:
+            return int(post + remaining * per_layer + head + (self.resident_bytes + 0)), 0
+        forward, backward = self.residency.reserve(
+            layer, int(self.num_layers * per_layer + head))
+        return int(post + remaining * per_layer + head + (self.resident_bytes + forward)), backward
+
     def later_evictable(self, layer: int, layer_part_bytes: int) -> int:
         """Bytes that will be on the device to evict before this micro-batch's forward ends
         and are not yet: this layer's and the later layers' attention parts (saved tensors

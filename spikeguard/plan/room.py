@@ -166,24 +166,31 @@ def backward_above_end(backward_peak_bytes: int, end_in_use_bytes: int,
 def decision_inputs(state: WindowState, forecast: ToCome) -> Room:
     """Forward headroom and backward room of one decision (see the module doc)."""
     s = state
-    args = (s.layer, s.layer_part_bytes, s.max_routed, s.min_bytes_per_token,
-            s.num_tokens or s.num_routed)
-    to_come = forecast.still_to_come(*args)
-    transient = s.num_routed * s.transient_bytes_per_routed
-    headroom = (s.budget_bytes - s.in_use_bytes - to_come - transient - s.resident_backward_bytes
-                - s.forward_extra_bytes)
+    num_routed, budget, in_use = s.num_routed, s.budget_bytes, s.in_use_bytes
+    # Negative `reserve` when older resident micro-batches, in `in_use` now, are freed by
+    # their own backward before this one's starts: this one's backward finds that room
+    # free. (Held at 0, the last forward of stage 0 of PP=2 x EP=2 planned its backward
+    # beside the whole first micro-batch: ~20 MiB of a 64.9 MiB budget, on `small`.)
+    both = getattr(forecast, "to_come_and_reserve", None)   # Forecast's: one call for the two
+    if both is not None:
+        to_come, reserve = both(s.layer, s.layer_part_bytes, s.max_routed, s.min_bytes_per_token,
+                                s.num_tokens or num_routed)
+    else:
+        args = (s.layer, s.layer_part_bytes, s.max_routed, s.min_bytes_per_token,
+                s.num_tokens or num_routed)
+        to_come, reserve = forecast.still_to_come(*args), forecast.backward_reserve(*args)
+    headroom = (budget - in_use - to_come - num_routed * s.transient_bytes_per_routed
+                - s.resident_backward_bytes - s.forward_extra_bytes)
     margin = s.layer_part_bytes if s.prefetch and not s.last_layer else 0
-    # Negative when older resident micro-batches, in `in_use` now, are freed by their own
-    # backward before this one's starts: this one's backward finds that room free. (Held
-    # at 0, the last forward of stage 0 of PP=2 x EP=2 planned its backward beside the
-    # whole first micro-batch: ~20 MiB of a 64.9 MiB budget, on `small`.)
-    reserve = forecast.backward_reserve(*args)
-    backward_room = s.budget_bytes - s.in_use_bytes - margin - reserve - s.backward_extra_bytes
-    shortfall = max(0, s.layer_forward_peak_bytes - s.budget_bytes,
-                    (s.layer_backward_peak_bytes + reserve - s.budget_bytes)
-                    if s.layer_backward_peak_bytes else 0)
-    return Room(s.num_routed, headroom, s.evictable_bytes, backward_room, to_come, margin, reserve,
-                shortfall)
+    backward_room = budget - in_use - margin - reserve - s.backward_extra_bytes
+    # max(0, forward over, backward over) written out (ints: the same value)
+    shortfall = s.layer_forward_peak_bytes - budget
+    if s.layer_backward_peak_bytes:
+        backward_over = s.layer_backward_peak_bytes + reserve - budget
+        if backward_over > shortfall:
+            shortfall = backward_over
+    return Room(num_routed, headroom, s.evictable_bytes, backward_room, to_come, margin, reserve,
+                shortfall if shortfall > 0 else 0)
 
 
 @quick_init
@@ -224,13 +231,17 @@ def entry_overflow(state: EntryState, forecast: ToCome) -> tuple[int, int]:
     and without it (what must leave the device before this layer's own forward can run);
     under expert parallelism each at least the dispatch's peak (EntryState's exchange rows).
     Not positive where it fits; (0, 0) before an attention part was measured."""
-    estimate = entry_estimate(state)
-    if estimate is None:
+    # `entry_estimate` written out (the simulator's `1t` asks this 150k times a run)
+    seen, tokens = state.seen, state.num_tokens
+    if seen.layer_bytes_per_token <= 0:
         return 0, 0
-    layer_part, routed = estimate
+    layer_part = int(seen.layer_bytes_per_token * tokens)
+    routed = seen.routed_per_token * tokens
+    if not routed > seen.max_routed:   # max(seen.max_routed, routed): the first of equals
+        routed = seen.max_routed
     least = layer_part + state.min_bytes_per_token * routed
     to_come = forecast.still_to_come(state.layer, layer_part, routed, state.min_bytes_per_token,
-                                     state.num_tokens)
+                                     tokens)
     own = (state.in_use_bytes + least + state.resident_backward_bytes
            + state.forward_extra_bytes - state.budget_bytes)
     overflow = own + to_come

@@ -129,3 +129,29 @@ def test_eviction_dearer_than_the_recompute_falls_back_whole():
     entry = _entry(planner, 4000)
     assert entry_fallback(entry, _forecast(), Slopes(), 0, evictor, planner)
     assert evictor.asked == [10_000 + 1000 + 50_000 - entry.budget_bytes]
+
+
+def test_the_window_state_takes_each_fact_to_its_field():
+    """window_state builds WindowState positionally: every field gets its own fact (each
+    fact a different number here), as by keyword."""
+    import dataclasses
+
+    from spikeguard.plan.decide import LayerFacts, window_state
+    from spikeguard.plan.room import WindowState
+
+    numbers = iter(range(101, 200))
+    facts = LayerFacts(**{f.name: (next(numbers), next(numbers)) if f.name == "fixed_backward"
+                          else next(numbers) for f in dataclasses.fields(LayerFacts)})
+
+    class Slopes:
+        def needs(self, in_use, num_routed, grads_to_come, layer_part, fixed):
+            return (in_use, num_routed, grads_to_come, layer_part, fixed), -in_use
+
+    state = window_state(facts, 7, 9, Slopes())
+    shared = {f.name for f in dataclasses.fields(WindowState)} & set(facts.__dict__)
+    assert state == WindowState(
+        **{name: getattr(facts, name) for name in shared}, in_use_bytes=7, evictable_bytes=9,
+        layer_forward_peak_bytes=(7, facts.num_routed, facts.grads_to_come,
+                                  facts.layer_part_bytes, facts.fixed_backward),
+        layer_backward_peak_bytes=-7)
+    assert len(shared) == len(dataclasses.fields(WindowState)) - 4

@@ -11,9 +11,9 @@ import pytest
 
 from spikeguard.plan.catalogue import ExpertShape
 from spikeguard.plan.forecast import Forecast
-from spikeguard.plan.room import (EntryState, Seen, WindowState, decision_inputs, entry_estimate,
-                                  entry_overflow, forward_transient_bytes_per_routed,
-                                  layer_cannot_fit)
+from spikeguard.plan.room import (EntryState, Room, Seen, WindowState, decision_inputs,
+                                  entry_estimate, entry_overflow,
+                                  forward_transient_bytes_per_routed, layer_cannot_fit)
 
 
 class FakeResidency:
@@ -178,3 +178,112 @@ def test_room_imports_no_torch():
     code = ("import sys, spikeguard.plan.room; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+class TwoCalls:
+    """A forecast that has only the protocol's two methods (decision_inputs then asks
+    each), over a real Forecast."""
+
+    def __init__(self, forecast: Forecast):
+        self.still_to_come = forecast.still_to_come
+        self.backward_reserve = forecast.backward_reserve
+
+
+def _as_before(s: WindowState, forecast) -> Room:
+    """decision_inputs as it was written before its calls and max() were written out."""
+    args = (s.layer, s.layer_part_bytes, s.max_routed, s.min_bytes_per_token,
+            s.num_tokens or s.num_routed)
+    to_come = forecast.still_to_come(*args)
+    transient = s.num_routed * s.transient_bytes_per_routed
+    headroom = (s.budget_bytes - s.in_use_bytes - to_come - transient - s.resident_backward_bytes
+                - s.forward_extra_bytes)
+    margin = s.layer_part_bytes if s.prefetch and not s.last_layer else 0
+    reserve = forecast.backward_reserve(*args)
+    backward_room = s.budget_bytes - s.in_use_bytes - margin - reserve - s.backward_extra_bytes
+    shortfall = max(0, s.layer_forward_peak_bytes - s.budget_bytes,
+                    (s.layer_backward_peak_bytes + reserve - s.budget_bytes)
+                    if s.layer_backward_peak_bytes else 0)
+    return Room(s.num_routed, headroom, s.evictable_bytes, backward_room, to_come, margin, reserve,
+                shortfall)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_call_for_both_is_the_two_calls(seed):
+    """Forecast.to_come_and_reserve, which decision_inputs asks where a forecast has it,
+    gives what still_to_come and backward_reserve give, bit for bit (floats in the
+    per-token figures and the routed count), and the room is the same either way."""
+    import random
+
+    rng = random.Random(seed)
+    residency = None if seed % 4 == 0 else FakeResidency(rng.randrange(-5000, 5000),
+                                                         rng.randrange(-5000, 5000))
+    f = Forecast(num_layers=rng.randrange(1, 9), load_margin=rng.choice([0.25, 0.1, 0.0]),
+                 head_bytes_per_token=rng.uniform(0, 3000), residency=residency,
+                 post_bytes_per_token=rng.uniform(0, 50), resident_bytes=rng.randrange(99),
+                 combine_bytes_per_token=rng.choice([0.0, rng.uniform(0, 9)]))
+    for _ in range(25):
+        args = (rng.randrange(f.num_layers), rng.randrange(1, 10**6),
+                rng.choice([rng.randrange(1, 10**4), rng.uniform(1, 10**4)]),
+                rng.randrange(1, 300), rng.randrange(0, 4096))
+        both = f.to_come_and_reserve(*args)
+        assert repr(both) == repr((f.still_to_come(*args), f.backward_reserve(*args)))
+        state = _state(layer=args[0], layer_part_bytes=args[1], max_routed=args[2],
+                       min_bytes_per_token=args[3], num_tokens=args[4],
+                       num_routed=rng.randrange(1, 10**4), in_use_bytes=rng.randrange(10**5),
+                       prefetch=rng.random() < 0.5, last_layer=rng.random() < 0.3,
+                       resident_backward_bytes=rng.randrange(0, 9000),
+                       forward_extra_bytes=rng.randrange(0, 9000),
+                       layer_forward_peak_bytes=rng.randrange(0, 2 * 10**5),
+                       layer_backward_peak_bytes=rng.choice([0, rng.randrange(2 * 10**5)]))
+        room = decision_inputs(state, f)
+        assert repr(room) == repr(decision_inputs(state, TwoCalls(f))) == repr(_as_before(state, f))
+    if residency is not None:   # one reserve for both, for the same whole micro-batch
+        # per round: both, the two calls, a room, a room by the two calls, one as before
+        w = residency.wholes
+        assert len(w) == 8 * 25
+        assert w[0::8] == w[1::8] == w[2::8] and w[3::8] == w[4::8] == w[5::8] == w[6::8]
+
+
+class Recording:
+    def __init__(self, forecast: Forecast):
+        self.forecast, self.asked = forecast, []
+
+    def still_to_come(self, *args) -> int:
+        self.asked.append(repr(args))
+        return self.forecast.still_to_come(*args)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_entry_overflow_reads_the_estimate_as_entry_estimate(seed):
+    """entry_overflow has entry_estimate written out: the forecast is asked with the same
+    figures, of the same types (a routed count seen wins ties over the per-token one)."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        tokens = rng.randrange(1, 64)
+        per_token = rng.choice([2.0, 0.5, rng.uniform(0, 8)])
+        seen = Seen(rng.choice([0, int(per_token * tokens), rng.randrange(500)]),
+                    rng.choice([0.0, rng.uniform(1, 90)]), per_token)
+        entry = EntryState(layer=rng.randrange(4), budget_bytes=rng.randrange(5000, 20_000),
+                           in_use_bytes=rng.randrange(10_000), num_tokens=tokens,
+                           min_bytes_per_token=rng.randrange(1, 9), seen=seen,
+                           sent_bytes_per_token=rng.choice([0, 8]),
+                           received_bytes_per_routed=rng.choice([0, 4]))
+        now = Recording(_forecast())
+        got = entry_overflow(entry, now)
+        estimate = entry_estimate(entry)
+        if estimate is None:
+            assert got == (0, 0) and not now.asked
+            continue
+        part, routed = estimate
+        assert now.asked == [repr((entry.layer, part, routed, entry.min_bytes_per_token, tokens))]
+        own = (entry.in_use_bytes + part + entry.min_bytes_per_token * routed
+               - entry.budget_bytes)
+        overflow = own + _forecast().still_to_come(entry.layer, part, routed,
+                                                   entry.min_bytes_per_token, tokens)
+        rows = entry.sent_bytes_per_token * tokens + entry.received_bytes_per_routed * routed
+        if rows:
+            at_dispatch = entry.in_use_bytes + part + rows - entry.budget_bytes
+            own, overflow = max(own, at_dispatch), max(overflow, at_dispatch)
+        assert repr(got) == repr((int(overflow), int(own)))

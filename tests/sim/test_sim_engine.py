@@ -154,3 +154,26 @@ def test_calibration_hits_the_target():
     assert 0 < eff <= 1
     assert simulate(fitted.with_changes(run={"policies": ("full",)})).policies["full"].mfu == \
         pytest.approx(0.2, abs=2e-4)
+
+
+def test_simulate_collects_less_often_and_puts_the_collector_back():
+    """While `simulate` runs the collector's thresholds are RUN_GC_THRESHOLDS (fewer
+    traversals of the walks' memos); after it, and after a run that raises, they are the
+    caller's."""
+    import gc
+
+    from spikeguard.sim.engine import RUN_GC_THRESHOLDS, fewer_collections
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 9, 11)
+        inside = []
+        simulate(_cfg(**{"workload.steps": 2, "run.policies": ["adaptive"]}),
+                 progress=lambda step: inside.append(gc.get_threshold()))
+        assert inside and set(inside) == {RUN_GC_THRESHOLDS} != {(700, 9, 11)}
+        assert gc.get_threshold() == (700, 9, 11)
+        with pytest.raises(KeyError), fewer_collections():
+            raise KeyError("a run that fails")
+        assert gc.get_threshold() == (700, 9, 11)
+    finally:
+        gc.set_threshold(*before)
