@@ -97,7 +97,7 @@ class Forecast:
         head = self.head_bytes_per_token * num_tokens
         remaining = self.num_layers - layer - 1
         if self.residency is None:
-            return int(post + remaining * per_layer + head + (self.resident_bytes + 0))
+            return int(post + remaining * per_layer + head + self.resident_bytes)
         whole = int(self.num_layers * per_layer + head)
         reserve = self.residency.reserve(layer, whole)[0]
         return int(post + remaining * per_layer + head + (self.resident_bytes + reserve))
@@ -114,7 +114,7 @@ class Forecast:
         head = self.head_bytes_per_token * num_tokens
         remaining = self.num_layers - layer - 1
         if self.residency is None:
-            return int(post + remaining * per_layer + head + (self.resident_bytes + 0)), 0
+            return int(post + remaining * per_layer + head + self.resident_bytes), 0
         forward, backward = self.residency.reserve(
             layer, int(self.num_layers * per_layer + head))
         return int(post + remaining * per_layer + head + (self.resident_bytes + forward)), backward

@@ -146,8 +146,8 @@ class Planner:
                 return Decision(keep_all, need, 0.0)
         if plain:
             for r in self.ranked():
-                need = r.device_bytes_per_token * num_routed + 0   # + the fixed bytes, 0
-                if need <= headroom_bytes and (backward_room is None or need + 0
+                need = r.device_bytes_per_token * num_routed   # this class's fixed bytes: 0
+                if need <= headroom_bytes and (backward_room is None or need
                                                + r.offload_bytes_per_token * num_routed
                                                <= backward_room):
                     return Decision(r.plan, need, r.s_per_token * num_routed)
