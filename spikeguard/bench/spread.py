@@ -45,7 +45,7 @@ def spread(values: Sequence[float]) -> dict:
     sd = statistics.stdev(r) if len(r) > 1 else None
     return {"median": statistics.median(r), "q1": q[0], "q3": q[2], "min": r[0], "max": r[-1],
             "n": len(r), "sd": sd, "n_for_0.01": rounds_for(sd) if sd is not None else None,
-            "ci95": median_interval(r)}
+            "ci95": list(median_interval(r))}   # a list: the same after a JSON round trip
 
 
 def median_interval(ordered: Sequence[float]) -> tuple[float, float]:

@@ -6,6 +6,8 @@ and every bench's table showing a ratio's spread and the rounds a +-0.01 would n
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from spikeguard.bench import spread
@@ -103,10 +105,10 @@ def test_the_medians_interval_is_the_order_statistics_of_a_binomial_by_hand():
     # n = 100: 50 -+ 1.96 x 10 / 2 = 40.2 .. 60.8 (+1): the 40th and the 61st value.
     values = [i / 100 for i in range(1, 101)]
     s = spread.spread(values)
-    assert s["ci95"] == (0.40, 0.61)
+    assert s["ci95"] == [0.40, 0.61] and json.loads(json.dumps(s)) == s   # JSON as it is
     assert spread.interval(s) == "0.400-0.610"
     assert spread.median_interval([0.1, 0.2, 0.3]) == (0.1, 0.3)   # few rounds: all of them
-    assert spread.spread([0.9])["ci95"] == (0.9, 0.9)
+    assert spread.spread([0.9])["ci95"] == [0.9, 0.9]
 
 
 def test_the_medians_interval_covers_the_true_median_95_times_in_100():
