@@ -89,18 +89,8 @@ class Forecast:
         """Bytes still to come before this micro-batch's forward ends, on top of what is in
         use: the rest of this layer and the later ones, the head, and the pipeline's
         forward reserve (and `resident_bytes`)."""
-        # `_micro_batch` written out (the same operations in the same order: the
-        # simulator's `1t` asks this 290k times a run)
-        future_routed = max_routed_seen * (1 + self.load_margin)
-        post = (self.post_bytes_per_token + self.combine_bytes_per_token) * num_tokens
-        per_layer = layer_part_bytes + post + min_expert_bytes_per_token * future_routed
-        head = self.head_bytes_per_token * num_tokens
-        remaining = self.num_layers - layer - 1
-        if self.residency is None:
-            return int(post + remaining * per_layer + head + self.resident_bytes)
-        whole = int(self.num_layers * per_layer + head)
-        reserve = self.residency.reserve(layer, whole)[0]
-        return int(post + remaining * per_layer + head + (self.resident_bytes + reserve))
+        return self.to_come_and_reserve(layer, layer_part_bytes, max_routed_seen,
+                                        min_expert_bytes_per_token, num_tokens)[0]
 
     def to_come_and_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
                             min_expert_bytes_per_token: int, num_tokens: int) -> tuple[int, int]:
