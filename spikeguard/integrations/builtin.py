@@ -39,8 +39,9 @@ def run_window(door: WindowDoor, block: MoEBlock, dispatched) -> torch.Tensor:
         return block.experts(dispatched.x_ND, counts)
     decision = door.decide(block.layer_idx, dispatched.x_ND.shape[0])
     door.record_plan(block.layer_idx, counts, decision.plan)
-    door.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
-    door.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
+    if not door.hookless.tracker.is_paused:   # paused: covered whole, combine runs paused
+        door.executor.tag(dispatched.weight_N, "combine", Action.SAVE)
+        door.executor.tag(dispatched.token_idx_N, "combine", Action.SAVE)
     y_ND = door.hookless.run(door.executor, block, dispatched, decision)
     expert_path_done(door.position, door.engine, block.layer_idx, y_ND, dispatched.x_ND)
     return y_ND

@@ -46,6 +46,9 @@ _SOURCE = Path(__file__).with_name("device_allocator.cpp")
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _free_slots: Optional[list[int]] = None
+# The library's position label (g_where) as last set: `EmulatedDevice.set_where` is its
+# only writer, and the label is process-wide, as the library is.
+_where_now = 0
 
 
 class DeviceBuildError(RuntimeError):
@@ -236,15 +239,24 @@ class EmulatedDevice:
         return int(self._lib.sg_host_allocated())
 
     def set_where(self, where: int) -> int:
-        """Label the position in the step (phase, layer) that the peaks are kept per."""
-        return self._lib.sg_set_where(where)
+        """Label the position in the step (phase, layer) that the peaks are kept per.
+        Returns the previous label; one already current costs no call into the library
+        (a backward's three marks per layer share their layer's label: a ctypes call
+        measured 9-13 us inside a calm step of `small`, 0.17 us in a loop, CPU)."""
+        global _where_now
+        if where == _where_now:
+            return where
+        previous = self._lib.sg_set_where(where)
+        if previous >= 0:   # -1: out of range, the label did not move
+            _where_now = where
+        return previous
 
     def peak_where(self) -> int:
         return int(self._lib.sg_peak_where(self.slot))
 
     def where(self) -> int:
         """The position code allocations are labelled with now."""
-        return int(self._lib.sg_where())
+        return _where_now
 
     def where_peak(self, where: int) -> int:
         return int(self._lib.sg_where_peak(self.slot, where))

@@ -17,12 +17,17 @@ OPTIMIZER_STATES = {"Adam": 2, "AdamW": 2, "SGD": 1}
 
 
 def static_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
+    state_bytes = optimizer_state_bytes(model, optimizer)[0] if optimizer is not None else 0
+    return parameter_bytes(list(model.parameters())) + state_bytes
+
+
+def parameter_bytes(parameters: list) -> int:
+    """The parameters' bytes and their gradients' (those that require one)."""
     # A sharded parameter (DTensor: FSDP2, expert parallelism) holds its local shard here.
-    params = [local_tensor(p) for p in model.parameters()]
+    params = [local_tensor(p) for p in parameters]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    state_bytes = optimizer_state_bytes(model, optimizer)[0] if optimizer is not None else 0
-    return param_bytes + grad_bytes + state_bytes
+    return param_bytes + grad_bytes
 
 
 def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:

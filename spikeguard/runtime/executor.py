@@ -65,10 +65,15 @@ class ExpertPathExecutor:
         self.ctx.tag(t, op, action)
 
     def run(self, experts: SwiGLUExperts, x_ND: torch.Tensor, tokens_per_expert: list[int],
-            plan: LayerPlan) -> torch.Tensor:
+            plan: LayerPlan, hooked: bool = True, output_hooked: bool = True) -> torch.Tensor:
+        """The expert path under `plan`. `hooked` False: the tracker is paused through the
+        stages (runtime/hookless.py), so no pack hook reads their tags and none is set;
+        `output_hooked` False: combine runs paused too, and the output is not tagged
+        either (the tags cost ~8 us each in a calm step of `small`, CPU)."""
         fns = stage_functions(experts, tokens_per_expert)
         tensors = {"dispatch": x_ND}
-        self.tag(x_ND, "dispatch", plan.action("dispatch"))
+        if hooked:
+            self.tag(x_ND, "dispatch", plan.action("dispatch"))
         region = plan.region()
         num_routed = x_ND.shape[0]
         for stage in EXPERT_STAGES:
@@ -84,12 +89,14 @@ class ExpertPathExecutor:
                 if self.timed and self.on_stage_time is not None:
                     self.on_stage_time(stage, num_routed, time.perf_counter() - start)
             tensors[stage] = out
-            self.tag(out, stage, plan.action(stage))
+            if hooked or (output_hooked and stage == EXPERT_STAGES[-1]):
+                self.tag(out, stage, plan.action(stage))
         # The intermediates die with this frame; their addresses may be reused by tensors
         # that must not inherit their tags. x and y live on through combine.
-        for stage in EXPERT_STAGES[:-1]:
-            if stage in tensors:
-                self.ctx.untag(tensors[stage])
+        if hooked:
+            for stage in EXPERT_STAGES[:-1]:
+                if stage in tensors:
+                    self.ctx.untag(tensors[stage])
         return tensors["down"]
 
     def _run_region(self, region, fns, tensors, plan: LayerPlan) -> torch.Tensor:

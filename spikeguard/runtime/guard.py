@@ -34,7 +34,7 @@ from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.runtime.adapter import find_adapter
 from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.snapshot import memory_snapshots
-from spikeguard.memory.static import optimizer_state_bytes, static_bytes
+from spikeguard.memory.static import optimizer_state_bytes, parameter_bytes
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
@@ -163,9 +163,10 @@ class Guard:
 
     # ---- life cycle -------------------------------------------------------------------
     def _static_bytes(self) -> int:
-        self.tracker.static_keys = {storage_key(p) for p in self.model.parameters()}
+        params = list(self.model.parameters())   # one walk of the modules a step
+        self.tracker.static_keys = {storage_key(p) for p in params}
         # Each optimizer's state from its own parameters (several share the model out).
-        return static_bytes(self.model) + sum(
+        return parameter_bytes(params) + sum(
             optimizer_state_bytes(OptimizerParameters(o), o)[0] for o in self.optimizers)
 
     def detach(self) -> None:

@@ -81,6 +81,7 @@ from spikeguard.plan.decide import LayerFacts, fits_unaided
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.room import EntryState, Seen, forward_transient_bytes_per_routed
 from spikeguard.runtime.executor import release_all
+from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.hooks import SavedTensorTracker
 
 # The operators whose saved tensors the executor's stages make (a later stage reads
@@ -172,8 +173,9 @@ class HooklessLayers:
         self._covered_after[self.window.ctx.micro_batch] = min(
             layer, self._covered_after.get(self.window.ctx.micro_batch, layer))
         self.tracker.pause()
-        y_ND = executor.run(block.experts, x_ND, counts, decision.plan)
-        whole = self._whole and self.tracker.is_paused
+        whole = self._whole and self.tracker.is_paused   # its combine runs paused too
+        y_ND = executor.run(block.experts, x_ND, counts, decision.plan, hooked=False,
+                            output_hooked=not whole)
         ops = STAGE_OPS + COMBINE_OPS if whole else STAGE_OPS
         if not whole:
             self.tracker.resume()   # combine runs hooked
@@ -337,7 +339,7 @@ class HooklessLayers:
                      for op, n in bytes_by_op.items() if n)
         if keys:
             self._modelled.setdefault(mb, []).extend(keys)
-            t.register_hook(functools.partial(release_all, self.ledger, keys))
+            on_grad(t, functools.partial(release_all, self.ledger, keys))
 
     def forget_micro_batch(self, micro_batch: int) -> None:
         """A new forward of `micro_batch`: what an older one modelled and whose backward

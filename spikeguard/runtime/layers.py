@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from spikeguard.errors import UsageError
 from spikeguard.memory.ledger import Ledger
 from spikeguard.runtime.hookless import HooklessLayers
+from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.position import Position, forget_aux_loss
 from spikeguard.runtime.window import DecisionWindow
 
@@ -50,7 +51,7 @@ class GuardedLayers:
         if layer_idx == 0 and args and torch.is_tensor(args[0]) and args[0].requires_grad:
             # When backward reaches the first layer's input, the micro-batch's backward
             # through every guarded layer is done (recomputed whole or not).
-            args[0].register_hook(functools.partial(self.window.backward_done,
+            on_grad(args[0], functools.partial(self.window.backward_done,
                                                     self.position.ctx.micro_batch))
         x = args[0] if args else None
         if not self.full_recompute:

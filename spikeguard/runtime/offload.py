@@ -24,6 +24,7 @@ import torch
 
 from spikeguard.memory import device as device_memory
 from spikeguard.memory.ledger import Ledger, StorageKey, storage_key
+from spikeguard.runtime.grad_hooks import on_grad
 
 
 def _size_class(num_bytes: int) -> int:
@@ -227,5 +228,5 @@ def expert_path_done(position, engine: OffloadEngine, layer: int, out_ND, x_ND) 
     position.mark_backward(out_ND, layer, "experts")
     position.mark_backward(x_ND, layer, "dispatch")
     if x_ND.requires_grad and layer > 0:
-        x_ND.register_hook(functools.partial(prefetch_below, engine, position.ctx.micro_batch,
-                                             layer - 1))
+        on_grad(x_ND, functools.partial(prefetch_below, engine, position.ctx.micro_batch,
+                                        layer - 1))

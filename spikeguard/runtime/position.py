@@ -19,6 +19,7 @@ from spikeguard.runtime.device_state import (PHASE_BACKWARD, PHASE_FORWARD, PHAS
                                              oom_text, place_text, where_code,
                                              HEAD_LAYER)
 from spikeguard.runtime.hooks import Context
+from spikeguard.runtime.grad_hooks import on_grad
 
 
 class Position:
@@ -52,7 +53,7 @@ class Position:
         """When backward reaches `t`, the device's position becomes (backward, layer, op)."""
         t = t[0] if isinstance(t, (tuple, list)) else t
         if torch.is_tensor(t) and t.requires_grad:
-            t.register_hook(functools.partial(self.enter_backward, self.ctx.micro_batch,
+            on_grad(t, functools.partial(self.enter_backward, self.ctx.micro_batch,
                                               layer, op))
 
     def enter_backward(self, mb: int, layer: int, op: str, grad) -> None:

@@ -35,6 +35,7 @@ from spikeguard.plan.room import (EntryState, Seen, backward_above_end,
                                   forward_transient_bytes_per_routed)
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
+from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.layer_room import LayerPeaks
 from spikeguard.runtime.offload import OffloadEngine
 
@@ -108,7 +109,7 @@ class DecisionWindow:
         micro-batches hold then (pipeline: the forwards the schedule ran since)."""
         out = out[0] if isinstance(out, (tuple, list)) else out
         if self.policy == "adaptive" and torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(functools.partial(self._layer_backward_starts,
+            on_grad(out, functools.partial(self._layer_backward_starts,
                                                 self.ctx.micro_batch, layer))
 
     def _layer_backward_starts(self, mb: int, layer: int, grad) -> None:

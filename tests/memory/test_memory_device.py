@@ -186,3 +186,37 @@ def test_builds_with_cpp_extensions_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("SPIKEGUARD_CACHE", str(tmp_path))
     built = device_module._build()
     assert built.parent == tmp_path and built.stat().st_size > 0
+
+
+def test_the_position_label_is_the_librarys_and_a_repeated_one_makes_no_call():
+    """`set_where` keeps a mirror of the library's label so that setting the one already
+    current costs no ctypes call (a backward's three marks per layer share a label); the
+    mirror must stay the library's own figure, also past an out-of-range label."""
+    a, b = EmulatedDevice(1 << 30), EmulatedDevice(1 << 30)   # the label is process-wide
+    lib = a._lib
+    start = int(lib.sg_where())
+    assert a.where() == start
+    assert a.set_where(7) == start and int(lib.sg_where()) == 7 and b.where() == 7
+    assert b.set_where(7) == 7 and int(lib.sg_where()) == 7
+    assert b.set_where(9) == 7 and a.where() == 9 == int(lib.sg_where())
+    assert a.set_where(1 << 20) == -1   # out of range: the library refuses, nothing moves
+    assert a.where() == 9 == int(lib.sg_where())
+    calls = []
+    real = a._lib
+
+    class Counting:   # the library seen through a counter
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    a._lib = Counting()
+    try:
+        a.set_where(9)
+        assert calls == []
+        a.set_where(start)
+        assert calls == ["sg_set_where"]
+    finally:
+        a._lib = real
+    assert a.where() == start == int(lib.sg_where())
+    a.close()
+    b.close()
