@@ -203,3 +203,42 @@ def test_the_ep_table_says_why_an_oracle_that_had_plans_did_not_run():
         "not_run": {"oracle": oom}, "gap_closed": float("nan"), "ranks": ranks}]}
     row = next(line for line in oracle_ep.table_lines(result) if line.startswith("| oracle |"))
     assert oom in row, row
+
+
+@pytest.mark.slow
+def test_layers_recomputed_whole_are_noted_and_costed_at_least_their_expert_path():
+    """The cost model's line costs adaptive's whole-layer fallbacks (they were left out,
+    "not costed": `medium` at 0.7x read 0.88x the oracle's with one such layer) at least
+    at their expert paths' recompute, for the routed counts the probe saw there. Forced
+    here as in tests/runtime/test_runtime_layer_fallback.py: host copies priced dear, a
+    budget between full recompute's peak and offload's."""
+    cfg = model_config("tiny", num_layers=3)
+    gen = torch.Generator().manual_seed(0)
+    batches = [load_corpus(None).get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
+    _, seen = oracle_bench.probe(cfg, 0, batches)
+
+    def peak(policy):
+        g = spikeguard.attach(build_model(cfg, seed=0), budget="1GiB", policy=policy)
+        g.run_step(lambda: plain_step(g.model, batches))
+        return g.history[-1]["peak_bytes"]
+
+    budget = (peak("full") + peak("offload")) // 2
+    guard = spikeguard.attach(build_model(cfg, seed=0), budget=budget, policy="adaptive")
+    guard.cost.d2h_s_per_byte = guard.cost.h2d_s_per_byte = 1e-3
+    guard.cost.freeze()
+    guard.planner.refresh()
+    tally = oracle_bench.Tally(guard)
+    guard.decide = tally.decide
+    for _ in range(3):
+        guard.run_step(lambda: plain_step(guard.model, batches))
+    record = guard.history[-1]
+    assert record["safety_net_reruns"] == 0 and record["full_layers"] > 0
+    assert len(tally.whole) == record["full_layers"]
+    assert len(tally.last) + len(tally.whole) == cfg.num_layers * len(batches)
+    routed = {(mb, layer): n for mb, layer, _, n, *_ in seen}
+    p = oracle_bench.predicted(seen, guard, budget, tally, None)
+    expected = sum(guard.planner.whole_recompute_s(routed[w]) for w in tally.whole)
+    assert p["adaptive_full_layers"] == record["full_layers"]
+    assert p["adaptive_whole_s"] == expected > 0
+    line = oracle_bench.predicted_line(dict(p, oracle_s=p["adaptive_s"] or 1.0))
+    assert f"at least {expected * 1e3:.1f} ms more" in line, line
