@@ -127,7 +127,8 @@ def decide_layer(facts: LayerFacts, in_use: int, slopes: Slopes, forecast: ToCom
     # What only the rest of the micro-batch needs is left to its later layers to move, as
     # far as they will be able to (the parts they and this layer leave): evicted lazily,
     # it is evicted only if the rest of the micro-batch really comes to need it.
-    later = forecast.later_evictable(facts.layer, facts.layer_part_bytes)
+    later = forecast.later_evictable(facts.layer, facts.layer_part_bytes,
+                                     facts.min_bytes_per_token * facts.num_routed)
     to_come = room.to_come_bytes
     # room.planner_args(), and min(to_come, later), written out
     decision = planner.decide(room.num_routed, room.headroom_bytes, room.evictable_bytes,
@@ -173,7 +174,8 @@ def _evicting_pays(entry: EntryState, overflow: int, own: int, part: int, routed
     leave). Recomputed whole, a layer frees about what its least plan keeps, for at least
     its expert path's forward again: that many bytes' round trip is the price to beat."""
     evictable = evictor.evictable()
-    if own > evictable or overflow > evictable + forecast.later_evictable(entry.layer, part):
+    later = forecast.later_evictable(entry.layer, part, entry.min_bytes_per_token * routed)
+    if own > evictable or overflow > evictable + later:
         return False
     freed_by_recompute = part + entry.min_bytes_per_token * routed
     return (planner.cost.offload_s_for_bytes(min(overflow, freed_by_recompute))

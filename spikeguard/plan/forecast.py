@@ -109,12 +109,14 @@ class Forecast:
             layer, int(self.num_layers * per_layer + head))
         return int(post + remaining * per_layer + head + (self.resident_bytes + forward)), backward
 
-    def later_evictable(self, layer: int, layer_part_bytes: int) -> int:
+    def later_evictable(self, layer: int, layer_part_bytes: int,
+                        least_expert_bytes: int = 0) -> int:
         """Bytes that will be on the device to evict before this micro-batch's forward ends
-        and are not yet: this layer's and the later layers' attention parts (saved tensors
-        the tracker holds), each movable once the layer after it runs; the last layer's is
-        not counted."""
-        return max(0, self.num_layers - layer - 1) * layer_part_bytes
+        and are not yet: this layer's and the later layers' attention parts and what their
+        expert paths keep at the least (`least_expert_bytes`: saved tensors the tracker
+        holds, combine's rows at least), each movable once the layer after it runs; the
+        last layer's are not counted."""
+        return max(0, self.num_layers - layer - 1) * (layer_part_bytes + least_expert_bytes)
 
     def backward_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
                          min_expert_bytes_per_token: int, num_tokens: int) -> int:

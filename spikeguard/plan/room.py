@@ -40,7 +40,8 @@ class ToCome(Protocol):
     def backward_reserve(self, layer: int, layer_part_bytes: int, max_routed_seen: float,
                          min_expert_bytes_per_token: int, num_tokens: int) -> int: ...
 
-    def later_evictable(self, layer: int, layer_part_bytes: int) -> int: ...
+    def later_evictable(self, layer: int, layer_part_bytes: int,
+                        least_expert_bytes: int = 0) -> int: ...
 
 
 @quick_init

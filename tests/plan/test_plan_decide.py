@@ -101,13 +101,18 @@ def test_cheap_eviction_runs_the_layer_planned_moving_its_own_part_now():
 
 def test_what_later_layers_will_leave_counts_toward_the_overflow():
     # nothing evictable yet (a first layer): this layer's and the next one's attention
-    # parts (1000 B each: layer 1 of 4, the last layer's not counted) can go before the end
+    # parts (1000 B each: layer 1 of 4, the last layer's not counted) and what their expert
+    # paths keep at the least (40 copies, as the entry estimates them: SEEN's 2 per token
+    # x 20 tokens, at the least plan's bytes per copy) can go before the end
     planner = _planner(1e-12)
     assert _forecast().later_evictable(1, 1000) == 2000
+    least = planner.min_bytes_per_token * 40
+    assert least > 0 and _forecast().later_evictable(1, 1000, least) == 2 * (1000 + least)
+    later = 2 * (1000 + least)
     evictor = Evictor(0)
-    assert not entry_fallback(_entry(planner, 2000), _forecast(), Slopes(), 0, evictor, planner)
+    assert not entry_fallback(_entry(planner, later), _forecast(), Slopes(), 0, evictor, planner)
     assert evictor.asked == []
-    entry = _entry(planner, 2001)
+    entry = _entry(planner, later + 1)
     assert entry_fallback(entry, _forecast(), Slopes(), 0, evictor, planner)
     # room is made now for its whole backward: entry in-use + part + 50 kB over the budget
     assert evictor.asked == [10_000 + 1000 + 50_000 - entry.budget_bytes]

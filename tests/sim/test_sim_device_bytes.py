@@ -61,9 +61,9 @@ def _runtime(plan: LayerPlan, batches) -> tuple[dict, list, int, list]:
     first_expert_rows = []
     run = guard.executor.run
 
-    def recording(experts, x_ND, tokens_per_expert, layer_plan):
+    def recording(experts, x_ND, tokens_per_expert, layer_plan, **how):
         first_expert_rows.append(tokens_per_expert[0])
-        return run(experts, x_ND, tokens_per_expert, layer_plan)
+        return run(experts, x_ND, tokens_per_expert, layer_plan, **how)
 
     guard.executor.run = recording
     with guard.step():
