@@ -204,7 +204,8 @@ def exchange_bytes(num_sent: int, num_received: int, row_bytes: int, weight_byte
     received rows freed only then): the N rows it sends, the M rows it receives, their copy
     regrouped by expert, and the N routing weights gathered in the sent rows' order.
     (Measured on the emulated device, `small` EP=2: the dispatch's peak above the in-use
-    at `make_room` is this figure and a few hundred bytes of count tensors.)"""
+    at `make_room` is this figure, or 176 bytes less where a small tensor was freed
+    meanwhile; tests/runtime/test_runtime_entry_exchange.py.)"""
     return (num_sent + 2 * num_received) * row_bytes + num_sent * weight_bytes
 
 

@@ -254,9 +254,8 @@ def entry_overflow(state: EntryState, forecast: ToCome) -> tuple[int, int]:
         # by the decision, before anything the rest of the micro-batch adds (`medium`,
         # EP=2, 0.7x, CPU, emulated device: without the exchange's rows the regrouping
         # copy ran out 1 MiB over a budget this check said had 6 MiB to spare). The
-        # received rows were counted here too, at the most routed copies seen so far: on
-        # `small` EP=2 at 0.85x that worst case had rank 0 evict 23.2 MiB a step where the
-        # oracle evicted 1.5.
+        # received rows were counted here too, at the most routed copies seen so far: more
+        # than the dispatch needed (tests/runtime/test_runtime_entry_exchange.py).
         at_dispatch = state.in_use_bytes + layer_part + rows - state.budget_bytes
         own, overflow = max(own, at_dispatch), max(overflow, at_dispatch)
     return int(overflow), int(own)
