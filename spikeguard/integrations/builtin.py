@@ -47,6 +47,14 @@ def run_window(door: WindowDoor, block: MoEBlock, dispatched) -> torch.Tensor:
     return y_ND
 
 
+def make_room_for_dispatch(door: WindowDoor, exchange_bytes: int) -> None:
+    """The EP dispatcher's `make_room`: in a guarded forward (not backward's recompute,
+    which replays the cached exchange; not evaluation), the window evicts what the
+    exchange's rows need."""
+    if door.position.in_forward:
+        door.make_room_for_dispatch(exchange_bytes)
+
+
 class BuiltinAdapter(BlockAdapter):
     looked_for = "spikeguard MoEBlock"
     # spikeguard/parallel/expert_parallel.py: the sent rows and the received ones go once
@@ -76,9 +84,13 @@ class BuiltinAdapter(BlockAdapter):
 
     def install(self, block: MoEBlock, door: WindowDoor) -> None:
         block.expert_runner = functools.partial(run_window, door)
+        if hasattr(block.dispatcher, "make_room"):   # expert parallelism's dispatcher
+            block.dispatcher.make_room = functools.partial(make_room_for_dispatch, door)
 
     def uninstall(self, block: MoEBlock) -> None:
         block.expert_runner = None
+        if hasattr(block.dispatcher, "make_room"):
+            block.dispatcher.make_room = None
 
     def byte_model(self, device) -> ExpertShape:
         experts = self.blocks[0].experts

@@ -17,7 +17,8 @@ change nothing.
                        - budget: to evict first, whatever the plan
     at a layer's entry: in use + its attention part + its least expert path (+ still to
                        come), and under expert parallelism at least in use + its attention
-                       part + the dispatch exchange's sent and received rows
+                       part + the dispatch exchange's sent rows (the received ones are
+                       made room for at the dispatch: runtime/window.py)
 
     .venv/bin/python -m spikeguard.plan.room      # microseconds per decision, 8 x 64
 """
@@ -208,12 +209,13 @@ class EntryState:
     resident_backward_bytes: int = 0   # as in WindowState
     forward_extra_bytes: int = 0       # as in WindowState
     # Under expert parallelism, where the dispatch exchange's rows are freed before the
-    # decision (the built-in dispatcher): the rows sent, per token of the micro-batch, and
-    # the rows received, per routed copy. Both are alive at once during the layer's
-    # dispatch, beside all it grew by up to its decision, and in none of that growth.
-    # 0: no exchange (one process, the simulator).
+    # decision (the built-in dispatcher): the rows sent, per token of the micro-batch,
+    # alive during the layer's dispatch beside all it grew by up to its decision, and in
+    # none of that growth. The rows received are not counted here: their number is known
+    # only once the counts are exchanged, where the dispatch makes room for them exactly
+    # (runtime/window.py `make_room_for_dispatch`). 0: no exchange (one process, the
+    # simulator).
     sent_bytes_per_token: int = 0
-    received_bytes_per_routed: int = 0
 
 
 def entry_estimate(state: EntryState) -> Optional[tuple[int, float]]:
@@ -246,14 +248,15 @@ def entry_overflow(state: EntryState, forecast: ToCome) -> tuple[int, int]:
     own = (state.in_use_bytes + least + state.resident_backward_bytes
            + state.forward_extra_bytes - state.budget_bytes)
     overflow = own + to_come
-    rows = (state.sent_bytes_per_token * state.num_tokens
-            + state.received_bytes_per_routed * routed)
+    rows = state.sent_bytes_per_token * state.num_tokens
     if rows:
-        # The dispatch's peak: the exchange's rows beside what the layer grows by up to its
-        # decision, on top of all that is in use now. It is over by the decision, before
-        # anything the rest of the micro-batch adds (`medium`, EP=2, 0.7x, CPU, emulated
-        # device: the regrouping copy of the received rows ran out 1 MiB over a budget this
-        # check said had 6 MiB to spare, one safety-net re-run per rank every other step).
+        # The dispatch's peak as far as the entry knows it: the sent rows beside what the
+        # layer grows by up to its decision, on top of all that is in use now. It is over
+        # by the decision, before anything the rest of the micro-batch adds (`medium`,
+        # EP=2, 0.7x, CPU, emulated device: without the exchange's rows the regrouping
+        # copy ran out 1 MiB over a budget this check said had 6 MiB to spare). The
+        # received rows were counted here too, at the most routed copies seen so far: more
+        # than the dispatch needed (tests/runtime/test_runtime_entry_exchange.py).
         at_dispatch = state.in_use_bytes + layer_part + rows - state.budget_bytes
         own, overflow = max(own, at_dispatch), max(overflow, at_dispatch)
     return int(overflow), int(own)

@@ -79,6 +79,8 @@ class WindowDoor:
     in_full_region: Callable[[], bool]   # inside a whole-layer checkpoint: recomputed already
     decide: Callable                     # (layer, num_routed) -> the plan's Decision
     record_plan: Callable[[int, list, object], None]   # (layer, counts, plan) for the record
+    # (exchange bytes): under EP, room for the dispatch's rows once its counts are known
+    make_room_for_dispatch: Callable[[int], None]
 
 
 def net_door(guard) -> NetDoor:
@@ -99,4 +101,5 @@ def window_door(guard) -> WindowDoor:
         engine=guard.engine, executor=guard.executor, cost=guard.cost, hookless=guard.hookless,
         in_full_region=lambda: guard.layers.in_full_region,
         decide=lambda layer, num_routed: guard.decide(layer, num_routed),
-        record_plan=lambda layer, counts, plan: guard.record_plan(layer, counts, plan))
+        record_plan=lambda layer, counts, plan: guard.record_plan(layer, counts, plan),
+        make_room_for_dispatch=guard.window.make_room_for_dispatch)

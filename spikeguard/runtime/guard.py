@@ -153,13 +153,13 @@ class Guard:
         return Forecast.for_model(self.model, len(self.moe_blocks), shared[0] if shared else None,
                                   2 * head_logit_bytes(self.model), combine)
 
-    def _exchange_rows(self) -> tuple[int, int]:
-        """Under EP, the dispatch exchange's rows the window measures in no growth: sent
-        per token (top-k rows), received per routed copy (one row); see the adapter."""
+    def _exchange_rows(self) -> tuple[int, ...]:
+        """Under EP, the dispatch exchange's rows the window measures in no growth and the
+        entry knows of: sent per token (top-k rows); see the adapter (the received rows
+        are made room for at the dispatch, window.make_room_for_dispatch)."""
         if self.group is None or not self.adapter.exchange_freed_before_window:
-            return 0, 0
-        row = self.shape.d_model * self.shape.elem_bytes
-        return self.adapter.top_k() * row, row
+            return ()
+        return (self.adapter.top_k() * self.shape.d_model * self.shape.elem_bytes,)
 
     # ---- life cycle -------------------------------------------------------------------
     def _static_bytes(self) -> int:

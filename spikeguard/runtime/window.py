@@ -46,7 +46,7 @@ class DecisionWindow:
                  ctx: Context, tracker: SavedTensorTracker, engine: OffloadEngine,
                  forecast: Forecast, layer_room: LayerPeaks, num_layers: int, on_cuda: bool,
                  recorder: Callable[[], Optional[StepRecorder]],
-                 exchange_rows: tuple[int, int] = (0, 0)):
+                 exchange_rows: tuple[int, ...] = ()):
         self.policy = policy
         self.budget_bytes = budget_bytes
         self.ledger = ledger
@@ -60,8 +60,8 @@ class DecisionWindow:
         self.num_layers = num_layers
         self.on_cuda = on_cuda
         self.recorder = recorder   # the open step's recorder, or None outside a step
-        # Under EP: the dispatch's sent rows per token, received rows per routed copy, which
-        # the entry check adds (plan/room.py EntryState); (0, 0) without an exchange.
+        # Under EP: EntryState's exchange fields (plan/room.py), the dispatch's sent rows
+        # per token, which the entry check adds; () without an exchange.
         self.exchange_rows = exchange_rows
         # Earlier decisions: the largest routed count of this micro-batch (reset per
         # micro-batch), the largest attention part and routed copies per token (kept).
@@ -227,6 +227,19 @@ class DecisionWindow:
         if step is not None:
             step.full_layers += 1
         return True
+
+    def make_room_for_dispatch(self, exchange_bytes: int) -> None:
+        """Under EP, in a forward's dispatch once the counts are exchanged and before any
+        row is: evict what the exchange's rows (`exchange_bytes`, exact) need beyond the
+        budget, with the evictor the entry check and the decision use. The entry check
+        counts only the rows sent; with the received ones counted there at the most routed
+        copies seen so far, it asked 0.65 MiB where the dispatch's rows were 0.14 MiB over
+        (`small`, top-4 of 16 experts, EP=2, 0.6x; CPU, emulated device)."""
+        if self.policy != "adaptive":
+            return
+        over = self.ledger.in_use() + exchange_bytes - self.budget_bytes
+        if over > 0:
+            self._evictor(self.ctx.micro_batch, self.ctx.layer).evict(over)
 
     def _predicted_backward(self, mb: int, backward_peak: int, in_use: int) -> None:
         peak, over = self._backward_peak.get(mb, (0, 0))

@@ -1,12 +1,18 @@
-"""Under expert parallelism a layer's entry check counts the dispatch exchange's rows.
+"""Under expert parallelism the dispatch exchange's rows are made room for.
 
-The built-in dispatcher holds the rows it sends and the rows it receives at once, beside
-what the layer grows by up to its decision, and frees both before the decision: in no
-growth the window measures. Without them in the entry check (plan/room.py
-`entry_overflow`), adaptive ran out in the regrouping copy of the received rows and the
-safety net re-ran the micro-batch (`medium`, EP=2, 0.7x: one re-run per rank every other
-step; here `small` with top-4 narrow experts at 0.6x, every step). With them the layer
-below makes the room at the entry (or the layer is recomputed whole), and no step re-runs.
+The built-in dispatcher holds the rows it sends, the rows it receives and their regrouped
+copy at once, beside what the layer grows by up to its decision, and frees the first two
+before the decision: in no growth the window measures. Without them, adaptive ran out in
+the regrouping copy of the received rows and the safety net re-ran the micro-batch
+(`medium`, EP=2, 0.7x: one re-run per rank every other step; here `small` with top-4
+narrow experts at 0.6x, every step). A layer's entry check (plan/room.py
+`entry_overflow`) counts the sent rows, known from the tokens; the received ones are
+known only once the counts are exchanged, where the dispatch asks the window for room
+(runtime/window.py `make_room_for_dispatch`) for exactly what it is about to allocate
+(parallel/expert_parallel.py `exchange_bytes`). Counted at the entry instead, at the most
+routed copies seen so far, they made the entry evict more than the dispatch needed (here
+rank 1, micro-batch 1, layer 3: 0.65 MiB asked at the entry where the dispatch's rows
+were 0.14 MiB over).
 
     .venv/bin/python -m pytest tests/runtime/test_runtime_entry_exchange.py -q
 """
@@ -23,16 +29,48 @@ import entry_exchange_workers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
+WORLD, STEPS = 2, 2
 
-def test_adaptive_makes_room_for_the_dispatch_exchange_at_the_entry(tmp_path):
-    world, steps = 2, 2
-    run_spawned(entry_exchange_workers.adaptive_steps_worker, world, (str(tmp_path), 0.6, steps),
-                store_path=tmp_path / "store", timeout_s=240)
-    for rank in range(world):
-        records = json.loads((tmp_path / f"steps_rank{rank}.json").read_text())
-        assert len(records) == steps, (rank, records)
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("entry_exchange")
+    run_spawned(entry_exchange_workers.adaptive_steps_worker, WORLD, (str(out), 0.6, STEPS),
+                store_path=out / "store", timeout_s=240)
+    return lambda what, rank: json.loads((out / f"{what}_rank{rank}.json").read_text())
+
+
+def test_adaptive_makes_room_for_the_dispatch_exchange(run):
+    for rank in range(WORLD):
+        records = run("steps", rank)
+        assert len(records) == STEPS, (rank, records)
         for record in records:
             assert record["safety_net_reruns"] == 0, (rank, record)
             assert record["peak_bytes"] <= record["budget_bytes"], (rank, record)
             assert record["evicted_bytes"] > 0 and record["decisions"]["offload"] > 0, \
                 ("a cut that changes nothing tests nothing", rank, record)
+
+
+def test_the_dispatch_evicts_exactly_its_rows_overflow_and_the_entry_nothing(run):
+    """Every eviction asked for before a decision is the dispatch's, and exactly what its
+    rows put over the budget; the entry asks none (on this case its least plan fits)."""
+    at_dispatch = []
+    for rank in range(WORLD):
+        asked = [a for a in run("asked", rank) if a[1] > 0]   # the first step calibrates
+        assert not [a for a in asked if a[0] == "entry"], (rank, asked)
+        at_dispatch += [a for a in asked if a[0] == "dispatch"]
+    assert at_dispatch, "no dispatch made room: the case tests nothing"
+    for where, step, num_bytes, overflow in at_dispatch:
+        assert num_bytes == overflow > 0, (step, num_bytes, overflow)
+
+
+def test_exchange_bytes_is_the_dispatch_peak_above_its_room(run):
+    """From `make_room` on, the dispatch's peak is `exchange_bytes` above the device's
+    in-use (a few hundred bytes less where a small tensor was freed meanwhile), and within
+    the budget once room was made."""
+    for rank in range(WORLD):
+        peaks = run("dispatch", rank)
+        assert len(peaks) == 2 * 4, (rank, peaks)   # 2 micro-batches x 4 layers, forward
+        for num_bytes, above, in_use, budget in peaks:
+            assert 0 <= num_bytes - above <= 1024, (rank, num_bytes, above)
+            assert in_use + above <= budget, (rank, in_use, above, budget)
