@@ -236,7 +236,8 @@ def test_layers_recomputed_whole_are_noted_and_costed_at_least_their_expert_path
     assert len(tally.whole) == record["full_layers"]
     assert len(tally.last) + len(tally.whole) == cfg.num_layers * len(batches)
     routed = {(mb, layer): n for mb, layer, _, n, *_ in seen}
-    p = oracle_bench.predicted(seen, guard, budget, tally, None)
+    p = oracle_bench.predicted(oracle_bench.oracle_problems(seen, guard, budget, tally.room),
+                               seen, guard, tally, None)
     expected = sum(guard.planner.whole_recompute_s(routed[w]) for w in tally.whole)
     assert p["adaptive_full_layers"] == record["full_layers"]
     assert p["adaptive_whole_s"] == expected > 0
