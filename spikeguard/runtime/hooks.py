@@ -204,38 +204,68 @@ class SavedTensorTracker:
 
     def evict(self, micro_batch: int, before_layer: int, num_bytes: int,
               on_layer_freed=None) -> int:
-        """Offload saved tensors of earlier layers of `micro_batch`, earliest layer first,
-        until `num_bytes` are freed; returns the bytes freed. Their backward is furthest away.
-        `on_layer_freed(layer, bytes)` is told what each layer gave."""
-        freed = 0
+        """Offload saved tensors of earlier layers of `micro_batch` until `num_bytes` are
+        freed; returns the bytes freed. Earliest layer first (their backward is furthest
+        away), save order within a layer; a tensor larger than what is still needed is
+        passed over while later ones may cover it, and what is still needed after the walk
+        comes from the smallest tensor passed over. (Taking each tensor in turn, the last
+        one overshot the ask: on `small` at EP=2, 0.85x, 6.8 of rank 0's 23.2 MiB evicted a
+        step were beyond what the decisions asked; CPU, emulated device.) The simulator's
+        evictor chooses alike (sim/chunk_parts.py). `on_layer_freed(layer, bytes)` is told
+        what each layer gave."""
+        freed, passed = 0, []
+        if num_bytes <= 0:
+            return 0
         layers = sorted(ly for (mb, ly) in self.holders if mb == micro_batch and ly < before_layer)
         for layer in layers:
-            before = freed
-            freed = self._evict_layer(micro_batch, layer, freed, num_bytes)
-            if on_layer_freed is not None and freed > before:
-                on_layer_freed(layer, freed - before)
+            given = 0
+            for packed in self._live(micro_batch, layer):
+                size = storage_bytes(packed.tensor)
+                if size > num_bytes - freed:
+                    passed.append((size, layer, packed))
+                    continue
+                moved = self._evict_one(micro_batch, layer, packed)
+                freed, given = freed + moved, given + moved
+                if freed >= num_bytes:
+                    break
+            if on_layer_freed is not None and given:
+                on_layer_freed(layer, given)
             if freed >= num_bytes:
                 return freed
+        passed = [p for p in passed if p[2].tensor is not None and self.ledger.holds(p[2].key)]
+        if passed:   # the smallest that covers the rest (the first of equals)
+            size, layer, packed = min(passed, key=lambda p: p[0])
+            moved = self._evict_one(micro_batch, layer, packed)
+            freed += moved
+            if on_layer_freed is not None and moved:
+                on_layer_freed(layer, moved)
         return freed
 
-    def _evict_layer(self, micro_batch: int, layer: int, freed: int, num_bytes: int) -> int:
-        """Evict `layer` of `micro_batch` until `num_bytes` are freed in all; the total."""
+    def _live(self, micro_batch: int, layer: int) -> list:
+        """The holders of `layer` still holding a device storage the ledger counts, one per
+        storage, in save order."""
+        out, keys = [], set()
         for ref in self.holders.get((micro_batch, layer), []):
             packed = ref()
-            if packed is None or packed.tensor is None or not self.ledger.holds(packed.key):
+            if packed is None or packed.tensor is None or packed.key in keys \
+                    or not self.ledger.holds(packed.key):
                 continue
-            where = (micro_batch, layer, "evicted")
-            stored = self.engine.offload(packed.tensor, where)
-            stored.refs -= 1
-            freed += self.ledger.drop(packed.key)
-            # Every other holder of the same storage moves to the host copy too.
-            for other_ref in self.holders.get((micro_batch, layer), []):
-                other = other_ref()
-                if other is not None and other.key == packed.key and other.tensor is not None:
-                    other.ledger = None
-                    other.to_host(stored)
-            if freed >= num_bytes:
-                return freed
+            keys.add(packed.key)
+            out.append(packed)
+        return out
+
+    def _evict_one(self, micro_batch: int, layer: int, packed) -> int:
+        """Offload one saved storage of `layer`; the bytes the ledger let go of."""
+        where = (micro_batch, layer, "evicted")
+        stored = self.engine.offload(packed.tensor, where)
+        stored.refs -= 1
+        freed = self.ledger.drop(packed.key)
+        # Every other holder of the same storage moves to the host copy too.
+        for other_ref in self.holders.get((micro_batch, layer), []):
+            other = other_ref()
+            if other is not None and other.key == packed.key and other.tensor is not None:
+                other.ledger = None
+                other.to_host(stored)
         return freed
 
     def evictable(self, micro_batch: int, before_layer: int) -> int:

@@ -26,19 +26,38 @@ class Layer:
     # evicted bytes per op (None until something is: most layers never are)
     on_host: Optional[Counter] = None
 
-    def evict(self, num_bytes: int) -> int:
-        freed = 0
-        if type(self.storages) is not list:
-            self.storages = list(self.storages)
-        while self.storages and freed < num_bytes:
-            op, size = self.storages.pop(0)
-            if self.on_host is None:
-                self.on_host = Counter()
-            self.on_host[op] += size
-            freed += size
-        self.kept -= freed
-        self.evictable -= freed
+    def evict(self, num_bytes: int, passed: list, index: int) -> int:
+        """Move storages to host in save order, each no larger than what is still needed
+        (runtime/hooks.py `SavedTensorTracker.evict` chooses alike); the larger ones met
+        before the need is met go to `passed` as (bytes, `index`, op), for the evictor's
+        last pick. The bytes moved."""
+        freed, kept = 0, []
+        for op, size in self.storages:
+            if freed < num_bytes and size <= num_bytes - freed:
+                self._to_host(op, size)
+                freed += size
+                continue
+            if freed < num_bytes:
+                passed.append((size, index, op))
+            kept.append((op, size))
+        if freed:
+            self.storages = kept
         return freed
+
+    def evict_one(self, op: str, size: int) -> int:
+        """Move the first storage of `op` and `size` to host (the evictor's last pick)."""
+        storages = list(self.storages)
+        storages.remove((op, size))
+        self.storages = storages
+        self._to_host(op, size)
+        return size
+
+    def _to_host(self, op: str, size: int) -> None:
+        if self.on_host is None:
+            self.on_host = Counter()
+        self.on_host[op] += size
+        self.kept -= size
+        self.evictable -= size
 
 
 class BackwardPeaks:
@@ -96,11 +115,18 @@ class ChunkEvictor:
         return p, rel, n, ev, later + moved, first
 
     def evict(self, num_bytes: int) -> int:
-        freed = 0
+        """This micro-batch's layers, earliest first, each storage no larger than what is
+        still needed, then the smallest one passed over; then older resident ones."""
+        freed, passed = 0, []
         for j, layer in enumerate(self.layers):
             if freed >= num_bytes:
                 break
-            moved = layer.evict(num_bytes - freed)
+            moved = layer.evict(num_bytes - freed, passed, j)
+            freed += moved
+            self.probes[:] = [self._moved_below(probe, j, moved) for probe in self.probes]
+        if freed < num_bytes and passed:   # the smallest that covers the rest
+            size, j, op = min(passed, key=lambda p: p[0])
+            moved = self.layers[j].evict_one(op, size)
             freed += moved
             self.probes[:] = [self._moved_below(probe, j, moved) for probe in self.probes]
         if freed < num_bytes:
