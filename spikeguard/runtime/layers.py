@@ -52,7 +52,7 @@ class GuardedLayers:
             # When backward reaches the first layer's input, the micro-batch's backward
             # through every guarded layer is done (recomputed whole or not).
             on_grad(args[0], functools.partial(self.window.backward_done,
-                                                    self.position.ctx.micro_batch))
+                                               self.position.ctx.micro_batch))
         x = args[0] if args else None
         if not self.full_recompute:
             self.hookless.enter_layer(layer_idx, x)

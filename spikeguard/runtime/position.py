@@ -54,7 +54,7 @@ class Position:
         t = t[0] if isinstance(t, (tuple, list)) else t
         if torch.is_tensor(t) and t.requires_grad:
             on_grad(t, functools.partial(self.enter_backward, self.ctx.micro_batch,
-                                              layer, op))
+                                         layer, op))
 
     def enter_backward(self, mb: int, layer: int, op: str, grad) -> None:
         self.ctx.micro_batch, self.ctx.layer, self.ctx.op = mb, layer, op

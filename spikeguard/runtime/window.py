@@ -110,7 +110,7 @@ class DecisionWindow:
         out = out[0] if isinstance(out, (tuple, list)) else out
         if self.policy == "adaptive" and torch.is_tensor(out) and out.requires_grad:
             on_grad(out, functools.partial(self._layer_backward_starts,
-                                                self.ctx.micro_batch, layer))
+                                           self.ctx.micro_batch, layer))
 
     def _layer_backward_starts(self, mb: int, layer: int, grad) -> None:
         self.layer_room.backward_starts(mb, layer, self.others_bytes(mb))
