@@ -42,20 +42,27 @@ class GroupAgreement:
         # Held now: once the job's groups are aborted the default store is not reachable.
         self.store = dist.distributed_c10d._get_default_store()
 
-    def gather(self, note: Note, vote: bool = False) -> tuple[list[Note], bool]:
-        """One all-gather of (note, vote) rows over the group: every rank's note (empty:
-        none) and whether any rank voted."""
-        row = note.as_list() + [1 if vote else 0]
+    def gather(self, note: Note, vote: bool = False,
+               promise: bool = False) -> tuple[list[Note], bool, bool]:
+        """One all-gather of (note, vote, promise) rows over the group: every rank's note
+        (empty: none), whether any rank voted, and whether every rank promised."""
+        row = note.as_list() + [1 if vote else 0, 1 if promise else 0]
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         out = torch.empty(dist.get_world_size(self.group) * len(row), dtype=torch.int64,
                           device=self.device)
         gathered(out, mine, self.group)
         rows = out.view(-1, len(row)).tolist()
         notes = [n for n in (Note(*r[:NOTE_FIELDS]) for r in rows) if n.kind != NONE]
-        return notes, any(r[NOTE_FIELDS] for r in rows)
+        return (notes, any(r[NOTE_FIELDS] for r in rows),
+                all(r[NOTE_FIELDS + 1] for r in rows))
 
     def any_rank(self, mine: bool) -> bool:
         return self.gather(Note(), mine)[1]
+
+    def vote(self, mine: bool, promise) -> bool:
+        """A layer's whole-layer fallback vote. Only a family's journal (family_journal.py)
+        lets every rank's promise spare the later votes; here each layer votes."""
+        return self.any_rank(mine)
 
     def begin_step(self) -> None:
         if self.journal is not None:

@@ -24,7 +24,7 @@ Without a group (one process) a rank decides alone, and no flag point is made.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory
 from spikeguard.memory.budget import format_bytes
@@ -122,6 +122,13 @@ class OverflowAgreement(Protocol):
     def any_rank(self, mine: bool) -> bool:
         """Whether this rank's flag (`mine`) or any other rank's is set: every rank calls it
         at the same point (attach; adaptive's whole-layer fallback, see BlockAdapter)."""
+        ...
+
+    def vote(self, mine: bool, promise: Callable[[], bool]) -> bool:
+        """A layer's vote on the whole-layer fallback (`any_rank` of `mine`, every rank at
+        the same layer). `promise()`: whether this rank predicts that no later layer of the
+        attempt needs the fallback; where every rank does, the group may skip the later
+        layers' votes (each then counts as a no)."""
         ...
 
     def begin_step(self) -> None:

@@ -93,7 +93,7 @@ class GuardedLayers:
         mine = self.window.layer_cannot_fit(layer_idx)   # always False unless adaptive
         if self.agreement is None or not self.agree_fallback:
             return mine
-        return self.agreement.any_rank(mine)
+        return self.agreement.vote(mine, functools.partial(self.window.promise, layer_idx))
 
     def _full_region(self, orig_forward, layer_idx, *args, **kwargs):
         outer, self.in_full_region = self.in_full_region, True

@@ -31,13 +31,22 @@ from spikeguard.plan.catalogue import POLICY_PLANS
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.planner import Decision
 from spikeguard.plan.decide import LayerFacts, decide_layer, entry_fallback
-from spikeguard.plan.room import (EntryState, Seen, backward_above_end,
+from spikeguard.plan.room import (EntryState, Seen, backward_above_end, entry_overflow,
                                   forward_transient_bytes_per_routed)
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hooks import Context, SavedTensorTracker
 from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.layer_room import LayerPeaks
 from spikeguard.runtime.offload import OffloadEngine
+
+# A layer's promise that no later layer of its micro-batch needs the whole-layer fallback
+# holds where the later layers may route this many times the most copies seen so far (on
+# top of the forecast's margin: 2.5x in all, about the 2.6x of a device's share that the
+# production run's spikes reach) and still fit at their least plans. (Where the least
+# plan keeps nothing per routed copy, as a transformers experts call recomputed whole,
+# the factor changes nothing: the promise is then the forecast's fit alone.)
+PROMISE_ROUTED = 2.0
+
 
 class DecisionWindow:
     """Turns the ledger, the forecast and the counts into a plan, per layer and micro-batch."""
@@ -203,6 +212,28 @@ class DecisionWindow:
         return {"forward_extra_bytes": self.layer_room.fsdp_forward_to_come(layer,
                                                                             self.num_tokens),
                 "backward_extra_bytes": self.layer_room.fsdp.layer_backward(layer)[0]}
+
+    def promise(self, layer: int) -> bool:
+        """At `layer`'s entry, after its entry check: does the forecast fit the rest of the
+        micro-batch at its least plans even where each later layer routes PROMISE_ROUTED
+        times the most copies seen so far (times the forecast's own margin)? The decisions
+        keep what is still to come in room (plan/decide.py), so then no later layer needs
+        the whole-layer fallback unless it routes more than that: what a rank promises at
+        its vote, so that where every rank does the group skips the later votes
+        (runtime/layers.py `falls_back`, parallel/family_journal.py). A static policy
+        never falls back: it always promises; nothing is promised before an attention part
+        was measured."""
+        if self.policy != "adaptive":
+            return True
+        seen = self.seen
+        if seen.layer_bytes_per_token <= 0:
+            return False
+        wide = Seen(int(seen.max_routed * PROMISE_ROUTED), seen.layer_bytes_per_token,
+                    seen.routed_per_token * PROMISE_ROUTED)
+        entry = EntryState(layer, self.budget_bytes, self.ledger.in_use(), self.num_tokens,
+                           self.planner.min_bytes_per_token, wide, self._resident_backward(),
+                           self.fsdp_extra(layer)["forward_extra_bytes"], *self.exchange_rows)
+        return entry_overflow(entry, self.forecast)[0] <= 0
 
     def layer_cannot_fit(self, layer: int) -> bool:
         """Before a layer's forward runs: would it overflow even with its expert path at the

@@ -10,6 +10,10 @@ as CUDA's allocator does. CHECK says where:
 
   window     inside layer 1's experts call (its counts and rows exchanged, not its combine)
   attention  in layer 1's attention (its vote made, none of its exchanges)
+  attention_skipped, window_skipped  as attention and window, in the step after a calm
+             one, where every rank promised at layer 0's vote (runtime/window.py
+             `promise`) and layer 1 casts none: the refused rank settles as where no vote
+             is to come (its dispatch and combine with zeros)
   dispatch   inside transformers' dispatch of layer 1, before its counts exchange
   combine    inside transformers' combine of layer 1, right after its all-to-all (where
              `empty_like(recv_out)` or the weighted sum is refused; the peer then goes
@@ -207,8 +211,17 @@ def check(out_dir: Path, where: str) -> dict:
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
     if where.startswith("later_backward_whole") and dist.get_rank() == REFUSING_RANK:
         guard.window.layer_cannot_fit = lambda layer: layer == 1
-    seen = None
-    if where.startswith("later_backward"):
+        # ... and, as its own entry checks would, promises no layer before it the vote
+        # is not needed (runtime/window.py `promise`): layer 1 votes in every micro-batch
+        guard.window.promise = lambda layer: layer > 1
+    seen, promised = None, []
+    if where.endswith("_skipped"):
+        run(model, batches(), guard)   # a calm step first: layer 0's promise can be made
+        where = where[:-len("_skipped")]
+        # whether layer 1's vote was skipped, first in the attempt refused
+        model.model.layers[LAYER].self_attn.register_forward_pre_hook(
+            lambda m, a: promised.append(guard.layers.agreement.promised))
+    elif where.startswith("later_backward"):
         run(model, batches(), guard)   # a calm step first: its backward's collectives seen
     elif where.startswith("steady_backward"):
         seen = watched()
@@ -224,6 +237,7 @@ def check(out_dir: Path, where: str) -> dict:
     g = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     return {"differ": differ(ref, g), "meter_peak": peak, "budget": budget,
             **record(guard), "seconds": time.perf_counter() - start, "watched": seen,
+            "promised": promised,
             "step_reruns": [n["reason"] for n in guard.history[-1]["safety_net"]
                             if n["scope"] == "step"]}
 

@@ -183,12 +183,48 @@ def check_mixed(state: dict) -> dict:
     return out
 
 
+def check_votes(state: dict) -> dict:
+    """Adaptive at 1.1x none's calm peak for three steps, with every rank's promise
+    (runtime/window.py `promise`) and without it (every layer votes): the layer votes
+    gathered in each step, and the last step's gradients against the unguarded layout's
+    (the same batches every step, no optimizer step)."""
+    budget = int(state["none_peak"] * 1.1)
+    out = {}
+    for name, promise in (("promised", None), ("every_layer", lambda layer: False)):
+        model, guard = guarded("adaptive", budget)
+        if promise is not None:
+            guard.window.promise = promise
+        agreement, per_step, voting = guard.layers.agreement, [], [False]
+        real_gather, real_vote = agreement.gather, agreement.vote
+
+        def gather(*args, _real=real_gather, **kwargs):
+            per_step[-1] += voting[0]
+            return _real(*args, **kwargs)
+
+        def vote(*args, _real=real_vote):
+            voting[0] = True
+            try:
+                return _real(*args)
+            finally:
+                voting[0] = False
+        agreement.gather, agreement.vote = gather, vote
+        for _ in range(3):
+            per_step.append(0)
+            g = run(model, batches(), guard)
+        out[name] = {"votes": per_step, "differ": differ(state["ref"], g), **record(guard)}
+        guard.detach()
+    return out
+
+
 def check_fallback(state: dict) -> dict:
     """Adaptive's whole-layer fallback forced on rank 1 only, layer 1: agreed by the
     group (both recompute it), no hang, gradients bitwise."""
     model, guard = guarded("adaptive", HUGE)
     if dist.get_rank() == 1:
         guard.window.layer_cannot_fit = lambda layer: layer == 1
+        # ... and, as its entry checks would, promises nothing before layer 1 (its vote
+        # is then cast in every micro-batch: runtime/window.py `promise`)
+        guard.window.promise = lambda layer: layer > 1
     g = run(model, batches(), guard)
     out = {"differ": differ(state["ref"], g), **record(guard)}
     guard.detach()
@@ -251,7 +287,7 @@ def check_spike_none(state: dict) -> dict:
 
 
 CHECKS = {"policies": check_policies, "bytes": check_bytes, "tight": check_tight, "mixed": check_mixed,
-          "fallback": check_fallback, "spike": check_spike, "spike_none": check_spike_none}
+          "votes": check_votes, "fallback": check_fallback, "spike": check_spike, "spike_none": check_spike_none}
 
 
 def main() -> None:

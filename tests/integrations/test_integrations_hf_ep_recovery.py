@@ -5,7 +5,8 @@ budget 1.05 x the calm step's device peak. Rank 1's device refuses an allocation
 1, after layer 0's exchanges (hf_ep_recovery_worker.py), as CUDA's allocator does: at once,
 on that rank alone. In forward the family journal settles what rank 1's peer waits in and
 every rank re-runs the micro-batch with full recompute: gradients bitwise the
-uninterrupted layout's, the independent meter's peak under the budget on every rank; also
+uninterrupted layout's, the independent meter's peak under the budget on every rank (also
+in a later step, where layer 1's vote was skipped on every rank's promise); also
 where the refusal lands inside transformers' own dispatch (before its counts exchange) or
 combine (before its all-to-all, where the peer waits in it; after it, where the peer has
 gone on: settling a combine there hung the job until gloo's timeout, found by `train --hf qwen3_moe --nproc 2 --ep 2 --policy
@@ -50,6 +51,21 @@ def test_a_forward_refused_after_exchanges_is_re_run_by_every_rank_bitwise(tmp_p
     for rank, got in enumerate(ranks):
         assert got["differ"] == [], (rank, got)
         assert got["reruns"] == 1, (rank, got)           # both ranks, the same re-run
+        assert got["meter_peak"] <= got["budget"], (rank, got)
+        assert got["peak"] <= got["budget"], (rank, got)
+
+
+@pytest.mark.parametrize("where", ["attention_skipped", "window_skipped"])
+def test_a_forward_refused_in_a_layer_whose_vote_was_skipped_is_re_run_bitwise(tmp_path,
+                                                                               where):
+    """After a calm step every rank promises at layer 0's vote (runtime/window.py
+    `promise`), so layer 1 casts none; the refused rank then owes its peer layer 1's
+    dispatch and combine, not a vote (family_journal.py `_settle`)."""
+    ranks = found(tmp_path, where)
+    for rank, got in enumerate(ranks):
+        assert got["promised"][:1] == [True], (rank, got)   # layer 1 did not vote
+        assert got["differ"] == [], (rank, got)
+        assert got["reruns"] == 1, (rank, got)
         assert got["meter_peak"] <= got["budget"], (rank, got)
         assert got["peak"] <= got["budget"], (rank, got)
 
