@@ -43,33 +43,45 @@ def adaptive_steps_worker(rank: int, world_size: int, store_path: str, out_dir: 
                           fraction: float, steps: int) -> None:
     """Adaptive at `fraction` of this rank's true peak for `steps` steps; writes its records,
     every eviction the window asked for (where: the layer's entry, its dispatch or its
-    decision) with each dispatch's exact overflow, then one more step's dispatch peaks."""
+    decision) with each dispatch's exact overflow, then one more step's dispatch peaks.
+    A failing rank destroys its group and raises (as plain_and_guarded_worker)."""
     init_gloo(rank, world_size, store_path)
     try:
-        torch.manual_seed(0)
-        cfg = model_config("small", **WIDE_EXCHANGE)
-        layout = ExpertParallel(cfg, 0, dist.group.WORLD)
-        gen = torch.Generator().manual_seed(1000 * rank)   # as oracle_ep: each rank its data
-        corpus = load_corpus(None)
-        batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
-        peak, _ = oracle_bench.probe(cfg, 0, batches, layout)
-        budget = int(fraction * peak)
-        guard = spikeguard.attach(layout.build(), budget=budget, policy="adaptive")
-        use_rates(guard.cost, RATES)
-        asked = _record_evictions(guard)
-        for _ in range(steps):
-            guard.run_step(lambda: plain_step(guard.model, batches))
-        keys = ("peak_bytes", "budget_bytes", "safety_net_reruns", "decisions", "evicted_bytes",
-                "full_layers")
-        records = [{k: h[k] for k in keys} for h in guard.history]
-        peaks = _dispatch_peaks(guard)
+        _adaptive_steps(rank, out_dir, fraction, steps)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    close_gloo()
+
+
+def _case(rank: int) -> tuple:
+    """(the EP layout, this rank's two micro-batches, this rank's true all-saved peak)."""
+    torch.manual_seed(0)
+    cfg = model_config("small", **WIDE_EXCHANGE)
+    layout = ExpertParallel(cfg, 0, dist.group.WORLD)
+    gen = torch.Generator().manual_seed(1000 * rank)   # as oracle_ep: each rank its data
+    corpus = load_corpus(None)
+    batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
+    peak, _ = oracle_bench.probe(cfg, 0, batches, layout)
+    return layout, batches, peak
+
+
+def _adaptive_steps(rank: int, out_dir: str, fraction: float, steps: int) -> None:
+    layout, batches, peak = _case(rank)
+    guard = spikeguard.attach(layout.build(), budget=int(fraction * peak), policy="adaptive")
+    use_rates(guard.cost, RATES)
+    asked = _record_evictions(guard)
+    for _ in range(steps):
         guard.run_step(lambda: plain_step(guard.model, batches))
-        guard.detach()
-        (Path(out_dir) / f"steps_rank{rank}.json").write_text(json.dumps(records))
-        (Path(out_dir) / f"asked_rank{rank}.json").write_text(json.dumps(asked))
-        (Path(out_dir) / f"dispatch_rank{rank}.json").write_text(json.dumps(peaks))
-    finally:
-        close_gloo()
+    keys = ("peak_bytes", "budget_bytes", "safety_net_reruns", "decisions", "evicted_bytes",
+            "full_layers")
+    records = [{k: h[k] for k in keys} for h in guard.history]
+    peaks = _dispatch_peaks(guard)
+    guard.run_step(lambda: plain_step(guard.model, batches))
+    guard.detach()
+    (Path(out_dir) / f"steps_rank{rank}.json").write_text(json.dumps(records))
+    (Path(out_dir) / f"asked_rank{rank}.json").write_text(json.dumps(asked))
+    (Path(out_dir) / f"dispatch_rank{rank}.json").write_text(json.dumps(peaks))
 
 
 def _dispatchers(guard) -> list:
@@ -144,13 +156,7 @@ def plain_and_guarded_worker(rank: int, world_size: int, store_path: str, out_di
 
 
 def _plain_and_guarded(rank: int, out_dir: str, fraction: float) -> None:
-    torch.manual_seed(0)
-    cfg = model_config("small", **WIDE_EXCHANGE)
-    layout = ExpertParallel(cfg, 0, dist.group.WORLD)
-    gen = torch.Generator().manual_seed(1000 * rank)
-    corpus = load_corpus(None)
-    batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
-    peak, _ = oracle_bench.probe(cfg, 0, batches, layout)
+    layout, batches, peak = _case(rank)
     plain = layout.build()
     plain_step(plain, batches)
     expected = {n: p.grad for n, p in plain.named_parameters()}
