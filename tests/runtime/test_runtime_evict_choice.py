@@ -132,7 +132,8 @@ def _passed_over(call) -> bool:
     first = next(j for j, i in enumerate(ids) if j >= len(moved) or moved[j] != i)
     before = sum(sizes[i] for i in ids[:first])
     assert sizes[ids[first]] > call["ask"] - before, call
-    in_turn = next(n for n in itertools.accumulate(sizes[i] for i in ids) if n >= call["ask"])
+    in_turn = next((n for n in itertools.accumulate(sizes[i] for i in ids)
+                    if n >= call["ask"]), sum(sizes.values()))
     return sum(sizes[i] for i in moved) < in_turn
 
 
