@@ -3,6 +3,7 @@ the children)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
@@ -19,7 +20,11 @@ from spikeguard.model import model_config
 from spikeguard.parallel.expert_parallel import ExpertParallelDispatcher
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 from spikeguard.plan.cost_rates import FORMAT, VERSION, use_rates
+from spikeguard.runtime import device_state
+from spikeguard.runtime.offload import HostPool
 from spikeguard.runtime.window import TrackerEvictor
+
+from meter import LiveMeter, model_state_tensors
 
 # `small` with top-4 over 16 narrow experts: the dispatch exchange's rows (4 sent per token,
 # 128 wide) weigh beside a layer's attention part, as on `medium`.
@@ -38,33 +43,45 @@ def adaptive_steps_worker(rank: int, world_size: int, store_path: str, out_dir: 
                           fraction: float, steps: int) -> None:
     """Adaptive at `fraction` of this rank's true peak for `steps` steps; writes its records,
     every eviction the window asked for (where: the layer's entry, its dispatch or its
-    decision) with each dispatch's exact overflow, then one more step's dispatch peaks."""
+    decision) with each dispatch's exact overflow, then one more step's dispatch peaks.
+    A failing rank destroys its group and raises (as plain_and_guarded_worker)."""
     init_gloo(rank, world_size, store_path)
     try:
-        torch.manual_seed(0)
-        cfg = model_config("small", **WIDE_EXCHANGE)
-        layout = ExpertParallel(cfg, 0, dist.group.WORLD)
-        gen = torch.Generator().manual_seed(1000 * rank)   # as oracle_ep: each rank its data
-        corpus = load_corpus(None)
-        batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
-        peak, _ = oracle_bench.probe(cfg, 0, batches, layout)
-        budget = int(fraction * peak)
-        guard = spikeguard.attach(layout.build(), budget=budget, policy="adaptive")
-        use_rates(guard.cost, RATES)
-        asked = _record_evictions(guard)
-        for _ in range(steps):
-            guard.run_step(lambda: plain_step(guard.model, batches))
-        keys = ("peak_bytes", "budget_bytes", "safety_net_reruns", "decisions", "evicted_bytes",
-                "full_layers")
-        records = [{k: h[k] for k in keys} for h in guard.history]
-        peaks = _dispatch_peaks(guard)
+        _adaptive_steps(rank, out_dir, fraction, steps)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    close_gloo()
+
+
+def _case(rank: int) -> tuple:
+    """(the EP layout, this rank's two micro-batches, this rank's true all-saved peak)."""
+    torch.manual_seed(0)
+    cfg = model_config("small", **WIDE_EXCHANGE)
+    layout = ExpertParallel(cfg, 0, dist.group.WORLD)
+    gen = torch.Generator().manual_seed(1000 * rank)   # as oracle_ep: each rank its data
+    corpus = load_corpus(None)
+    batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
+    peak, _ = oracle_bench.probe(cfg, 0, batches, layout)
+    return layout, batches, peak
+
+
+def _adaptive_steps(rank: int, out_dir: str, fraction: float, steps: int) -> None:
+    layout, batches, peak = _case(rank)
+    guard = spikeguard.attach(layout.build(), budget=int(fraction * peak), policy="adaptive")
+    use_rates(guard.cost, RATES)
+    asked = _record_evictions(guard)
+    for _ in range(steps):
         guard.run_step(lambda: plain_step(guard.model, batches))
-        guard.detach()
-        (Path(out_dir) / f"steps_rank{rank}.json").write_text(json.dumps(records))
-        (Path(out_dir) / f"asked_rank{rank}.json").write_text(json.dumps(asked))
-        (Path(out_dir) / f"dispatch_rank{rank}.json").write_text(json.dumps(peaks))
-    finally:
-        close_gloo()
+    keys = ("peak_bytes", "budget_bytes", "safety_net_reruns", "decisions", "evicted_bytes",
+            "full_layers")
+    records = [{k: h[k] for k in keys} for h in guard.history]
+    peaks = _dispatch_peaks(guard)
+    guard.run_step(lambda: plain_step(guard.model, batches))
+    guard.detach()
+    (Path(out_dir) / f"steps_rank{rank}.json").write_text(json.dumps(records))
+    (Path(out_dir) / f"asked_rank{rank}.json").write_text(json.dumps(asked))
+    (Path(out_dir) / f"dispatch_rank{rank}.json").write_text(json.dumps(peaks))
 
 
 def _dispatchers(guard) -> list:
@@ -117,3 +134,78 @@ def _dispatch_peaks(guard) -> list:
 
         dispatcher.make_room, dispatcher.dispatch = room, dispatch
     return peaks
+
+
+def plain_and_guarded_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                             fraction: float) -> None:
+    """The same layout, seeds and data as `adaptive_steps_worker`: the plain model (no
+    guard) runs one step; then adaptive at `fraction` runs a calibrating step and one more
+    under the independent meter (baseline: the model's state after attach; the guard's
+    host memory marked as host), recording what each forward dispatch's `make_room` was
+    asked and what the meter saw leave the device during it. Saves both runs' gradients
+    (this rank's, before any all-reduce), the record, the meter's peak and the budget.
+    A rank that fails destroys its group and raises, rather than wait in close_gloo's
+    barrier for a peer that is waiting in a collective (the spawn would hang to its end)."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        _plain_and_guarded(rank, out_dir, fraction)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    close_gloo()   # the models, and with them every reference to the group, are gone here
+
+
+def _plain_and_guarded(rank: int, out_dir: str, fraction: float) -> None:
+    layout, batches, peak = _case(rank)
+    plain = layout.build()
+    plain_step(plain, batches)
+    expected = {n: p.grad for n, p in plain.named_parameters()}
+    del plain
+    guard = spikeguard.attach(layout.build(), budget=int(fraction * peak), policy="adaptive")
+    use_rates(guard.cost, RATES)
+    guard.run_step(lambda: plain_step(guard.model, batches))
+    meter = LiveMeter(baseline_tensors=model_state_tensors(guard.model))
+    rooms = _rooms_seen(guard, meter)
+    with meter, host_memory_marked(meter):
+        guard.run_step(lambda: plain_step(guard.model, batches))
+    torch.save({"expected": expected,
+                "grads": {n: p.grad for n, p in guard.model.named_parameters()},
+                "record": guard.history[-1], "rooms": rooms, "meter_peak": meter.peak_bytes,
+                "budget": guard.budget_bytes}, Path(out_dir) / f"grads_rank{rank}.pt")
+    guard.detach()
+
+
+def _rooms_seen(guard, meter) -> list:
+    """[exchange bytes, their overflow over the budget by the ledger, bytes the meter saw
+    leave the device during make_room] of every forward dispatch (the real make_room runs)."""
+    rooms = []
+    for dispatcher in _dispatchers(guard):
+        def room(num_bytes, made=dispatcher.make_room):
+            over, before = guard.ledger.in_use() + num_bytes - guard.budget_bytes, meter.live_bytes
+            made(num_bytes)
+            if guard.in_forward:
+                rooms.append([num_bytes, over, before - meter.live_bytes])
+        dispatcher.make_room = room
+    return rooms
+
+
+@contextlib.contextmanager
+def host_memory_marked(meter):
+    """The library's host allocations (the offload pool's buffers, the gradients' copy
+    before an adaptive step) made inside the meter's host scope, as true_device_support's
+    `host_marks` does in one process: the code under test runs unchanged."""
+    acquire, snapshot_init = HostPool.acquire, device_state.GradSnapshot.__init__
+
+    def host_acquire(self, num_bytes):
+        with meter.host_scope():
+            return acquire(self, num_bytes)
+
+    def host_snapshot(self, *args, **kwargs):
+        with meter.host_scope():
+            return snapshot_init(self, *args, **kwargs)
+
+    HostPool.acquire, device_state.GradSnapshot.__init__ = host_acquire, host_snapshot
+    try:
+        yield
+    finally:
+        HostPool.acquire, device_state.GradSnapshot.__init__ = acquire, snapshot_init
