@@ -42,5 +42,10 @@ def test_the_oracle_plans_fit_the_budget_they_were_solved_for(tmp_path, fraction
         assert found["feasible"], (rank, found)
         assert found["error"] is None, (rank, found)
         assert found["peak"] <= found["budget"], (rank, found)
-        assert len(found["plans"]) > 1 and found["evicted"] > 0, \
+        # The budget binds: some layer's plan moves a tensor, or the oracle evicts. (Which
+        # plans it picks moves with the in-use it solves from, gloo's rows held or not: a
+        # CI run here at 0.6x picked one plan, recompute gate_up to act and offload
+        # dispatch, in every layer, evicting nothing; earlier ones mixed two.)
+        moved = [p for p in found["plans"] if "=rec" in p or "=off" in p]
+        assert moved or found["evicted"] > 0, \
             ("a cut that changes nothing tests nothing", rank, found)
