@@ -12,9 +12,9 @@ This module observes them (it never re-implements them) and adds its own flag po
     end of a forward attempt, end of a step: [flag point]
 
 A vote also carries each rank's promise that no later layer of the attempt will need the
-fallback (runtime/hookless.py `promise`); once every rank has promised, the later layers
-of the attempt vote no more (each a no, on every rank alike): one or two votes a
-micro-batch on a calm step instead of one per layer.
+fallback (runtime/window.py `DecisionWindow.promise`); once every rank has promised, the
+later layers of the attempt vote no more (each a no, on every rank alike): one or two
+votes a micro-batch on a calm step instead of one per layer.
 
 R = ranks of the EP group, L = experts local to a rank, M = rows a rank receives, D =
 model width. Every flag point is one all-gather of (note, vote, promise) rows

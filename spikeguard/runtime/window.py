@@ -216,13 +216,16 @@ class DecisionWindow:
     def promise(self, layer: int) -> bool:
         """At `layer`'s entry, after its entry check: does the forecast fit the rest of the
         micro-batch at its least plans even where each later layer routes PROMISE_ROUTED
-        times the most copies seen so far (times the forecast's own margin)? The decisions
-        keep what is still to come in room (plan/decide.py), so then no later layer needs
-        the whole-layer fallback unless it routes more than that: what a rank promises at
-        its vote, so that where every rank does the group skips the later votes
-        (runtime/layers.py `falls_back`, parallel/family_journal.py). A static policy
-        never falls back: it always promises; nothing is promised before an attention part
-        was measured."""
+        times the most copies seen so far (times the forecast's own margin)? Each decision
+        keeps the rest's least plans in room at the forecast's margin (plan/decide.py), and
+        what earlier layers saved can be evicted beyond it, so a later layer then needs the
+        whole-layer fallback only where it routes well past what was seen: a prediction,
+        as the forecast is. What a rank promises at its vote; where every rank does, the
+        group skips the later votes (runtime/layers.py `falls_back`,
+        parallel/family_journal.py), and a later layer that would have fallen back takes
+        the least plan its decision finds, or the safety net re-runs the micro-batch. A
+        static policy never falls back: it always promises; nothing is promised before an
+        attention part was measured."""
         if self.policy != "adaptive":
             return True
         seen = self.seen
