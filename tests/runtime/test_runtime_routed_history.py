@@ -1,0 +1,132 @@
+"""Under expert parallelism the hookless proof predicts later layers' routed counts from
+their own recent forwards (runtime/hookless.py `RoutedHistory`).
+
+The forecast's uniform bound (1.25x the most seen so far, for every later layer) proved one
+layer of four on `small` at EP=2, 1.1x the calm peak (rank 0's layer 0 routes the most),
+so three layers a step ran their saved-tensor hooks on calm steps. With each later layer's
+own history, scaled by how far the micro-batch's layers so far rose above theirs, every
+layer of a calm step runs hookless once each has `ROUTED_HISTORY_MIN` forwards behind it.
+A spike in every layer is foreseen from the first; one that starts in a later layer is
+not, and the device must still hold: the budget kept and the gradients the plain
+model's, whatever the plans.
+
+    .venv/bin/python -m pytest tests/runtime/test_runtime_routed_history.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spikeguard.parallel.launch_utils import run_spawned
+from spikeguard.runtime.hookless import (ROUTED_HISTORY, ROUTED_HISTORY_MIN, ROUTED_SLACK,
+                                         RoutedHistory)
+
+import routed_history_workers
+
+WORLD = 2
+
+
+# ---- the prediction by itself ------------------------------------------------------------
+def test_no_prediction_until_a_layer_has_enough_history():
+    h = RoutedHistory()
+    for step in range(ROUTED_HISTORY_MIN):
+        assert h.predict(step, 1) is None   # layer 1 has `step` forwards behind it
+        h.note(step, 0, 100)
+        h.note(step, 1, 200)
+        h.forget_micro_batch(step)
+    h.note(9, 0, 100)
+    assert h.predict(9, 1) == int(200 * (1 + ROUTED_SLACK)) + 1
+
+
+def test_a_rise_in_the_layers_so_far_scales_the_later_ones():
+    h = RoutedHistory()
+    for mb in range(ROUTED_HISTORY_MIN):
+        h.note(mb, 0, 100 + mb)   # most 103
+        h.note(mb, 1, 200)
+        h.forget_micro_batch(mb)
+    h.note(7, 0, 206)   # 2x layer 0's most
+    assert h.predict(7, 1) == int(200 * 2 * (1 + ROUTED_SLACK)) + 1
+    h.note(8, 0, 50)    # below its past: never scales down
+    assert h.predict(8, 1) == int(200 * (1 + ROUTED_SLACK)) + 1
+
+
+def test_a_micro_batch_whose_first_layer_had_no_history_predicts_nothing():
+    h = RoutedHistory()
+    for mb in range(ROUTED_HISTORY_MIN):
+        h.note(mb, 1, 200)
+    h.note(5, 0, 100)    # layer 0: never seen before
+    assert h.predict(5, 1) is None
+
+
+def test_only_the_last_forwards_count():
+    h = RoutedHistory()
+    h.note(0, 1, 1000)
+    for mb in range(1, ROUTED_HISTORY + 1):
+        h.note(mb, 1, 200)
+    h.note(99, 0, 1)
+    h._rise[99] = 1.0
+    assert h.predict(99, 1) == int(200 * (1 + ROUTED_SLACK)) + 1
+
+
+# ---- under EP=2, for real ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("routed_history")
+    run_spawned(routed_history_workers.worker, WORLD, (str(out),), store_path=out / "store",
+                timeout_s=240)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_once_every_layer_has_history_a_calm_step_runs_every_layer_hookless(run):
+    for rank, out in enumerate(run):
+        records = out["calm"]["records"]
+        assert [r["safety_net_reruns"] for r in records] == [0] * len(records), (rank, records)
+        assert all(r["peak_bytes"] <= r["budget_bytes"] for r in records), (rank, records)
+        # the first steps go by the forecast's bound (rank 0: 1 layer of 4), the last two
+        # by the history
+        assert [r["hookless_layers"] for r in records[-2:]] == [4, 4], (rank, records)
+        assert out["calm"]["grads_equal"], rank
+    assert run[0]["calm"]["records"][0]["hookless_layers"] < 4, \
+        "the forecast's bound proves every layer already: this case tests nothing"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_spike_in_every_layer_is_foreseen_and_absorbed(run):
+    for rank, out in enumerate(run):
+        spike = out["spike"]
+        for r in spike["records"]:
+            assert r["safety_net_reruns"] == 0 and r["peak_bytes"] <= r["budget_bytes"], \
+                (rank, r)
+        assert spike["grads_equal"], rank
+        for step, routed in zip(spike["predicted"], spike["routed"]):
+            for decided, later, predicted in step:   # every prediction covers what came
+                assert predicted is None or predicted >= routed[str(later)], \
+                    (rank, decided, later, predicted, routed)
+    spike = run[0]["spike"]
+    rise = spike["routed"][0]["0"] / spike["calm_most"]["0"]
+    assert rise > 1.2, f"rank 0 routes {rise:.2f}x its calm count: no spike to foresee"
+    assert any(p is not None for _, _, p in spike["predicted"][0]), \
+        "the spike's first step predicted nothing: the case tests nothing"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_spike_that_starts_late_is_missed_and_the_device_still_holds(run):
+    for rank, out in enumerate(run):
+        late = out["late"]
+        for r in late["records"]:
+            assert r["peak_bytes"] <= r["budget_bytes"], (rank, r)
+        assert late["grads_equal"], rank
+    late = run[0]["late"]   # its first step: layer 2's history is calm
+    missed = [(decided, later, p) for decided, later, p in late["predicted"][0]
+              if p is not None and later == 2 and p < late["routed"][0]["2"]]
+    assert missed, ("no prediction of layer 2 fell short of its late spike: the case does "
+                    f"not test a miss ({late['predicted']}, routed {late['routed']})")
