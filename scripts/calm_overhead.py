@@ -43,6 +43,7 @@ from spikeguard.bench.spread import interval, ratio_spread, rounds_text
 from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import UsageError
 from spikeguard.model import build_model, model_config
+from spikeguard.parallel.launch_utils import run_under_torchrun
 
 POLICIES = ("plain", "none", "adaptive")
 
@@ -137,10 +138,14 @@ def main() -> None:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    group = None
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        torch.distributed.init_process_group("gloo")
-        group = torch.distributed.group.WORLD
+        # the models live in _measure's frame: gone before the group is closed
+        run_under_torchrun(lambda group: _measure(args, parser, group))
+    else:
+        _measure(args, parser, None)
+
+
+def _measure(args, parser, group) -> None:
     try:   # an unknown model type: one line, exit 2
         cfg, batches, models = _setup(group, args.hf, args.titan)
     except UsageError as err:
@@ -171,6 +176,7 @@ def main() -> None:
         if rank0:
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        _detach(guards)
         return
     times = {p: [] for p in POLICIES}
     for rep in range(args.reps + 1):
@@ -198,8 +204,14 @@ def main() -> None:
                   f"{s['median']:.3f} [95% {interval(s)}] ({rounds_text(s)})"
                   + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step, hookless layers "
                      f"{hookless[p]:.1f}/step" if p in evicted else ""))
-    if group is not None:
-        torch.distributed.destroy_process_group()
+    _detach(guards)
+
+
+def _detach(guards: dict) -> None:
+    """An attached guard's tensor hooks on its blocks' aux-loss graphs keep it, its model
+    and the group alive past gc (see launch_utils.run_under_torchrun): detached here."""
+    for g in guards.values():
+        g.detach()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import spikeguard
 from spikeguard.bench.spread import interval, needed, ratio_spread
 from spikeguard.data.corpus import load_corpus
 from spikeguard.model import build_model, model_config
+from spikeguard.parallel.launch_utils import run_under_torchrun
 from spikeguard.parallel.mesh import MeshGroups, ParallelLayout
 from spikeguard.parallel.pipeline_training import PipelineRank
 
@@ -85,7 +86,10 @@ def _step(prank: PipelineRank, tokens, clock) -> float:
 def main() -> None:
     args = _arguments()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    run_under_torchrun(lambda group: _measure(args))   # no pipeline outlives _measure
+
+
+def _measure(args) -> None:
     rank = dist.get_rank()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     cfg = model_config("small", num_layers=args.layers)
@@ -118,7 +122,6 @@ def main() -> None:
         _report(everyone, args, cfg)
     for prank in pranks.values():
         prank.close()
-    dist.destroy_process_group()
 
 
 def _report(ranks: list, args, cfg) -> None:

@@ -586,57 +586,72 @@ def ep_worker(rank: int, world_size: int, store_path: str, out_dir: str, cuda: b
     prevention blinded under a budget between its forward and backward peaks."""
     import torch.distributed as dist
 
-    from spikeguard.parallel import allreduce_replicated_grads, parallelize_experts
+    from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store_path}",
-                            rank=rank, world_size=world_size)
+        dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world_size)
+    else:
+        init_gloo(rank, world_size, store_path)
     try:
-        cfg = model_config("tiny" if not cuda else "small", num_experts=4)
-        data = batches(cfg, device, [4, 8], seed=100 + rank)
-
-        def model_and_guard(budget):
-            model = parallelize_experts(build_model(cfg, seed=0).to(device), dist.group.WORLD)
-            return model, spikeguard.attach(model, budget=budget, policy="adaptive")
-
-        peaks = {"forward": 0, "backward": 0}
-
-        def step(model, guard, measure=False):
-            def fn():
-                for x, y in data:
-                    if measure:   # the ceiling's own device: each phase's peak apart
-                        guard.meter.reset_peak()
-                    loss = model(x, y).loss / world_size
-                    if measure:
-                        peaks["forward"] = max(peaks["forward"], guard.meter.peak())
-                        guard.meter.reset_peak()
-                    loss.backward()
-                    del loss
-                    if measure:
-                        peaks["backward"] = max(peaks["backward"], guard.meter.peak())
-            guard.run_step(fn)
-            allreduce_replicated_grads(model, dist.group.WORLD)
-            return {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
-
-        model, guard = model_and_guard(HUGE)
-        ceiling = step(model, guard, measure=True)
-        forward, whole = peaks["forward"], peaks["backward"]
-        guard.detach()
-        del model, guard
-        budget = (forward + whole) // 2 if rank == 0 else HUGE
-        model, guard = model_and_guard(budget)
-        if rank == 0:
-            blind_prevention(guard)
-        forced = step(model, guard)
-        record = guard.history[-1]
-        torch.save({"equal": all(torch.equal(ceiling[n], forced[n]) for n in ceiling),
-                    "record": record, "budget": budget, "forward": forward, "whole": whole},
-                   os.path.join(out_dir, f"ep{rank}.pt"))
-        guard.detach()
-    finally:
+        _ep_rank(rank, world_size, out_dir, cuda, device)
+    except BaseException:
+        dist.destroy_process_group()   # no barrier: the peer may be inside a collective
+        raise
+    if cuda:
         dist.destroy_process_group()
+    else:
+        close_gloo()   # the models died with _ep_rank's frame (see close_gloo)
+
+
+def _ep_rank(rank: int, world_size: int, out_dir: str, cuda: bool, device) -> None:
+    import torch.distributed as dist
+
+    from spikeguard.parallel import allreduce_replicated_grads, parallelize_experts
+
+    cfg = model_config("tiny" if not cuda else "small", num_experts=4)
+    data = batches(cfg, device, [4, 8], seed=100 + rank)
+
+    def model_and_guard(budget):
+        model = parallelize_experts(build_model(cfg, seed=0).to(device), dist.group.WORLD)
+        return model, spikeguard.attach(model, budget=budget, policy="adaptive")
+
+    peaks = {"forward": 0, "backward": 0}
+
+    def step(model, guard, measure=False):
+        def fn():
+            for x, y in data:
+                if measure:   # the ceiling's own device: each phase's peak apart
+                    guard.meter.reset_peak()
+                loss = model(x, y).loss / world_size
+                if measure:
+                    peaks["forward"] = max(peaks["forward"], guard.meter.peak())
+                    guard.meter.reset_peak()
+                loss.backward()
+                del loss
+                if measure:
+                    peaks["backward"] = max(peaks["backward"], guard.meter.peak())
+        guard.run_step(fn)
+        allreduce_replicated_grads(model, dist.group.WORLD)
+        return {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+
+    model, guard = model_and_guard(HUGE)
+    ceiling = step(model, guard, measure=True)
+    forward, whole = peaks["forward"], peaks["backward"]
+    guard.detach()
+    del model, guard
+    budget = (forward + whole) // 2 if rank == 0 else HUGE
+    model, guard = model_and_guard(budget)
+    if rank == 0:
+        blind_prevention(guard)
+    forced = step(model, guard)
+    record = guard.history[-1]
+    torch.save({"equal": all(torch.equal(ceiling[n], forced[n]) for n in ceiling),
+                "record": record, "budget": budget, "forward": forward, "whole": whole},
+               os.path.join(out_dir, f"ep{rank}.pt"))
+    guard.detach()
 
 
 def check_ep(run: Run) -> str:

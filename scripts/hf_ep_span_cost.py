@@ -25,6 +25,7 @@ import torch.distributed as dist
 import spikeguard
 from spikeguard.errors import ArgumentParser, UsageError
 from spikeguard.parallel import family_backward, family_journal
+from spikeguard.parallel.launch_utils import run_under_torchrun
 
 STEPS = 10
 
@@ -83,7 +84,10 @@ def main() -> None:
         print(f"hf_ep_span_cost: {err}", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    run_under_torchrun(lambda group: _measure(args))   # no model outlives timed()
+
+
+def _measure(args) -> None:
     modes = ("off", "every", "on")
     rows = {mode: [] for mode in modes}
     for rep in range(args.reps + 1):
@@ -97,7 +101,6 @@ def main() -> None:
                 v = [r[i] * 1e3 for r in rows[mode]]
                 print(f"recording {mode:5s} {clock:4s} {statistics.median(v):6.1f} ms/step "
                       f"({min(v):.1f}-{max(v):.1f})")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -126,31 +126,35 @@ def main(argv=None) -> int:
             args.batch_size * sizes.seq_len, getattr(sizes, "vocab_size", 256), sizes.d_model,
             sizes.num_layers), f"model {args.hf}")
         torch.set_num_threads(args.threads)
-        rank = _init_ep(args.ep)
-        result = measure(args.hf, sizes, args.batch_size, args.micro_batches, args.reps,
-                         args.fraction, ep=args.ep, rank=rank)
-        if rank == 0:
-            print_table(result)
-            print("worst rank's peak: " + " | ".join(
-                f"{p} {v / 2**20:.2f} MiB" for p, v in result["world_peak_bytes"].items()))
+        if args.ep == 1:
+            _report(args, sizes, 0)
+        else:
+            _check_world(args.ep)
+            from spikeguard.parallel.launch_utils import run_under_torchrun
+            # the models live in measure's frame: gone before the group is closed
+            run_under_torchrun(lambda group: _report(args, sizes, group.rank()))
     except UsageError as err:
         print(f"spikeguard: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def _init_ep(ep: int) -> int:
-    """This rank under torchrun with --ep > 1 (gloo); 0 otherwise."""
-    if ep == 1:
-        return 0
+def _report(args, sizes: HFSizes, rank: int) -> None:
+    result = measure(args.hf, sizes, args.batch_size, args.micro_batches, args.reps,
+                     args.fraction, ep=args.ep, rank=rank)
+    if rank == 0:
+        print_table(result)
+        print("worst rank's peak: " + " | ".join(
+            f"{p} {v / 2**20:.2f} MiB" for p, v in result["world_peak_bytes"].items()))
+
+
+def _check_world(ep: int) -> None:
+    """--ep > 1 runs under torchrun with that many processes."""
     import os
-    import torch.distributed as dist
     if int(os.environ.get("WORLD_SIZE", "1")) != ep:
         raise UsageError(f"--ep {ep} runs under torchrun with {ep} processes "
                          f"(python -m torch.distributed.run --standalone --nproc-per-node {ep} "
                          f"-m spikeguard.bench.hf_bench ... --ep {ep})")
-    dist.init_process_group("gloo")
-    return dist.get_rank()
 
 
 if __name__ == "__main__":

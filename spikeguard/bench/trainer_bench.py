@@ -156,10 +156,15 @@ def main() -> None:
     if a.reps < 1 or a.steps < 2 or a.batch < 1 or not 0 < a.fraction <= 1 or a.ep < 1:
         parser.error("--reps >= 1, --steps >= 2, --batch >= 1, 0 < --fraction <= 1, --ep >= 1")
     torch.set_num_threads(1)
-    rank = 0
     if a.ep > 1:
-        torch.distributed.init_process_group("gloo")
-        rank = torch.distributed.get_rank()
+        from spikeguard.parallel.launch_utils import run_under_torchrun
+        # the Trainers and their models live in measure's frames: gone before the close
+        run_under_torchrun(lambda group: _report(a, group.rank()))
+    else:
+        _report(a, 0)
+
+
+def _report(a, rank: int) -> None:
     found = measure(a.reps, a.steps, a.batch, a.fraction, a.ep, rank)
     if rank == 0:
         layout = f", DistributedConfig(fsdp_size={a.ep}, ep_size={a.ep}), the group's steps" \
@@ -178,8 +183,6 @@ def main() -> None:
         print("  (per-round ratios; peak: the device's whole count, the optimizer step "
               "included: the guard's meter at each step's end; decisions and evictions: "
               "rank 0's, summed over every round's steps)")
-    if a.ep > 1:
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
