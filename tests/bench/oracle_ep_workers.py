@@ -5,20 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 import spikeguard
 from spikeguard.bench import oracle_bench
-from spikeguard.bench.oracle_ep import ExpertParallel
 from spikeguard.bench.runtime_ratios import plain_step
-from spikeguard.data.corpus import load_corpus
 from spikeguard.errors import DeviceOutOfMemory
-from spikeguard.model import model_config
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.cost_rates import rates_of, use_rates
 from spikeguard.plan.oracle_evict import solve_evict
+
+from ep_case import ep_case
 
 # `medium`'s proportions at `tiny`'s size: experts narrower than the model (d_expert <
 # d_model) and top-4, so the exchange's rows weigh beside the expert path's tensors.
@@ -31,14 +27,9 @@ def oracle_plans_worker(rank: int, world_size: int, store_path: str, out_dir: st
     solved on its byte model, then its plans run under the budget. Writes what happened."""
     init_gloo(rank, world_size, store_path)
     try:
-        torch.manual_seed(0)
-        cfg = model_config("tiny", **NARROW_EXPERTS)
-        layout = ExpertParallel(cfg, 0, dist.group.WORLD)
-        gen = torch.Generator().manual_seed(1000 * rank)   # as oracle_ep: each rank its data
-        corpus = load_corpus(None)
-        batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
-        peak, seen = oracle_bench.probe(cfg, 0, batches, layout)
-        budget = int(fraction * peak)
+        case = ep_case(rank, "tiny", **NARROW_EXPERTS)
+        layout, batches, seen = case.layout, case.batches, case.seen
+        budget = int(fraction * case.peak)
         adaptive = spikeguard.attach(layout.build(), budget=budget, policy="adaptive")
         # Rates frozen: timed at attach and corrected online, they moved the oracle's
         # plans with the machine's load (CI here once chose plans this test rejects).

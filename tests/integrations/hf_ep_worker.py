@@ -16,6 +16,7 @@ exits 3), as a real job would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -97,25 +98,38 @@ def guarded(policy: str, budget) -> tuple:
     return model, spikeguard.attach(model, budget=budget, policy=policy)
 
 
-def metered_peak(model, guard) -> int:
-    """The step's peak by the independent meter (tests/meter.py): the local shards of the
-    sharded state as baseline; the guard's host copy of the gradients is host memory.
-    DTensor-level ops are not seen (their outputs have no storage), their local ops are."""
+@contextlib.contextmanager
+def metered(model):
+    """The independent meter (tests/meter.py) while entered: the local shards of the
+    sharded state as baseline; the guard's host memory (its host copy of the gradients,
+    the offload pool's buffers) is host memory. DTensor-level ops are not seen (their
+    outputs have no storage), their local ops are."""
     from meter import LiveMeter, model_state_tensors
     from spikeguard.runtime import device_state
+    from spikeguard.runtime.offload import HostPool
     meter = LiveMeter(baseline_tensors=[getattr(t, "_local_tensor", t)
                                         for t in model_state_tensors(model)])
-    snapshot_init = device_state.GradSnapshot.__init__
+    snapshot_init, acquire = device_state.GradSnapshot.__init__, HostPool.acquire
 
     def host_snapshot(self, *args):
         with meter.host_scope():
             snapshot_init(self, *args)
-    device_state.GradSnapshot.__init__ = host_snapshot
+
+    def host_acquire(self, num_bytes):
+        with meter.host_scope():
+            return acquire(self, num_bytes)
+    device_state.GradSnapshot.__init__, HostPool.acquire = host_snapshot, host_acquire
     try:
         with meter:
-            run(model, batches(), guard)
+            yield meter
     finally:
-        device_state.GradSnapshot.__init__ = snapshot_init
+        device_state.GradSnapshot.__init__, HostPool.acquire = snapshot_init, acquire
+
+
+def metered_peak(model, guard) -> int:
+    """The step's peak by the independent meter."""
+    with metered(model) as meter:
+        run(model, batches(), guard)
     return meter.peak_bytes
 
 
@@ -186,8 +200,9 @@ def check_mixed(state: dict) -> dict:
 def check_votes(state: dict) -> dict:
     """Adaptive at 1.1x none's calm peak for three steps, with every rank's promise
     (runtime/window.py `promise`) and without it (every layer votes): the layer votes
-    gathered in each step, and the last step's gradients against the unguarded layout's
-    (the same batches every step, no optimizer step)."""
+    gathered in each step, each step's peak by the independent meter (baseline: the
+    model's state after attach) and the last step's gradients against the unguarded
+    layout's (the same batches every step, no optimizer step)."""
     budget = int(state["none_peak"] * 1.1)
     out = {}
     for name, promise in (("promised", None), ("every_layer", lambda layer: False)):
@@ -208,10 +223,14 @@ def check_votes(state: dict) -> dict:
             finally:
                 voting[0] = False
         agreement.gather, agreement.vote = gather, vote
+        meter_peaks = []
         for _ in range(3):
             per_step.append(0)
-            g = run(model, batches(), guard)
-        out[name] = {"votes": per_step, "differ": differ(state["ref"], g), **record(guard)}
+            with metered(model) as meter:
+                g = run(model, batches(), guard)
+            meter_peaks.append(meter.peak_bytes)
+        out[name] = {"votes": per_step, "meter_peaks": meter_peaks,
+                     "differ": differ(state["ref"], g), **record(guard)}
         guard.detach()
     return out
 

@@ -7,8 +7,8 @@ ep_size=2)` with and without spikeguard (tests/integrations/test_integrations_hf
 CASE: `plain` (no guard), `none`, `full`, `adaptive`, `blind` (adaptive with a forecast
 blind to what is still to come, so a backward runs out and the step-level net re-runs it on
 every rank together). Writes OUT_DIR/CASE_rank<r>.json: the history's peaks and re-runs,
-the device's own peak per step, and a digest of the parameters after 3 steps; or the
-one-line error.
+the device's own peak and the fallback votes gathered per step, and a digest of the
+parameters after 3 steps; or the one-line error.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ STEPS, BATCH, SEQ = 3, 4, 33
 
 class DevicePeaks:
     """A TrainerCallback, after the guard's: the device's own peak counter at each step's
-    end (the emulated allocator's, not the guard's ledger or history)."""
+    end (the emulated allocator's, not the guard's ledger or history), and the
+    whole-layer fallback votes gathered in each step (FamilyAgreement.vote's all-gathers)."""
 
     def __init__(self, trainer):
         from transformers import TrainerCallback
-        self.trainer, self.peaks = trainer, []
+        self.trainer, self.peaks, self.votes = trainer, [], []
         outer = self
 
         class _Callback(TrainerCallback):
@@ -43,12 +44,32 @@ class DevicePeaks:
                 guard = getattr(outer.trainer, "spikeguard", None)
                 if guard is not None and CASE == "blind":
                     blind(guard)
+                if guard is not None and guard.layers.agreement is not None:
+                    outer.count_votes(guard.layers.agreement)
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                outer.votes.append(0)
 
             def on_step_end(self, args, state, control, **kwargs):
                 guard = getattr(outer.trainer, "spikeguard", None)
                 if guard is not None:
                     outer.peaks.append(guard.meter.peak())
         self.callback = _Callback()
+
+    def count_votes(self, agreement) -> None:
+        voting, real_gather, real_vote = [False], agreement.gather, agreement.vote
+
+        def gather(*args, **kwargs):
+            self.votes[-1] += voting[0]
+            return real_gather(*args, **kwargs)
+
+        def vote(*args):
+            voting[0] = True
+            try:
+                return real_vote(*args)
+            finally:
+                voting[0] = False
+        agreement.gather, agreement.vote = gather, vote
 
 
 def blind(guard) -> None:
@@ -80,7 +101,7 @@ def train(out_dir: Path, budget) -> dict:
     digest = [float(p.to_local().double().sum()) for p in model.parameters()]
     params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     torch.save(params, out_dir / f"{CASE}_params_rank{dist.get_rank()}.pt")
-    out = {"digest": digest, "device_peaks": peaks.peaks, "loss": loss}
+    out = {"digest": digest, "device_peaks": peaks.peaks, "votes": peaks.votes, "loss": loss}
     if CASE != "plain":
         history = trainer.spikeguard.history
         out.update(peaks=[r["peak_bytes"] for r in history],

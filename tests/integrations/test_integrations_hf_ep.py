@@ -100,13 +100,16 @@ def test_once_every_rank_promises_the_later_layers_do_not_vote(found, rank):
     rank promises at a vote that no later layer of the micro-batch needs the fallback
     (runtime/window.py `promise`), the later layers cast none: from the second step on,
     one vote per micro-batch (2) instead of one per layer and micro-batch (2 x 2);
-    gradients bitwise alike, nothing re-run."""
+    gradients bitwise alike, nothing re-run; every step's peak within the budget by the
+    independent meter (tests/meter.py, around each step, the model's state after attach
+    as baseline, the guard's host memory apart), as well as by the guard's device."""
     got = found("votes", rank)
     assert got["every_layer"]["votes"] == [4, 4, 4], got
     assert got["promised"]["votes"][1:] == [2, 2], got
     for name in ("promised", "every_layer"):
         assert got[name]["differ"] == [] and got[name]["reruns"] == 0, (name, got)
         assert got[name]["peak"] <= got[name]["budget"], (name, got)
+        assert max(got[name]["meter_peaks"]) <= got[name]["budget"], (name, got)
 
 
 @pytest.mark.parametrize("rank", RANKS)

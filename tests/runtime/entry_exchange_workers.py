@@ -12,11 +12,7 @@ import torch
 import torch.distributed as dist
 
 import spikeguard
-from spikeguard.bench import oracle_bench
-from spikeguard.bench.oracle_ep import ExpertParallel
 from spikeguard.bench.runtime_ratios import plain_step
-from spikeguard.data.corpus import load_corpus
-from spikeguard.model import model_config
 from spikeguard.parallel.expert_parallel import ExpertParallelDispatcher
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 from spikeguard.plan.cost_rates import FORMAT, VERSION, use_rates
@@ -24,6 +20,7 @@ from spikeguard.runtime import device_state
 from spikeguard.runtime.offload import HostPool
 from spikeguard.runtime.window import TrackerEvictor
 
+from ep_case import ep_case
 from meter import LiveMeter, model_state_tensors
 
 # `small` with top-4 over 16 narrow experts: the dispatch exchange's rows (4 sent per token,
@@ -56,14 +53,8 @@ def adaptive_steps_worker(rank: int, world_size: int, store_path: str, out_dir: 
 
 def _case(rank: int) -> tuple:
     """(the EP layout, this rank's two micro-batches, this rank's true all-saved peak)."""
-    torch.manual_seed(0)
-    cfg = model_config("small", **WIDE_EXCHANGE)
-    layout = ExpertParallel(cfg, 0, dist.group.WORLD)
-    gen = torch.Generator().manual_seed(1000 * rank)   # as oracle_ep: each rank its data
-    corpus = load_corpus(None)
-    batches = [corpus.get_batch("train", 8, cfg.seq_len, gen) for _ in range(2)]
-    peak, _ = oracle_bench.probe(cfg, 0, batches, layout)
-    return layout, batches, peak
+    case = ep_case(rank, "small", **WIDE_EXCHANGE)
+    return case.layout, case.batches, case.peak
 
 
 def _adaptive_steps(rank: int, out_dir: str, fraction: float, steps: int) -> None:
