@@ -40,12 +40,14 @@ def test_the_oracle_plans_fit_the_budget_they_were_solved_for(tmp_path, fraction
     for rank in range(world):
         found = json.loads((tmp_path / f"oracle_rank{rank}.json").read_text())
         assert found["feasible"], (rank, found)
-        assert found["error"] is None, (rank, found)
-        assert found["peak"] <= found["budget"], (rank, found)
         # The budget binds: some layer's plan moves a tensor, or the oracle evicts. (Which
         # plans it picks moves with the in-use it solves from, gloo's rows held or not: a
         # CI run here at 0.6x picked one plan, recompute gate_up to act and offload
-        # dispatch, in every layer, evicting nothing; earlier ones mixed two.)
+        # dispatch, in every layer, evicting nothing; earlier ones mixed two.) Checked
+        # before the run's outcome, so that an oracle that cuts nothing fails here (seen,
+        # with the solver returning all-save: the run then ran out of memory too).
         moved = [p for p in found["plans"] if "=rec" in p or "=off" in p]
         assert moved or found["evicted"] > 0, \
             ("a cut that changes nothing tests nothing", rank, found)
+        assert found["error"] is None, (rank, found)
+        assert found["peak"] <= found["budget"], (rank, found)
