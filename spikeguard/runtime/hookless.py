@@ -35,17 +35,12 @@ decision of layer L:
     plus the gradients it makes) at the reserve that forward will read.
 The most routed copies: in one process exactly L's (the built-in router is dropless
 top-k: tokens x top-k copies in every layer). Under expert parallelism a rank's count
-moves from layer to layer, and is predicted per later layer (`RoutedHistory`): the most
-that layer routed over its last `ROUTED_HISTORY` forwards, scaled by how far this
-micro-batch's layers so far rose above their own (a spike under way), plus
-`ROUTED_SLACK`; until a layer has `ROUTED_HISTORY_MIN` forwards behind it, the forecast's
-own bound, (1 + its load margin) x the most seen in this micro-batch. A prediction, not
-a proof: a spike that starts in a later layer only is not foreseen (that layer then
-evicts less, takes a smaller plan of its own, or the safety net re-runs). The forecast's
-uniform bound proved too little to matter on calm steps: on `small` at EP=2, 1.1x of the
-calm peak, rank 0's layer 0 routes 2528 copies and layers 1-3 1874-2130, and the walk at
-1.25 x 2528 put layer 3's decision at 92.7 MiB against the real 77.1 of 104.7, so 1
-layer of 4 ran hookless (CPU, emulated device).
+moves from layer to layer, and is predicted per later layer from its own recent forwards
+(runtime/routed_history.py), scaled by any rise this micro-batch's layers so far show;
+until every layer has enough forwards behind it, the forecast's own bound, (1 + its load
+margin) x the most seen in this micro-batch. A prediction, not a proof: a spike that
+starts in a later layer only is not foreseen (that layer then evicts less, takes a
+smaller plan of its own, or the safety net re-runs).
 Then no decision of the micro-batch asks for eviction (other micro-batches evict only
 their own layers outside a pipeline, and none before its backward inside one): L's
 expert stages run hookless, and every later layer of the micro-batch is covered whole
@@ -82,7 +77,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections import deque
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
@@ -94,6 +88,7 @@ from spikeguard.plan.room import EntryState, Seen, forward_transient_bytes_per_r
 from spikeguard.runtime.executor import release_all
 from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.hooks import SavedTensorTracker
+from spikeguard.runtime.routed_history import RoutedHistory
 
 # The operators whose saved tensors the executor's stages make (a later stage reads
 # them); combine's after them (the last stage's, read by combine, and combine's own).
@@ -103,42 +98,6 @@ COMBINE_OPS = tuple(op for op in OPS if not CONSUMERS[op]) + ("combine",)
 # for a region call whose combine runs after it, torchtitan's; the built-in path models
 # its combine from the byte model, a transformers call holds its own).
 MEASURED_OPS = ("attn", "router", "shared", "combine")
-# The routed-count prediction under expert parallelism (module doc): forwards of a layer
-# remembered, how many before they are used, and the margin on top.
-ROUTED_HISTORY = 16
-ROUTED_HISTORY_MIN = 4
-ROUTED_SLACK = 0.05
-
-
-class RoutedHistory:
-    """Predicts the routed copies of this rank's later layers from their own recent
-    forwards (module doc). `note` each layer's count as its forward decides; `predict` a
-    later layer's, or None where there is too little history to go by."""
-
-    def __init__(self):
-        self._past: dict[int, deque] = {}
-        # Micro-batch -> the most its layers so far routed over their own past maximum
-        # (>= 1: a spike under way), None once a layer of it had too little history.
-        self._rise: dict[int, Optional[float]] = {}
-
-    def note(self, micro_batch: int, layer: int, num_routed: int) -> None:
-        past = self._past.setdefault(layer, deque(maxlen=ROUTED_HISTORY))
-        rise = num_routed / max(past) if len(past) >= ROUTED_HISTORY_MIN and max(past) else None
-        so_far = self._rise.get(micro_batch, 1.0)
-        self._rise[micro_batch] = None if so_far is None or rise is None else max(so_far, rise)
-        past.append(num_routed)
-
-    def predict(self, micro_batch: int, layer: int) -> Optional[int]:
-        past = self._past.get(layer)
-        rise = self._rise.get(micro_batch)
-        if rise is None or past is None or len(past) < ROUTED_HISTORY_MIN:
-            return None
-        return int(max(past) * rise * (1 + ROUTED_SLACK)) + 1
-
-    def forget_micro_batch(self, micro_batch: int) -> None:
-        self._rise.pop(micro_batch, None)
-
-
 class _Walk(NamedTuple):
     """What the proof's walk holds fixed over the layers it asks `fits_unaided` about."""
 
@@ -301,7 +260,7 @@ class HooklessLayers:
         else:
             most = itertools.accumulate(predicted, max, initial=routed)
             next(most)
-            walks = [walk._replace(routed=n, seen=replace(w.seen, max_routed=m))
+            walks = [_Walk(n, layer_part, replace(w.seen, max_routed=m), walk.resident)
                      for n, m in zip(predicted, most)]
         at_decision = in_use
         before = own_routed if predicted and None not in predicted else bound

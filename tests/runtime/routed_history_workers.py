@@ -16,7 +16,7 @@ from spikeguard.model import build_model, model_config
 from spikeguard.model.router import TopKRouter
 from spikeguard.parallel import parallelize_experts
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
-from spikeguard.runtime.hookless import ROUTED_HISTORY_MIN
+from spikeguard.runtime.routed_history import ROUTED_HISTORY_MIN
 
 # Selection-only bias on rank 0's experts (the first half): rank 0 routes ~1.5x its calm
 # count in each biased layer (scores are softmax probabilities, ~1/8 an expert here).

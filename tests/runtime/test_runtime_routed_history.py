@@ -20,8 +20,8 @@ import json
 import pytest
 
 from spikeguard.parallel.launch_utils import run_spawned
-from spikeguard.runtime.hookless import (ROUTED_HISTORY, ROUTED_HISTORY_MIN, ROUTED_SLACK,
-                                         RoutedHistory)
+from spikeguard.runtime.routed_history import (ROUTED_HISTORY, ROUTED_HISTORY_MIN,
+                                               ROUTED_SLACK, RoutedHistory)
 
 import routed_history_workers
 
