@@ -197,6 +197,24 @@ def check_mixed(state: dict) -> dict:
     return out
 
 
+def count_votes(agreement, per_step: list) -> None:
+    """Count the all-gathers made inside `agreement.vote` (the fallback votes) into
+    `per_step[-1]`: the caller appends a 0 for each step. The real calls run unchanged."""
+    voting, real_gather, real_vote = [False], agreement.gather, agreement.vote
+
+    def gather(*args, **kwargs):
+        per_step[-1] += voting[0]
+        return real_gather(*args, **kwargs)
+
+    def vote(*args):
+        voting[0] = True
+        try:
+            return real_vote(*args)
+        finally:
+            voting[0] = False
+    agreement.gather, agreement.vote = gather, vote
+
+
 def check_votes(state: dict) -> dict:
     """Adaptive at 1.1x none's calm peak for three steps, with every rank's promise
     (runtime/window.py `promise`) and without it (every layer votes): the layer votes
@@ -209,20 +227,8 @@ def check_votes(state: dict) -> dict:
         model, guard = guarded("adaptive", budget)
         if promise is not None:
             guard.window.promise = promise
-        agreement, per_step, voting = guard.layers.agreement, [], [False]
-        real_gather, real_vote = agreement.gather, agreement.vote
-
-        def gather(*args, _real=real_gather, **kwargs):
-            per_step[-1] += voting[0]
-            return _real(*args, **kwargs)
-
-        def vote(*args, _real=real_vote):
-            voting[0] = True
-            try:
-                return _real(*args)
-            finally:
-                voting[0] = False
-        agreement.gather, agreement.vote = gather, vote
+        per_step = []
+        count_votes(guard.layers.agreement, per_step)
         meter_peaks = []
         for _ in range(3):
             per_step.append(0)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_ep_worker import build  # noqa: E402
+from hf_ep_worker import build, count_votes  # noqa: E402
 
 STEPS, BATCH, SEQ = 3, 4, 33
 
@@ -45,7 +45,7 @@ class DevicePeaks:
                 if guard is not None and CASE == "blind":
                     blind(guard)
                 if guard is not None and guard.layers.agreement is not None:
-                    outer.count_votes(guard.layers.agreement)
+                    count_votes(guard.layers.agreement, outer.votes)
 
             def on_step_begin(self, args, state, control, **kwargs):
                 outer.votes.append(0)
@@ -56,20 +56,6 @@ class DevicePeaks:
                     outer.peaks.append(guard.meter.peak())
         self.callback = _Callback()
 
-    def count_votes(self, agreement) -> None:
-        voting, real_gather, real_vote = [False], agreement.gather, agreement.vote
-
-        def gather(*args, **kwargs):
-            self.votes[-1] += voting[0]
-            return real_gather(*args, **kwargs)
-
-        def vote(*args):
-            voting[0] = True
-            try:
-                return real_vote(*args)
-            finally:
-                voting[0] = False
-        agreement.gather, agreement.vote = gather, vote
 
 
 def blind(guard) -> None:

@@ -95,16 +95,22 @@ def test_once_every_layer_has_history_a_calm_step_runs_every_layer_hookless(run)
         "the forecast's bound proves every layer already: this case tests nothing"
 
 
+def _held(rank: int, phase: dict, reruns: bool) -> None:
+    """Every step of `phase` within the budget (and, with `reruns`, none re-run), and its
+    last step's gradients the plain model's."""
+    for r in phase["records"]:
+        assert r["peak_bytes"] <= r["budget_bytes"], (rank, r)
+        assert not reruns or r["safety_net_reruns"] == 0, (rank, r)
+    assert phase["grads_equal"], rank
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_spike_in_every_layer_is_foreseen_and_absorbed(run):
     for rank, out in enumerate(run):
         spike = out["spike"]
-        for r in spike["records"]:
-            assert r["safety_net_reruns"] == 0 and r["peak_bytes"] <= r["budget_bytes"], \
-                (rank, r)
-        assert spike["grads_equal"], rank
+        _held(rank, spike, reruns=True)
         for step, routed in zip(spike["predicted"], spike["routed"]):
             for decided, later, predicted in step:   # every prediction covers what came
                 assert predicted is None or predicted >= routed[str(later)], \
@@ -121,10 +127,7 @@ def test_a_spike_in_every_layer_is_foreseen_and_absorbed(run):
 @pytest.mark.timeout(300)
 def test_a_spike_that_starts_late_is_missed_and_the_device_still_holds(run):
     for rank, out in enumerate(run):
-        late = out["late"]
-        for r in late["records"]:
-            assert r["peak_bytes"] <= r["budget_bytes"], (rank, r)
-        assert late["grads_equal"], rank
+        _held(rank, out["late"], reruns=False)
     late = run[0]["late"]   # its first step: layer 2's history is calm
     missed = [(decided, later, p) for decided, later, p in late["predicted"][0]
               if p is not None and later == 2 and p < late["routed"][0]["2"]]
