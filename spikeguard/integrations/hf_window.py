@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from spikeguard.integrations.hf_ep import LocalWeights
 from spikeguard.memory.ledger import storage_bytes, storage_key
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
-from spikeguard.runtime.executor import ALWAYS_SAVED_OPS, release_all
+from spikeguard.runtime.executor import ALWAYS_SAVED_OPS
 from spikeguard.runtime.doors import WindowDoor
 from spikeguard.runtime.hooks import unpack
 from spikeguard.runtime.offload import expert_path_done
@@ -173,9 +173,9 @@ def _recompute(ledger, ctx, call, inputs, saved_ops=ALWAYS_SAVED_OPS):
     if cached:
         if out.requires_grad:
             # SAC's cache is freed by the region's backward, which starts when this grad arrives.
-            out.register_hook(functools.partial(release_all, ledger, tuple(cached)))
+            out.register_hook(functools.partial(ledger.release_all, tuple(cached)))
         else:
-            release_all(ledger, cached)
+            ledger.release_all(cached)
     return out
 
 

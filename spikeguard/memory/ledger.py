@@ -76,6 +76,11 @@ class Ledger:
     host_bytes: int = 0
     _entries: dict[StorageKey, _Entry] = field(default_factory=dict)
     _by_where: dict[tuple[int, int, str], int] = field(default_factory=lambda: defaultdict(int))
+    # The same bytes summed per (micro-batch, layer) and per micro-batch: the decisions
+    # read those sums at every layer, and a scan of `_by_where` was the guard's most
+    # frequent Python call on a step of adaptive (422 generator steps a calm step, `small`).
+    _by_layer: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+    _by_micro_batch: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     _num_modelled: int = 0
 
     def __post_init__(self) -> None:
@@ -100,17 +105,33 @@ class Ledger:
             entry.refs += 1
             return
         self._entries[key] = _Entry(num_bytes, 1, where)
-        self.activation_bytes += num_bytes
+        self.activation_bytes += num_bytes   # (inline, here and in drop: a hot path)
         self._by_where[where] += num_bytes
+        self._by_layer[where[:2]] += num_bytes
+        self._by_micro_batch[where[0]] += num_bytes
 
-    def acquire_modelled(self, num_bytes: int, where: tuple[int, int, str]) -> StorageKey:
+    def acquire_modelled(self, micro_batch: int, layer: int,
+                         bytes_by_op: dict[str, int]) -> tuple[StorageKey, ...]:
         """Attribute bytes kept where no saved tensor was seen (a stretch autograd saved
-        with no hook: spikeguard/runtime/hookless.py), as the byte model predicts them,
-        under a key of their own that `release` lets go of as one holder."""
-        self._num_modelled += 1
-        key = ("modelled", self._num_modelled)
-        self.acquire(key, num_bytes, where)
-        return key
+        with no hook: spikeguard/runtime/hookless.py), as the byte model predicts them per
+        operator, each under a key of its own that `release` lets go of as one holder
+        (operators with no bytes get none). One call for a layer's operators: a hookless
+        layer of a calm step models up to nine, and a call per operator was three of the
+        guard's Python calls each."""
+        keys = []
+        for op, num_bytes in bytes_by_op.items():
+            if not num_bytes:
+                continue
+            self._num_modelled += 1
+            key = ("modelled", self._num_modelled)   # new: no holder to count up
+            where = (micro_batch, layer, op)
+            self._entries[key] = _Entry(num_bytes, 1, where)
+            self.activation_bytes += num_bytes
+            self._by_where[where] += num_bytes
+            self._by_layer[where[:2]] += num_bytes
+            self._by_micro_batch[micro_batch] += num_bytes
+            keys.append(key)
+        return tuple(keys)
 
     def release(self, key: StorageKey) -> None:
         entry = self._entries.get(key)
@@ -120,14 +141,34 @@ class Ledger:
         if entry.refs <= 0:
             self.drop(key)
 
+    def release_all(self, keys, grad=None) -> None:
+        """`release` of each key (a stray one is harmless), in one call; usable as a
+        gradient hook (`grad` is ignored: nothing is returned, the gradient is kept)."""
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                continue
+            entry.refs -= 1
+            if entry.refs <= 0:
+                del entries[key]
+                num_bytes, where = entry.num_bytes, entry.where
+                self.activation_bytes -= num_bytes
+                self._by_where[where] -= num_bytes
+                self._by_layer[where[:2]] -= num_bytes
+                self._by_micro_batch[where[0]] -= num_bytes
+
     def drop(self, key: StorageKey) -> int:
         """Forget a storage whatever its holders (evicted to host, or freed); its bytes."""
         entry = self._entries.pop(key, None)
         if entry is None:
             return 0
-        self.activation_bytes -= entry.num_bytes
-        self._by_where[entry.where] -= entry.num_bytes
-        return entry.num_bytes
+        num_bytes, where = entry.num_bytes, entry.where
+        self.activation_bytes -= num_bytes
+        self._by_where[where] -= num_bytes
+        self._by_layer[where[:2]] -= num_bytes
+        self._by_micro_batch[where[0]] -= num_bytes
+        return num_bytes
 
     def holds(self, key: StorageKey) -> bool:
         return key in self._entries
@@ -135,8 +176,12 @@ class Ledger:
     def bytes_by(self, micro_batch: int | None = None, layer: int | None = None,
                  op: str | None = None) -> int:
         """Live bytes whose attribution matches every given field."""
-        if micro_batch is not None and layer is not None and op is not None:
-            return self._by_where.get((micro_batch, layer, op), 0)   # one place: no scan
+        if micro_batch is not None and layer is not None:   # the decisions' reads: no scan
+            if op is not None:
+                return self._by_where.get((micro_batch, layer, op), 0)
+            return self._by_layer.get((micro_batch, layer), 0)
+        if micro_batch is not None and op is None:
+            return self._by_micro_batch.get(micro_batch, 0)
         return sum(n for (mb, ly, o), n in self._by_where.items()
                    if (micro_batch is None or mb == micro_batch)
                    and (layer is None or ly == layer) and (op is None or o == op))
@@ -158,4 +203,6 @@ class Ledger:
         """Forget every attribution (an abandoned step: its storages are being freed)."""
         self._entries.clear()
         self._by_where.clear()
+        self._by_layer.clear()
+        self._by_micro_batch.clear()
         self.activation_bytes = 0

@@ -131,7 +131,12 @@ class ExpertShape:
 
     def bytes_per_token(self) -> dict[str, int]:
         """Bytes kept per routed token copy, per operator (the slope of the linear model),
-        and combine's, which is always kept."""
+        and combine's, which is always kept. A new dict each call (the caller may change
+        it), copied from one worked out once per shape (read at every layer's decision)."""
+        return dict(self._per_token)
+
+    @functools.cached_property
+    def _per_token(self) -> dict[str, int]:
         D, F, b = self.d_model, self.d_expert, self.elem_bytes
         per = {op.name: op.elements(D, F) * b for op in OPERATORS}
         if self.combine_after_exchange:
@@ -142,7 +147,7 @@ class ExpertShape:
 
     def predict(self, num_routed: int) -> dict[str, int]:
         """Exact bytes each operator keeps for `num_routed` token copies, all saved."""
-        return {op: num_routed * per for op, per in self.bytes_per_token().items()}
+        return {op: num_routed * per for op, per in self._per_token.items()}
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ Pure numbers, frozen values.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -70,10 +71,11 @@ class FsdpBytes:
     def active(self) -> bool:
         return bool(self.units)
 
-    def _index(self, layer: int) -> Optional[int]:
-        """Position of the last unit of guarded `layer` (None: the layer has no unit)."""
-        found = [i for i, u in enumerate(self.units) if u.layer == layer]
-        return found[-1] if found else None
+    @functools.cached_property
+    def _last_unit(self) -> dict[Optional[int], int]:
+        """Guarded layer -> the position of its last unit (a layer with no unit has no
+        key), worked out once: every decision asks."""
+        return {u.layer: i for i, u in enumerate(self.units)}
 
     def _gathered(self, i: Optional[int]) -> int:
         return self.units[i].unsharded_bytes if i is not None and 0 <= i < len(self.units) else 0
@@ -93,7 +95,7 @@ class FsdpBytes:
 
     def layer_backward(self, layer: int) -> tuple[int, int]:
         """`unit_backward` of guarded `layer`'s unit; (0, 0) where it has none."""
-        i = self._index(layer)
+        i = self._last_unit.get(layer)
         return self.unit_backward(i) if i is not None else (0, 0)
 
     def head_backward(self) -> int:
@@ -116,7 +118,7 @@ class FsdpBytes:
         head's backward peak (see the module doc): `head_reserve_bytes`, the head's own
         backward reserve the forecast already counts; `logit_grad_bytes`, the logits'
         gradient still alive in the head's FSDP2 phase. Never negative."""
-        i = self._index(layer)
+        i = self._last_unit.get(layer)
         if i is None:
             return 0
         kept = sum(u.unsharded_bytes for u in self.units[i + 1:] if not u.reshard_after_forward)

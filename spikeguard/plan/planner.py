@@ -238,6 +238,9 @@ class Planner:
                         r.s_per_token * num_routed)
 
     def fixed(self, plan: LayerPlan, num_routed: int) -> Decision:
-        """A static policy's decision, with the same bookkeeping."""
-        return Decision(plan, self.device_bytes_per_token(plan) * num_routed
-                        + self.layer_bytes(plan)[0], self.added_s(plan, num_routed))
+        """A static policy's decision, with the same bookkeeping (every layer of a static
+        policy asks: the per-plan part is `_fixed_per_plan`'s, and a plan that neither
+        recomputes nor offloads adds no time)."""
+        device, offload, stages = self._fixed_per_plan(plan)
+        added = self.added_s(plan, num_routed) if offload or stages else 0.0
+        return Decision(plan, device * num_routed + self.layer_bytes(plan)[0], added)

@@ -136,13 +136,6 @@ class ExpertPathExecutor:
                          context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
         if cached and out.requires_grad:
             # SAC's cache is freed by the region's backward, which starts when this grad arrives.
-            out.register_hook(functools.partial(release_all, self.ledger, tuple(cached)))
+            out.register_hook(functools.partial(self.ledger.release_all, tuple(cached)))
         return out
 
-
-def release_all(ledger: Ledger, keys, grad=None):
-    """A gradient hook: the region's backward starts, and with it SAC frees its cache of
-    the always-saved ops' outputs, so the ledger lets go of them."""
-    for key in keys:
-        ledger.release(key)
-    return None

@@ -34,7 +34,7 @@ from spikeguard.errors import DeviceOutOfMemory, UsageError
 from spikeguard.runtime.adapter import find_adapter
 from spikeguard.memory.ledger import Ledger, storage_key
 from spikeguard.memory.snapshot import memory_snapshots
-from spikeguard.memory.static import optimizer_state_bytes, parameter_bytes
+from spikeguard.memory.static import StaticWalk, optimizer_state_bytes
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
@@ -94,6 +94,9 @@ class Guard:
         self.optimizer = optimizer   # as given to attach
         self.optimizers = as_optimizers(optimizer)
         move_state_to_device(self.model, self.optimizers, self.meter)
+        # Each optimizer's state from its own parameters (several share the model out).
+        self.static_walk = StaticWalk(self.model, self.optimizers, lambda o: optimizer_state_bytes(
+            OptimizerParameters(o), o)[0])
         self.ctx = Context()
         self.position = Position(self.ctx, self.meter, len(self.moe_blocks), self.budget_bytes)
         self.cost = CostModel()
@@ -116,8 +119,9 @@ class Guard:
             recorder=lambda: self._recorder, exchange_rows=self._exchange_rows())
         self.engine.on_reload = (   # a host copy came back: the open step counts it
             lambda n, where: self._recorder is not None and self._recorder.note_reload(n, where))
-        self.hookless = HooklessLayers(self.window, self.tracker, self.ledger, self.shape,
-                                       exact_routing=self.group is None)
+        self.hookless = HooklessLayers(
+            self.window, self.tracker, self.ledger, self.shape, exact_routing=self.group is None,
+            last_layer=max(self.adapter.layer_index(b) for b in self.moe_blocks))
         agreement = self.adapter.agreement()   # None without a group: a rank decides alone
         if agreement is not None:
             agreement.device = self.device
@@ -163,11 +167,8 @@ class Guard:
 
     # ---- life cycle -------------------------------------------------------------------
     def _static_bytes(self) -> int:
-        params = list(self.model.parameters())   # one walk of the modules a step
-        self.tracker.static_keys = {storage_key(p) for p in params}
-        # Each optimizer's state from its own parameters (several share the model out).
-        return parameter_bytes(params) + sum(
-            optimizer_state_bytes(OptimizerParameters(o), o)[0] for o in self.optimizers)
+        num_bytes, self.tracker.static_keys = self.static_walk.read(storage_key)
+        return num_bytes
 
     def detach(self) -> None:
         """Remove every hook and wrapper: the model computes exactly as before attach."""
@@ -356,7 +357,9 @@ class Guard:
         self.position.in_forward = True
         try:
             with self.tracker.hooks():
+                self.hookless.ends.begin(args, kwargs, self.full_recompute)
                 out = orig_forward(*args, **kwargs)
+                self.hookless.ends.end()
         finally:
             self.position.in_forward = False
         self.engine.end_forward()

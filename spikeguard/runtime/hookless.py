@@ -85,9 +85,9 @@ from spikeguard.plan.catalogue import ALL_SAVE, CONSUMERS, OPS, ExpertShape
 from spikeguard.plan.decide import LayerFacts, fits_unaided
 from spikeguard.plan.forecast import Forecast
 from spikeguard.plan.room import EntryState, Seen, forward_transient_bytes_per_routed
-from spikeguard.runtime.executor import release_all
 from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.hooks import SavedTensorTracker
+from spikeguard.runtime.hookless_ends import HooklessEnds
 from spikeguard.runtime.routed_history import RoutedHistory
 
 # The operators whose saved tensors the executor's stages make (a later stage reads
@@ -113,8 +113,13 @@ class HooklessLayers:
     """Pauses the tracker's hooks where the proof holds, and models what they would say."""
 
     def __init__(self, window, tracker: SavedTensorTracker, ledger: Ledger,
-                 shape: ExpertShape, exact_routing: bool):
+                 shape: ExpertShape, exact_routing: bool, last_layer: int):
         self.window = window
+        # The embedding and the head (runtime/hookless_ends.py); `last_layer`: the last
+        # guarded layer's index, after which the head runs.
+        self.ends = HooklessEnds(tracker, ledger, window.ctx, window.policy, window.num_layers,
+                                 last_layer, lambda: window.forecast.residency is not None,
+                                 window.recorder)
         self.tracker = tracker
         self.ledger = ledger
         self.shape = shape
@@ -139,6 +144,7 @@ class HooklessLayers:
         """A guarded layer's forward starts on input `x`: covered, it runs paused."""
         mb = self.window.ctx.micro_batch
         self._whole = self._decided = False
+        self.ends.first_layer(x)
         if not self.enabled or not getattr(x, "requires_grad", False):
             return
         if mb not in self._measured and mb not in self._covered_after \
@@ -151,9 +157,10 @@ class HooklessLayers:
         measured = self._measured[mb]
         self._model(mb, layer, {op: measured[op] for op in ("attn", "router")}, x)
 
-    def leave_layer(self, layer: int, x) -> None:
-        """The layer's forward is done: the hook is back. A layer whose attention ran
-        hooked leaves its measurement to the covered layers after it."""
+    def leave_layer(self, layer: int, x, out) -> None:
+        """The layer's forward is done (`out`): the hook is back, unless the head runs
+        paused after it (runtime/hookless_ends.py). A layer whose attention ran hooked
+        leaves its measurement to the covered layers after it."""
         mb = self.window.ctx.micro_batch
         if not self.enabled:
             return
@@ -163,8 +170,9 @@ class HooklessLayers:
                 self._carried[tuple(x.shape)] = dict(self._measured[mb], growth=self._growth)
         elif self.tracker.is_paused:   # the shared expert ran hookless too
             self._model(mb, layer, {"shared": self._measured[mb]["shared"]}, x)
-        self.tracker.resume()
         self._whole = False
+        if not self.ends.last_layer_done(layer, out):
+            self.tracker.resume()
 
     # ---- the expert path (the built-in window, integrations/builtin.py run_window) ----
     def run(self, executor, block, dispatched, decision):
@@ -354,23 +362,20 @@ class HooklessLayers:
         return fits_unaided(entry, facts, in_use, w.layer_room.room, forecast, w.planner)
 
     def _keep_all_bytes(self, num_routed: int) -> int:
-        planner = self.window.planner
-        return planner.device_bytes_per_token(ALL_SAVE) * num_routed \
-            + planner.layer_bytes(ALL_SAVE)[0]
+        return self.window.planner.fixed(ALL_SAVE, num_routed).device_bytes
 
     def _model(self, mb: int, layer: int, bytes_by_op: dict[str, int], t) -> None:
         """Attribute what ran hookless (module doc) until the gradient of `t` is ready."""
-        keys = tuple(self.ledger.acquire_modelled(n, (mb, layer, op))
-                     for op, n in bytes_by_op.items() if n)
+        keys = self.ledger.acquire_modelled(mb, layer, bytes_by_op)
         if keys:
             self._modelled.setdefault(mb, []).extend(keys)
-            on_grad(t, functools.partial(release_all, self.ledger, keys))
+            on_grad(t, functools.partial(self.ledger.release_all, keys))
 
     def forget_micro_batch(self, micro_batch: int) -> None:
         """A new forward of `micro_batch`: what an older one modelled and whose backward
         never ran (its gradient hook never fired) leaves the ledger."""
-        for key in self._modelled.pop(micro_batch, []):
-            self.ledger.release(key)
+        self.ledger.release_all(self._modelled.pop(micro_batch, ()))
+        self.ends.forget_micro_batch(micro_batch)
         self._covered_after.pop(micro_batch, None)
         self._measured.pop(micro_batch, None)
         self.routed.forget_micro_batch(micro_batch)

@@ -57,7 +57,7 @@ class GuardedLayers:
         if not self.full_recompute:
             self.hookless.enter_layer(layer_idx, x)
         out = self._body(layer, orig_forward, layer_idx, args, kwargs)
-        self.hookless.leave_layer(layer_idx, x)
+        self.hookless.leave_layer(layer_idx, x, out)
         self.position.mark_backward(out, layer_idx, "combine")
         self.window.watch_backward(out, layer_idx)
         return out

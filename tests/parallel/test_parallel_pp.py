@@ -209,12 +209,15 @@ def test_pp_adaptive_runs_every_layer_without_the_hook_when_everything_fits(pp2)
     the forwards the schedule runs before its backward (runtime/hookless.py); with
     everything fitting, that is every layer of every micro-batch on both stages (the
     bitwise test above holds the gradients). The first layer of a step's first
-    micro-batch runs its attention hooked: it measures what the covered ones model."""
+    micro-batch runs its attention hooked: it measures what the covered ones model. The
+    ends (embedding, head) stay hooked in a pipeline (runtime/hookless_ends.py: the
+    residency may evict any layer of an older micro-batch)."""
     world, load = pp2
     layers_per_stage = CFG["num_layers"] // 2
     for rank in range(world):
         for record in load("adaptive", rank)["records"]:
             assert record["hookless_layers"] == layers_per_stage * MICRO_BATCHES, (rank, record)
+            assert record["hookless_ends"] == 0, (rank, record)
 
 
 # ---- PP=2 x EP=2 -----------------------------------------------------------------------
