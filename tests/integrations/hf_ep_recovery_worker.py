@@ -56,14 +56,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_ep_worker import batches, build, differ, record, run, world_max  # noqa: E402
-from meter import LiveMeter, model_state_tensors  # noqa: E402
+from host_marks import metered  # noqa: E402
 
 import spikeguard  # noqa: E402
 from spikeguard.parallel import family_backward  # noqa: E402
 from spikeguard.parallel.launch import watch_parent  # noqa: E402
-from spikeguard.runtime import device_state  # noqa: E402
 from spikeguard.runtime.agreement import JobEnds  # noqa: E402
-from spikeguard.runtime.offload import HostPool  # noqa: E402
 
 HUGE = 1 << 40
 GROUP_TIMEOUT_S = 60   # a whole check takes a few seconds on 2 loaded cores
@@ -172,25 +170,9 @@ def arm_exchange(layer, ask, where: str) -> None:
 
 def metered_peak(model, guard) -> int:
     """The step's peak by the independent meter (tests/meter.py), the local shards of the
-    sharded state as baseline. Host memory is marked where the library makes it: the
-    offload pool (`HostPool.acquire`) and the host copy of the gradients (`GradSnapshot`)."""
-    meter = LiveMeter(baseline_tensors=[getattr(t, "_local_tensor", t)
-                                        for t in model_state_tensors(model)])
-    acquire, snapshot_init = HostPool.acquire, device_state.GradSnapshot.__init__
-
-    def host_acquire(self, num_bytes):
-        with meter.host_scope():
-            return acquire(self, num_bytes)
-
-    def host_snapshot(self, *args):
-        with meter.host_scope():
-            snapshot_init(self, *args)
-    HostPool.acquire, device_state.GradSnapshot.__init__ = host_acquire, host_snapshot
-    try:
-        with meter:
-            run(model, batches(), guard)
-    finally:
-        HostPool.acquire, device_state.GradSnapshot.__init__ = acquire, snapshot_init
+    sharded state as baseline, the library's host memory marked (tests/host_marks.py)."""
+    with metered(model) as meter:
+        run(model, batches(), guard)
     return meter.peak_bytes
 
 

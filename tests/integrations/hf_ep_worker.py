@@ -16,7 +16,6 @@ exits 3), as a real job would.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -98,32 +97,13 @@ def guarded(policy: str, budget) -> tuple:
     return model, spikeguard.attach(model, budget=budget, policy=policy)
 
 
-@contextlib.contextmanager
 def metered(model):
     """The independent meter (tests/meter.py) while entered: the local shards of the
     sharded state as baseline; the guard's host memory (its host copy of the gradients,
-    the offload pool's buffers) is host memory. DTensor-level ops are not seen (their
-    outputs have no storage), their local ops are."""
-    from meter import LiveMeter, model_state_tensors
-    from spikeguard.runtime import device_state
-    from spikeguard.runtime.offload import HostPool
-    meter = LiveMeter(baseline_tensors=[getattr(t, "_local_tensor", t)
-                                        for t in model_state_tensors(model)])
-    snapshot_init, acquire = device_state.GradSnapshot.__init__, HostPool.acquire
-
-    def host_snapshot(self, *args):
-        with meter.host_scope():
-            snapshot_init(self, *args)
-
-    def host_acquire(self, num_bytes):
-        with meter.host_scope():
-            return acquire(self, num_bytes)
-    device_state.GradSnapshot.__init__, HostPool.acquire = host_snapshot, host_acquire
-    try:
-        with meter:
-            yield meter
-    finally:
-        device_state.GradSnapshot.__init__, HostPool.acquire = snapshot_init, acquire
+    the offload pool's buffers) is host memory (tests/host_marks.py). DTensor-level ops
+    are not seen (their outputs have no storage), their local ops are."""
+    from host_marks import metered as host_marked_meter
+    return host_marked_meter(model)
 
 
 def metered_peak(model, guard) -> int:

@@ -20,10 +20,8 @@ from spikeguard.model import build_model, model_config
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 from spikeguard.parallel.mesh import MeshGroups, ParallelLayout
 from spikeguard.parallel.pipeline_training import PipelineRank
-from spikeguard.runtime import device_state
-from spikeguard.runtime.offload import HostPool
 
-from meter import LiveMeter, model_state_tensors
+from host_marks import metered
 
 HUGE = "1GiB"
 SPIKE_BIAS = 100.0  # selection-only: every token picks the hot rank's experts
@@ -130,24 +128,9 @@ def _run_scenario(rank, groups, out_dir, prefix, cfg_overrides, micro_batches, b
 def _metered_step(prank: PipelineRank, tokens) -> tuple[list, int]:
     """The step under the independent meter (tests/meter.py): the rank's peak of live
     device bytes, its stage modules' state the baseline, the guard's host copies (the
-    gradients before the step, the offload pool) marked as host."""
-    modules = prank.modules.stages
-    meter = LiveMeter(baseline_tensors=[t for m in modules for t in model_state_tensors(m)])
-    acquire, snapshot_init = HostPool.acquire, device_state.GradSnapshot.__init__
-
-    def host_acquire(pool, num_bytes):
-        with meter.host_scope():
-            return acquire(pool, num_bytes)
-
-    def host_snapshot(snapshot, *args, **kwargs):
-        with meter.host_scope():
-            snapshot_init(snapshot, *args, **kwargs)
-    HostPool.acquire, device_state.GradSnapshot.__init__ = host_acquire, host_snapshot
-    try:
-        with meter:
-            losses = prank.step(tokens[:, :-1], tokens[:, 1:])
-    finally:
-        HostPool.acquire, device_state.GradSnapshot.__init__ = acquire, snapshot_init
+    gradients before the step, the offload pool) marked as host (tests/host_marks.py)."""
+    with metered(*prank.modules.stages) as meter:
+        losses = prank.step(tokens[:, :-1], tokens[:, 1:])
     return losses, meter.peak_bytes
 
 

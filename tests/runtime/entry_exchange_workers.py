@@ -3,7 +3,6 @@ the children)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from pathlib import Path
@@ -16,11 +15,10 @@ from spikeguard.bench.runtime_ratios import plain_step
 from spikeguard.parallel.expert_parallel import ExpertParallelDispatcher
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 from spikeguard.plan.cost_rates import FORMAT, VERSION, use_rates
-from spikeguard.runtime import device_state
-from spikeguard.runtime.offload import HostPool
 from spikeguard.runtime.window import TrackerEvictor
 
 from ep_case import ep_case
+from host_marks import host_memory_marked
 from meter import LiveMeter, model_state_tensors
 
 # `small` with top-4 over 16 narrow experts: the dispatch exchange's rows (4 sent per token,
@@ -178,25 +176,3 @@ def _rooms_seen(guard, meter) -> list:
                 rooms.append([num_bytes, over, before - meter.live_bytes])
         dispatcher.make_room = room
     return rooms
-
-
-@contextlib.contextmanager
-def host_memory_marked(meter):
-    """The library's host allocations (the offload pool's buffers, the gradients' copy
-    before an adaptive step) made inside the meter's host scope, as true_device_support's
-    `host_marks` does in one process: the code under test runs unchanged."""
-    acquire, snapshot_init = HostPool.acquire, device_state.GradSnapshot.__init__
-
-    def host_acquire(self, num_bytes):
-        with meter.host_scope():
-            return acquire(self, num_bytes)
-
-    def host_snapshot(self, *args, **kwargs):
-        with meter.host_scope():
-            return snapshot_init(self, *args, **kwargs)
-
-    HostPool.acquire, device_state.GradSnapshot.__init__ = host_acquire, host_snapshot
-    try:
-        yield
-    finally:
-        HostPool.acquire, device_state.GradSnapshot.__init__ = acquire, snapshot_init

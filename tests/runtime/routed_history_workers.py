@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from host_marks import metered
 
 import spikeguard
 from spikeguard.bench.runtime_ratios import plain_step
@@ -91,9 +92,11 @@ def _run(rank: int, out_dir: str) -> None:
         for _ in range(steps):
             predicted.append([])
             routed.append({})
-            guard.run_step(lambda: plain_step(guard.model, batches))
+            with metered(guard.model) as meter:   # the independent meter (tests/meter.py)
+                guard.run_step(lambda: plain_step(guard.model, batches))
             records.append({k: guard.history[-1][k] for k in (
                 "hookless_layers", "safety_net_reruns", "peak_bytes", "budget_bytes")})
+            records[-1]["meter_peak"] = meter.peak_bytes
         history.predict, history.note = real_predict, real_note
         plain_step(plain, batches)
         same = all((p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
