@@ -46,6 +46,10 @@ CASES = {
                                    "give --budget or --policy"),
     "threads 10**8 (segfaulted)": (TINY + ["--threads", "100000000"], "at most 4096"),
     "spike-prob 5": (TINY + ["--spike-prob", "5"], "--spike-prob is a probability"),
+    "spike-from-layer without --skew": (TINY + ["--spike-from-layer", "1"],
+                                        "--spike-from-layer 1 needs --skew"),
+    "spike-from-layer -1": (TINY + ["--spike-from-layer", "-1"],
+                            "--spike-from-layer must be an integer >= 0"),
     "d-model 10000000": (TINY + ["--d-model", "10000000"], "parameters: training it needs"),
     "batch of 10**8 sequences": (TINY + ["--batch-size", "100000000"],
                                  "of one micro-batch's activations"),
@@ -113,6 +117,8 @@ TOML_SHAPES = {
     "threads a string": ("[files]\nthreads = '2'\n", "files.threads must be an integer, got str"),
     "skip_steps a number": ("[files]\nskip_steps = 5\n", "files.skip_steps must be a list"),
     "spike_prob a string": ("[skew]\nspike_prob = '0.5'\n", "skew.spike_prob must be a number"),
+    "spike_from_layer a string": ("[skew]\nspike_from_layer = 'x'\n",
+                                  "skew.spike_from_layer must be an integer"),
 }
 for _name, (_text, _says) in TOML_SHAPES.items():
     CASES[f"toml: {_name}"] = (["train", "--config", f"{{tmp}}/shapes/{len(CASES)}.toml",

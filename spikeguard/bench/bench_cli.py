@@ -59,6 +59,9 @@ def add_parser(commands) -> None:
     work.add_argument("--spike-max", type=float, default=None,
                       help="largest spike, max/mean tokens per rank (default min(2.6, ep))")
     work.add_argument("--skew-seed", type=int, default=0)
+    work.add_argument("--spike-from-layer", type=int, default=0, metavar="L",
+                      help="spikes start at layer L (the layers before route calmly on a "
+                           "spike step; default 0, every layer)")
     work.add_argument("--trace", default=None, metavar="FILE",
                       help="replay this recorded trace instead of recording one")
     run = bench.add_argument_group("comparison")
@@ -120,6 +123,8 @@ def _measure(cfg: BenchConfig, work: Path, echo, pool) -> tuple[Path, list[dict]
             extra += ["--spike-prob", str(skew.spike_prob)]
         extra += ["--spike-max", str(skew.spike_max if skew.spike_max is not None
                                      else min(2.6, float(cfg.layout.ep)))]
+        if skew.spike_from_layer:
+            extra += ["--spike-from-layer", str(skew.spike_from_layer)]
     job = JobRunner(base, work, cfg.layout.nproc, echo, pool).run("measure", extra, 1,
                                                                   cfg.steps, "measure")
     if job.crashed_step is not None:

@@ -89,6 +89,9 @@ class BenchConfig:
                              "than its share")
         if args.segments > args.steps:
             raise UsageError(f"--segments {args.segments} exceeds --steps {args.steps}")
+        if args.trace is not None and args.spike_from_layer:
+            raise UsageError("--spike-from-layer shapes the skew the bench records; a --trace "
+                             "is replayed as it was recorded")
         if not math.isfinite(args.restart_cost) or args.restart_cost < 0:
             raise UsageError(f"--restart-cost must be a finite number of seconds >= 0, "
                              f"got {args.restart_cost}")
@@ -142,7 +145,7 @@ def _run_config(args):
         train["micro_batches"] = args.micro_batches
     skew = {} if args.trace is not None else {
         "pattern": args.pattern, "seed": args.skew_seed, "spike_prob": args.spike_prob,
-        "spike_max": args.spike_max}
+        "spike_max": args.spike_max, "spike_from_layer": args.spike_from_layer}
     return RunConfig.from_dict({
         "model": model, "train": train, "skew": skew,
         "parallel": {"nproc": args.pp * args.ep * args.dp, "pp": args.pp, "ep": args.ep,

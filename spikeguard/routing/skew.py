@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spikeguard.errors import UsageError
+from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing, TopKRouter
 from spikeguard.names import PATTERNS  # re-exported: the skew patterns' names
 
@@ -225,13 +226,23 @@ class SkewInjector:
     at every router call (micro-batches, recompute in backward) and the router's own bias is
     put back right after the call, so the buffer holds the injected bias only inside it.
     `last_ratios` is measured on the routing the router really returned.
+
+    `spike_from_layer` L: a spike step spikes the layers from L on only; the layers before
+    it route as on a calm step (a spike that starts mid-depth, which the guard's per-layer
+    routed history cannot foresee: runtime/routed_history.py). A router's layer is its
+    MoEBlock's `layer_idx` (a pipeline stage's routers keep their global layer).
     """
 
-    def __init__(self, schedule: SkewSchedule, ep_size: int):
+    def __init__(self, schedule: SkewSchedule, ep_size: int, spike_from_layer: int = 0):
         if ep_size != schedule.ep_size:
             raise UsageError(f"ep_size {ep_size} differs from the schedule's {schedule.ep_size}")
+        if not isinstance(spike_from_layer, int) or isinstance(spike_from_layer, bool) \
+                or spike_from_layer < 0:
+            raise UsageError(f"spike_from_layer must be an integer >= 0, got {spike_from_layer!r}")
         self.schedule = schedule
         self.ep_size = ep_size
+        self.spike_from_layer = spike_from_layer
+        self._layers: list[int] = []   # each router's layer, in model order
         self._routers: list[TopKRouter] = []
         self._handles: list = []
         self._pending: dict[int, torch.Tensor] = {}  # router index -> its own bias, mid-forward
@@ -262,6 +273,9 @@ class SkewInjector:
         routers = [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]
         if not routers:
             raise UsageError("the model has no TopKRouter to inject skew into")
+        layer_of = {id(m.router): m.layer_idx for module in modules for m in module.modules()
+                    if isinstance(m, MoEBlock)}
+        layers = [layer_of.get(id(r), i) for i, r in enumerate(routers)]
         cfg = self.schedule.config
         for router in routers:
             num_experts = router.gate.out_features
@@ -276,7 +290,7 @@ class SkewInjector:
         for i, router in enumerate(routers):
             self._handles.append(router.register_forward_pre_hook(self._pre_hook(i)))
             self._handles.append(router.register_forward_hook(self._post_hook(i)))
-        self._routers = routers
+        self._routers, self._layers = routers, layers
         return self
 
     def detach(self) -> None:
@@ -285,7 +299,7 @@ class SkewInjector:
         for i, own_E in self._pending.items():  # a forward that raised mid-router
             with torch.no_grad():
                 self._routers[i].expert_bias_E.copy_(own_E)
-        self._handles, self._routers, self._pending = [], [], {}
+        self._handles, self._routers, self._pending, self._layers = [], [], {}, []
 
     def _pre_hook(self, i: int):
         def hook(router: TopKRouter, args) -> None:
@@ -296,7 +310,7 @@ class SkewInjector:
                     router.expert_bias_E.copy_(self._pending.pop(i))
                 own_E = router.expert_bias_E.clone()
                 self._pending[i] = own_E
-                delta_E = self._bias(router, args[0], own_E)
+                delta_E = self._bias(router, args[0], own_E, self._layers[i])
                 if delta_E is not None:
                     router.expert_bias_E.add_(delta_E)
         return hook
@@ -308,10 +322,12 @@ class SkewInjector:
             self._ratios[i] = rank_ratio(routing.topk_idx_TK, router.gate.out_features, self.ep_size)
         return hook
 
-    def _bias(self, router: TopKRouter, x_TD: torch.Tensor,
-              own_E: torch.Tensor) -> Optional[torch.Tensor]:
+    def _bias(self, router: TopKRouter, x_TD: torch.Tensor, own_E: torch.Tensor,
+              layer: int) -> Optional[torch.Tensor]:
         """The bias to add for the current target, or None to keep the natural routing."""
         spike, hot_rank, ratio = self._target
+        if spike and layer < self.spike_from_layer:   # the spike starts later: calm here
+            spike, ratio = False, self.schedule.config.calm_max_ratio
         num_experts, k, num_ranks = router.gate.out_features, router.top_k, self.ep_size
         per_rank = num_experts // num_ranks
         # same arithmetic as TopKRouter.forward; F.linear skips hooks on the gate

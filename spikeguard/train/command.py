@@ -34,6 +34,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "schedule": ("parallel", "schedule"),
     "skew": ("skew", "pattern"), "skew_seed": ("skew", "seed"),
     "spike_prob": ("skew", "spike_prob"), "spike_max": ("skew", "spike_max"),
+    "spike_from_layer": ("skew", "spike_from_layer"),
     "budget": ("guard", "budget"), "policy": ("guard", "policy"),
     "shared_policy": ("guard", "shared_policy"), "cost_rates": ("guard", "cost_rates"),
     "data": ("files", "data"), "log": ("files", "log"), "threads": ("files", "threads"),
@@ -96,6 +97,9 @@ def add_train_parser(commands) -> None:
                      help="probability of a spike step (default 0.029, the production rate)")
     par.add_argument("--spike-max", type=float, default=None,
                      help="largest spike, max/mean tokens per rank (default 2.6, at most --ep)")
+    par.add_argument("--spike-from-layer", type=int, default=None, metavar="L",
+                     help="spikes start at layer L: the layers before route calmly on a spike "
+                          "step (default 0, every layer)")
     memory = train.add_argument_group("memory guard")
     memory.add_argument("--budget", default=None,
                         help="device memory budget: 24GiB, 500MB, a byte count, or 'auto' "

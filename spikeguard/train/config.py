@@ -164,12 +164,14 @@ class GuardConfig:
 @dataclass(frozen=True, kw_only=True)
 class SkewChoice:
     """Routing skew injected into the routers (`pattern` None: none). `spike_max` None:
-    2.6x (the production maximum), at most the expert-parallel size."""
+    2.6x (the production maximum), at most the expert-parallel size. `spike_from_layer`:
+    a spike step spikes the layers from that one on only (routing/skew.py SkewInjector)."""
 
     pattern: Optional[str] = None
     seed: int = 0
     spike_prob: Optional[float] = None
     spike_max: Optional[float] = None
+    spike_from_layer: int = 0
 
     def __post_init__(self) -> None:
         if self.pattern is not None and self.pattern not in PATTERNS:
@@ -186,6 +188,10 @@ class SkewChoice:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or \
                 not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--skew-seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if not isinstance(self.spike_from_layer, int) or isinstance(self.spike_from_layer, bool) \
+                or self.spike_from_layer < 0:
+            raise UsageError(f"--spike-from-layer must be an integer >= 0, got "
+                             f"{self.spike_from_layer!r}")
 
     def config(self, ep: int) -> Optional[SkewConfig]:
         if self.pattern is None:
@@ -261,6 +267,11 @@ class RunConfig:
                              "(--nproc 2 or more without a pipeline)")
         if self.files.trace is not None and self.skew.pattern is not None:
             raise UsageError("--trace replays recorded routing; it cannot be combined with --skew")
+        if self.skew.spike_from_layer and (self.skew.pattern is None
+                                           or self.skew.spike_from_layer >= model.num_layers):
+            raise UsageError(f"--spike-from-layer {self.skew.spike_from_layer} needs --skew and "
+                             f"a layer of the model's {model.num_layers} (0 to "
+                             f"{model.num_layers - 1})")
         self.model.family_class.check_run(self, layout)   # what the family cannot run
         skew = self.skew.config(layout.ep)
         if skew is not None:

@@ -112,7 +112,8 @@ class RankRun:
         from spikeguard.routing.skew import SkewInjector, SkewSchedule
 
         ep = self.cfg.layout.ep
-        injector = SkewInjector(SkewSchedule(skew, ep), ep).attach(self.engine.modules)
+        injector = SkewInjector(SkewSchedule(skew, ep), ep,
+                                self.cfg.skew.spike_from_layer).attach(self.engine.modules)
         injector.set_step(0)  # the evaluation before the first step
         return injector
 

@@ -299,3 +299,28 @@ def test_injector_usage_errors():
     # H = 1 < K = 2: the hot rank holds at most 2.0x
     with pytest.raises(UsageError, match="2.6 is unreachable: with top_k 2"):
         SkewInjector(_fixed_spike(2.6, 0, 4), 4).attach(_model(num_experts=4))
+
+
+def test_a_spike_from_a_later_layer_leaves_the_layers_before_it_calm():
+    """`spike_from_layer` 2 of tiny's 4 layers (num_layers overridden): on a spike step
+    layers 0-1 route exactly as with no injector (their natural routing is calm), layers
+    2-3 reach the target; 0 is every layer, as before."""
+    model, idx_BT = _model(num_layers=4), _batch("text")
+    model(idx_BT)
+    natural = _ratios_from_dispatch(model, 2)
+    assert max(natural[:2]) < 1.2, natural   # calm by nature: so left as they are
+    late = SkewInjector(_fixed_spike(2.0, 0, 2), 2, spike_from_layer=2).attach(model)
+    late.set_step(0)
+    model(idx_BT)
+    achieved = _ratios_from_dispatch(model, 2)
+    late.detach()
+    assert achieved[:2] == natural[:2]
+    assert achieved[2:] == pytest.approx([2.0, 2.0], abs=2 * 2 / (BATCH * SEQ * 2) + 1e-9)
+    every = SkewInjector(_fixed_spike(2.0, 0, 2), 2).attach(model)
+    every.set_step(0)
+    model(idx_BT)
+    every.detach()
+    assert _ratios_from_dispatch(model, 2) == pytest.approx([2.0] * 4, abs=2 * 2 / (BATCH * SEQ * 2) + 1e-9)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(UsageError, match="spike_from_layer must be an integer >= 0"):
+            SkewInjector(_fixed_spike(2.0, 0, 2), 2, spike_from_layer=bad)
