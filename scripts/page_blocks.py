@@ -99,6 +99,15 @@ def bench_readme(record: dict) -> str:
     return _bench_table(record) + "\n\n" + _bench_note(record)
 
 
+def bench_output(record: dict) -> str:
+    """A bench run by the pages (its JSON stored in the record, not tracked)."""
+    return bench_readme(record["output"])
+
+
+LATE = (".venv/bin/spikeguard bench --steps 80 --segments 4 --spike-prob 0.1 "
+        "--budget 114MiB")
+
+
 def runtime_ratios(record: dict) -> str:
     from spikeguard.bench.native_rows import ran_out
     from spikeguard.bench.runtime_ratios import decision_cells
@@ -255,6 +264,11 @@ _BLOCKS = [
           masks=TIMINGS + (r"\b(?:forward|backward)\b",), bytes_tol=0.1, long=True),
     Block("pp-adaptive", PP, lambda r: _train_block(r, VARIES)),
     Block("bench", "make bench", bench_readme, source="docs/bench.json"),
+    # spikes that start mid-depth, beside the same trace's spikes in every layer
+    Block("bench-late", LATE + " --spike-from-layer 2 --json bench.json", bench_output,
+          output="bench.json", timeout_s=1200),
+    Block("bench-late-every", LATE + " --json bench.json", bench_output, output="bench.json",
+          timeout_s=1200),
     Block("bench-pp", "make bench-pp", bench_readme, source="docs/bench_pp.json"),
     Block("sim-1t", SIM, sim_readme, output="sim.json", timeout_s=1200),
     Block("sim-1t-docs", SIM_DOCS, sim_docs, output="sim.json", record="sim-scaling"),

@@ -97,7 +97,9 @@ def page(report: dict, plots: list[Path], docs_dir: Path, name: str = "bench.md"
         "",
         f"Workload: {_model_text(w)}, {layout_text(w)} "
         f"(torchrun, gloo), {w['steps']} steps of {w['micro_batches']} x {w['batch_size']} "
-        f"sequences per {_shard_text(w)}, routing skew `{w['pattern'] or 'from the given trace'}`; "
+        f"sequences per {_shard_text(w)}, routing skew `{w['pattern'] or 'from the given trace'}`"
+        + (f" (spikes from layer {w['spike_from_layer']} on)" if w.get("spike_from_layer") else "")
+        + "; "
         f"spike steps in the trace: {w['spike_steps'] or 'none'}. Every policy replays the "
         f"same routing trace, so every policy sees exactly the same loads. Policies take "
         f"turns every {w['steps'] // w['segments']} steps ({w['segments']} segments), "

@@ -1,5 +1,6 @@
 """Hookless layers: what a layer saves runs with no saved-tensor hook where nothing of the
-step can later want it off the device.
+step can later want it off the device. (The stretches before the first layer and after
+the last: runtime/hookless_ends.py, owned here as `ends`.)
 
 One part of the guard (spikeguard.runtime.guard). The pack/unpack pair of
 runtime/hooks.py runs in Python for every tensor autograd saves (318 on a calm step of
