@@ -121,6 +121,14 @@ EXAMPLES: dict = {
     "--spike-prob 0.1 --checkpoint-every 6":
         Run(cap={"--steps": 4, "--segments": 1, "--checkpoint-every": 2},
             expect=("segments for +-0.01", "adaptive"), timeout_s=300, long=True),
+    # README "Spikes that start mid-depth" (pages bench-late, bench-late-every: ~5 min each)
+    "spikeguard bench --steps 80 --segments 4 --spike-prob 0.1 --budget 114MiB "
+    "--spike-from-layer 2 --json bench.json":
+        Run(cap={"--steps": 4, "--segments": 1}, expect=("segments for +-0.01", "adaptive"),
+            made=("bench.json",), timeout_s=300, long=True),
+    "spikeguard bench --steps 80 --segments 4 --spike-prob 0.1 --budget 114MiB --json bench.json":
+        Run(cap={"--steps": 4, "--segments": 1}, expect=("segments for +-0.01", "adaptive"),
+            made=("bench.json",), timeout_s=300, long=True),
     "spikeguard bench --help": Run(expect=("--restart-cost",)),
     "spikeguard report RUN.jsonl --plots DIR":
         Run(before=(".venv/bin/spikeguard train --preset tiny --steps 3 "
