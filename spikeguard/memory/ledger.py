@@ -105,10 +105,7 @@ class Ledger:
             entry.refs += 1
             return
         self._entries[key] = _Entry(num_bytes, 1, where)
-        self.activation_bytes += num_bytes   # (inline, here and in drop: a hot path)
-        self._by_where[where] += num_bytes
-        self._by_layer[where[:2]] += num_bytes
-        self._by_micro_batch[where[0]] += num_bytes
+        self._count(where, num_bytes)
 
     def acquire_modelled(self, micro_batch: int, layer: int,
                          bytes_by_op: dict[str, int]) -> tuple[StorageKey, ...]:
@@ -126,10 +123,7 @@ class Ledger:
             key = ("modelled", self._num_modelled)   # new: no holder to count up
             where = (micro_batch, layer, op)
             self._entries[key] = _Entry(num_bytes, 1, where)
-            self.activation_bytes += num_bytes
-            self._by_where[where] += num_bytes
-            self._by_layer[where[:2]] += num_bytes
-            self._by_micro_batch[micro_batch] += num_bytes
+            self._count(where, num_bytes)
             keys.append(key)
         return tuple(keys)
 
@@ -152,23 +146,23 @@ class Ledger:
             entry.refs -= 1
             if entry.refs <= 0:
                 del entries[key]
-                num_bytes, where = entry.num_bytes, entry.where
-                self.activation_bytes -= num_bytes
-                self._by_where[where] -= num_bytes
-                self._by_layer[where[:2]] -= num_bytes
-                self._by_micro_batch[where[0]] -= num_bytes
+                self._count(entry.where, -entry.num_bytes)
 
     def drop(self, key: StorageKey) -> int:
         """Forget a storage whatever its holders (evicted to host, or freed); its bytes."""
         entry = self._entries.pop(key, None)
         if entry is None:
             return 0
-        num_bytes, where = entry.num_bytes, entry.where
-        self.activation_bytes -= num_bytes
-        self._by_where[where] -= num_bytes
-        self._by_layer[where[:2]] -= num_bytes
-        self._by_micro_batch[where[0]] -= num_bytes
-        return num_bytes
+        self._count(entry.where, -entry.num_bytes)
+        return entry.num_bytes
+
+    def _count(self, where: tuple[int, int, str], num_bytes: int) -> None:
+        """Bytes into (negative: out of) the attribution and its sums: the one place
+        acquire, acquire_modelled, release_all and drop all count through."""
+        self.activation_bytes += num_bytes
+        self._by_where[where] += num_bytes
+        self._by_layer[where[:2]] += num_bytes
+        self._by_micro_batch[where[0]] += num_bytes
 
     def holds(self, key: StorageKey) -> bool:
         return key in self._entries
