@@ -7,14 +7,14 @@ hooked.
 One part of the guard (spikeguard.runtime.guard), beside runtime/hookless.py, which covers
 the layers. On a calm step of `small` in one process every layer already runs hookless,
 and the ends were what was left on the pack hook: 14 tensors packed and unpacked in Python
-a step (2 of the embedding, 12 of the head). Measured (CPU, emulated device, policy none,
-80 interleaved rounds): a step with no saved-tensor hook at all ran 0.7 points of the plain
-model's time faster than one whose ends were hooked.
+a step (2 of the embedding, 12 of the head). Measured against the guard before this module
+(CPU, emulated device, the two packages side by side in one process, two runs of 80
+interleaved rounds): -0.4 to +0.6 points of plain/this, not resolved from the noise.
 
 Harmless where nothing of the step can want the ends' saved tensors off the device:
   * the head's: the window evicts only layers before the deciding one of the deciding
     micro-batch (runtime/hooks.py `evict`), and the head comes after every layer; another
-    micro-batch's forward runs after this one's backward, except in a pipeline, whose
+    micro-batch's decisions evict only its own layers, except in a pipeline, whose
     residency may evict any layer of an older micro-batch: in a pipeline the ends stay
     hooked.
   * the embedding's: it comes before every layer, so the evictor may take it, but only
