@@ -95,12 +95,16 @@ def _window(door: WindowDoor, part, layer: int, local, call, hidden_states, top_
             top_k_weights):
     counts_E = torch.bincount(top_k_index.reshape(-1), minlength=part.num_experts)
     counts = counts_E[: part.num_experts].tolist()
-    if local is None:   # one process: the call may run hookless (runtime/hookless.py)
-        return run_region(door, layer, call, (hidden_states, top_k_index, top_k_weights),
-                          counts, top_k_index.numel(), hookless=True)
-    return run_region(door, layer, call, (hidden_states, top_k_index, top_k_weights), counts,
-                      top_k_index.numel(), recompute_call=_with_weights(local, call),
-                      saved_ops=EP_SAVED_OPS)
+    inputs = (hidden_states, top_k_index, top_k_weights)
+    # The call may run hookless (runtime/hookless.py): in one process, and under
+    # transformers' EP, where it is the experts' own forward on the received rows between
+    # the two exchanges (its byte model, hf_bytes.derive_bytes(ep=True), is its own).
+    if local is None:
+        return run_region(door, layer, call, inputs, counts, top_k_index.numel(),
+                          hookless=True)
+    return run_region(door, layer, call, inputs, counts, top_k_index.numel(),
+                      recompute_call=_with_weights(local, call), saved_ops=EP_SAVED_OPS,
+                      hookless=True)
 
 
 def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[int],
@@ -114,7 +118,8 @@ def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[i
     the forward's local weights back for backward) and keeps `saved_ops` cached. The
     guard is reached through `door` only. `hookless`: the call may run with no saved-tensor
     hook where nothing can later want what it saves off the device (runtime/hookless.py;
-    set for transformers in one process, whose region byte model is the call's own)."""
+    set for transformers, in one process and under its EP, whose region byte model is
+    the call's own; for torchtitan in one process)."""
     hidden_states = inputs[0]
     if door.in_full_region():
         door.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))

@@ -59,9 +59,12 @@ way (the tensors autograd saves, and when it frees them, do not depend on the ho
 A transformers experts call (integrations/hf_window.py `run_region`) is one region, not
 five stages: proven alike, it runs paused (`run_call`) and is attributed to op "experts"
 with the region byte model's keep-everything bytes (integrations/hf_bytes.py); in one
-process only (under transformers' EP the call also holds the exchanges' rows, which that
-model does not separate). torchtitan's experts call likewise, in one process (its combine,
-after the call, is what the hook measured, as attention's).
+process and under transformers' EP, whose window is the experts' own forward on the rows
+this rank received, between the two exchanges (its byte model is that call's: what the
+exchanges keep is measured on the first layer as the router's and combine's, the same
+shapes on every layer: the rows this rank sends). torchtitan's experts call likewise, in
+one process only (its combine, after the call, is what the hook measured, as attention's;
+under its EP the call holds the exchanges, which the byte model does not separate).
 
 Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
 ops are the byte model's bytes (ExpertShape.predict, which tests/runtime/

@@ -131,8 +131,10 @@ def check_policies(state: dict) -> dict:
 
 def check_bytes(state: dict) -> dict:
     """The derived byte model against what the ledger saw the experts call keep, per layer,
-    on the rows this rank received (one micro-batch, everything kept, before backward)."""
+    on the rows this rank received (one micro-batch, everything kept, before backward).
+    Every call hooked: a hookless call's bytes are the byte model's own (check_hookless)."""
     model, guard = guarded("none", HUGE)
+    guard.hookless.enabled = False
     w = batches()[0]
     out = {}
 
@@ -146,6 +148,45 @@ def check_bytes(state: dict) -> dict:
     guard.run_step(body)
     guard.detach()
     return out
+
+
+HOOKLESS_OPS = ("attn", "router", "experts", "combine", "shared")
+
+
+def _hookless_run(policy: str, budget: int, hookless: bool, ref: dict) -> dict:
+    """Two steps of `policy` with hookless layers on or off; in the second the ledger's
+    attribution per (micro-batch, layer, op) once both forwards ran, the independent
+    meter's peak, the ledger after backward and the gradients."""
+    model, guard = guarded(policy, budget)
+    guard.hookless.enabled = hookless
+    run(model, batches(), guard)
+    seen = {}
+
+    def body():
+        outs = [model(input_ids=w, labels=w) for w in batches()]
+        for mb in range(len(outs)):
+            for layer in range(len(guard.moe_blocks)):
+                for op in HOOKLESS_OPS:
+                    seen[f"{mb},{layer},{op}"] = guard.ledger.bytes_by(mb, layer, op)
+        for out in outs:
+            out.loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    with metered(model) as meter:
+        guard.run_step(body)
+    found = {"differ": differ(ref, grads(model)), "seen": seen, "meter_peak": meter.peak_bytes,
+             "left": guard.ledger.activation_bytes,
+             "hookless_layers": guard.history[-1]["hookless_layers"], **record(guard)}
+    guard.detach()
+    return found
+
+
+def check_hookless(state: dict) -> dict:
+    """Hookless layers under transformers' EP (runtime/hookless.py): none and adaptive,
+    each with hookless layers on and off (unlimited budget: both forwards run before
+    either backward)."""
+    return {f"{policy},{hookless}": _hookless_run(policy, HUGE, hookless, state["ref"])
+            for policy in ("none", "adaptive") for hookless in (True, False)}
 
 
 def check_tight(state: dict) -> dict:
@@ -209,13 +250,14 @@ def check_votes(state: dict) -> dict:
             guard.window.promise = promise
         per_step = []
         count_votes(guard.layers.agreement, per_step)
-        meter_peaks = []
+        meter_peaks, hookless = [], []
         for _ in range(3):
             per_step.append(0)
             with metered(model) as meter:
                 g = run(model, batches(), guard)
             meter_peaks.append(meter.peak_bytes)
-        out[name] = {"votes": per_step, "meter_peaks": meter_peaks,
+            hookless.append(guard.history[-1]["hookless_layers"])
+        out[name] = {"votes": per_step, "meter_peaks": meter_peaks, "hookless": hookless,
                      "differ": differ(state["ref"], g), **record(guard)}
         guard.detach()
     return out
@@ -291,8 +333,9 @@ def check_spike_none(state: dict) -> dict:
     return {"survived": True}
 
 
-CHECKS = {"policies": check_policies, "bytes": check_bytes, "tight": check_tight, "mixed": check_mixed,
-          "votes": check_votes, "fallback": check_fallback, "spike": check_spike, "spike_none": check_spike_none}
+CHECKS = {"policies": check_policies, "bytes": check_bytes, "hookless": check_hookless,
+          "tight": check_tight, "mixed": check_mixed, "votes": check_votes,
+          "fallback": check_fallback, "spike": check_spike, "spike_none": check_spike_none}
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).with_name("hf_ep_worker.py")
 JOB_TIMEOUT_S = 120   # a hung collective fails here (the group's own timeout is longer)
-CHECKS = ("policies", "bytes", "tight", "mixed", "votes", "fallback", "spike")
+CHECKS = ("policies", "bytes", "hookless", "tight", "mixed", "votes", "fallback", "spike")
 
 
 def torchrun(out_dir: Path, *checks: str) -> subprocess.CompletedProcess:
@@ -78,6 +78,34 @@ def test_the_byte_model_is_what_the_experts_call_keeps_on_the_received_rows(foun
 
 
 @pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("policy", ["none", "adaptive"])
+def test_experts_calls_run_hookless_and_change_nothing_but_the_hook(found, rank, policy):
+    """Under transformers' EP the experts call (on the received rows) runs with no
+    saved-tensor hook where proven, and the later layer whole (runtime/hookless.py);
+    against the same guard with every layer hooked: the same gradients (the unguarded
+    layout's, bitwise), the same true peak by the independent meter, the ledger empty
+    after backward; the modelled "experts" the byte model's bytes, at most the call's
+    per-expert offsets (L int32) under what the hook measured; layer 0's other parts
+    exactly what the hook measured, layer 1's as layer 0 measured them (up to 2% over:
+    layer 0 also saved the rotary tables the layers share)."""
+    found_on, found_off = (found("hookless", rank)[f"{policy},{on}"] for on in (True, False))
+    assert found_on["hookless_layers"] == 4 and found_off["hookless_layers"] == 0
+    for got in (found_on, found_off):
+        assert got["differ"] == [] and got["left"] == 0 and got["reruns"] == 0, got
+    assert found_on["meter_peak"] == found_off["meter_peak"]
+    assert found_on["peak"] == found_off["peak"]
+    for key, want in found_off["seen"].items():
+        got = found_on["seen"][key]
+        mb, layer, op = key.split(",")
+        if op == "experts":
+            assert want > 0 and 0 <= want - got <= 64, (key, got, want)
+        elif layer == "0":
+            assert got == want, (key, got, want)
+        else:
+            assert want <= got <= 1.02 * want, (key, got, want)
+
+
+@pytest.mark.parametrize("rank", RANKS)
 def test_adaptive_under_tight_budgets_is_bitwise_and_stays_under(found, rank):
     for frac, got in found("tight", rank).items():
         assert got["differ"] == [], (frac, got)
@@ -105,6 +133,8 @@ def test_once_every_rank_promises_the_later_layers_do_not_vote(found, rank):
     as baseline, the guard's host memory apart), as well as by the guard's device."""
     got = found("votes", rank)
     assert got["every_layer"]["votes"] == [4, 4, 4], got
+    # the budget held with experts calls hookless under the proof (runtime/hookless.py)
+    assert sum(got["promised"]["hookless"]) > 0, got
     assert got["promised"]["votes"][1:] == [2, 2], got
     for name in ("promised", "every_layer"):
         assert got[name]["differ"] == [] and got[name]["reruns"] == 0, (name, got)
