@@ -23,11 +23,12 @@ decision of layer L:
   * the later layers of this micro-batch, walked now with the window's own procedure
     (plan/decide.py `fits_unaided`: the entry check, the planner's inputs with the layer
     peaks, the planner's own fit test), each find a plan of the menu that fits with no
-    shortfall, at the
-    most the device can hold there: every layer before keeping everything (no plan keeps
-    more) for the most routed copies, each growing the device by what L grew it since
-    its entry (or by its attention part, the larger: same shapes, same bytes), plus that
-    expert path and the post-expert part.
+    shortfall, at the most the device can hold there: every layer before keeping
+    everything (no plan keeps more) for the most routed copies, each growing the device
+    by what L grew it since its entry (or by its attention part, the larger: same shapes,
+    same bytes), plus that expert path and the post-expert part (under expert
+    parallelism, once seen, by what a layer left from its entry to the next one's and
+    the most growth to a decision seen: runtime/routed_history.py `LayerSteps`).
   * in a pipeline, the same of every layer of each forward the stage runs before this
     micro-batch's backward (the residency's `later_forwards`: it is among their older
     residents, which their shortfalls may evict), from a bound on the in-use each will
@@ -92,7 +93,7 @@ from spikeguard.plan.room import EntryState, Seen, forward_transient_bytes_per_r
 from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.hooks import SavedTensorTracker
 from spikeguard.runtime.hookless_ends import HooklessEnds
-from spikeguard.runtime.routed_history import RoutedHistory
+from spikeguard.runtime.routed_history import LayerSteps, RoutedHistory
 
 # The operators whose saved tensors the executor's stages make (a later stage reads
 # them); combine's after them (the last stage's, read by combine, and combine's own).
@@ -131,6 +132,7 @@ class HooklessLayers:
         # One process, built-in dropless top-k: every layer routes tokens x top-k copies.
         self.exact_routing = exact_routing
         self.routed = RoutedHistory()   # under expert parallelism: later layers' counts
+        self.steps = LayerSteps()       # ... and what each layer leaves beyond its experts
         self._modelled: dict[int, list] = {}   # micro-batch -> its modelled ledger keys
         # Micro-batch -> the first layer proven: every layer after it is covered whole.
         self._covered_after: dict[int, int] = {}
@@ -149,6 +151,9 @@ class HooklessLayers:
         mb = self.window.ctx.micro_batch
         self._whole = self._decided = False
         self.ends.first_layer(x)
+        if self.enabled and not self.exact_routing:
+            self.steps.entered(mb, layer, self.window.layer_entry_in_use,
+                               self.window.num_tokens, self._keep_all_bytes)
         if not self.enabled or not getattr(x, "requires_grad", False):
             return
         if mb not in self._measured and mb not in self._covered_after \
@@ -238,6 +243,8 @@ class HooklessLayers:
         mb = w.ctx.micro_batch
         if self.enabled and not self.exact_routing:   # every forward decision, spikes too
             self.routed.note(mb, layer, num_routed)
+            self.steps.decided(mb, layer, w.layer_entry_in_use, in_use, w.num_tokens,
+                               num_routed, decision.plan == ALL_SAVE and not decision.evict_bytes)
         if not self.enabled or decision.plan != ALL_SAVE or decision.evict_bytes \
                 or not w.num_tokens:
             return False
@@ -276,9 +283,15 @@ class HooklessLayers:
                      for n, m in zip(predicted, most)]
         at_decision = in_use
         before = own_routed if predicted and None not in predicted else bound
+        # Under EP, from layer to layer by what a layer was seen to leave and to grow to
+        # its decision (LayerSteps); this layer's own growth to its decision left out once
+        seen = None if self.exact_routing else self.steps.most(w.num_tokens)
         for later, there in zip(later_layers, walks):
-            if later > layer:   # the layer before it kept everything, then its attention ran
-                at_decision += growth + self._keep_all_bytes(before) + post
+            if later > layer and seen is None:   # the layer before it kept everything,
+                at_decision += growth + self._keep_all_bytes(before) + post   # then attention
+            elif later > layer:
+                at_decision += seen[0] + self._keep_all_bytes(before) + (
+                    max(growth, seen[1]) - self._growth if later == layer + 1 else 0)
             if not self._needs_no_eviction(later, at_decision, there):
                 return False
             before = there.routed

@@ -1,4 +1,5 @@
-"""The routed copies of this rank's later layers, predicted from their own recent forwards.
+"""The routed copies of this rank's later layers, predicted from their own recent forwards;
+and what a layer leaves on the device from its entry to the next (`LayerSteps`).
 
 One part of the guard's hookless proof (spikeguard/runtime/hookless.py). Under expert
 parallelism a rank's routed count moves from layer to layer, and the proof walks the
@@ -54,3 +55,53 @@ class RoutedHistory:
 
     def forget_micro_batch(self, micro_batch: int) -> None:
         self._rise.pop(micro_batch, None)
+
+
+class LayerSteps:
+    """What a layer's forward leaves on the device beyond its expert path, under expert
+    parallelism: the device's count from a layer's entry to the next layer's, less the
+    expert path's keep-everything bytes, on a layer that kept everything and evicted
+    nothing; and its growth from entry to decision. The most of each over the last
+    `ROUTED_HISTORY` seen, per micro-batch token count (same shapes, same bytes; the first
+    forward's one-time allocations, a cache built on first use, age out).
+
+    The walk of the hookless proof steps from one later layer's decision to the next by
+    them. Its bound without them, the deciding layer's growth to its decision plus the
+    post-expert part for every later layer, counts as kept what a layer frees before the
+    next one starts: on transformers' EP the exchanges' buffers, alive at the decision
+    (inside the exchanges) and gone at the layer's end; on qwen3_moe at hf_bench's sizes,
+    8 x 128 tokens, EP=2, the walk then put layer 3's decision 3.9 MiB above where it
+    came and cleared 1 layer of 4 (CPU, emulated device). The growth is the most seen, not
+    the deciding layer's: there it grows with the rows the layer receives (6.8-7.8 MiB).
+    """
+
+    def __init__(self):
+        self._step: dict[int, deque] = {}
+        self._growth: dict[int, deque] = {}
+        self._open: Optional[tuple[int, int, int, int]] = None   # mb, layer, entry, routed
+
+    def decided(self, micro_batch: int, layer: int, entry_in_use: int, in_use: int,
+                num_tokens: int, num_routed: int, kept_all: bool) -> None:
+        """Layer `layer` decided at `in_use`: `kept_all` its plan keeps everything and
+        evicts nothing."""
+        _remember(self._growth, num_tokens, in_use - entry_in_use)
+        self._open = (micro_batch, layer, entry_in_use, num_routed) if kept_all else None
+
+    def entered(self, micro_batch: int, layer: int, entry_in_use: int, num_tokens: int,
+                keep_all_bytes) -> None:
+        """Layer `layer` starts at `entry_in_use`: the step from the layer before, if that
+        one kept everything (`keep_all_bytes(routed)`: its expert path's bytes)."""
+        last, self._open = self._open, None
+        if last is None or last[:2] != (micro_batch, layer - 1):
+            return
+        _remember(self._step, num_tokens, entry_in_use - last[2] - keep_all_bytes(last[3]))
+
+    def most(self, num_tokens: int) -> Optional[tuple[int, int]]:
+        """(step, growth): the most seen at `num_tokens`, or None before a step was."""
+        if num_tokens not in self._step:
+            return None
+        return max(self._step[num_tokens]), max(self._growth[num_tokens])
+
+
+def _remember(seen: dict[int, deque], num_tokens: int, num_bytes: int) -> None:
+    seen.setdefault(num_tokens, deque(maxlen=ROUTED_HISTORY)).append(num_bytes)

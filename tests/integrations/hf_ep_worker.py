@@ -189,6 +189,40 @@ def check_hookless(state: dict) -> dict:
             for policy in ("none", "adaptive") for hookless in (True, False)}
 
 
+def _walks(steps_seen: bool) -> list:
+    """Four calm steps of adaptive (the same batches, unlimited budget): per step, for
+    each later layer the hookless proof's walk (runtime/hookless.py `_layers_fit`) went
+    to, the in-use it predicted at that layer's decision and the in-use there when that
+    layer decided. `steps_seen` False: the walk's bound without what layers were seen to
+    leave (runtime/routed_history.py `LayerSteps`)."""
+    model, guard = guarded("adaptive", HUGE)
+    h = guard.hookless
+    walks, decided = [], {}
+    real_fit, real_proven = h._needs_no_eviction, h.proven
+    if not steps_seen:
+        h.steps.most = lambda num_tokens: None
+
+    def needs_no_eviction(layer, in_use, walk):
+        walks.append((guard.window.ctx.micro_batch, layer, in_use))
+        return real_fit(layer, in_use, walk)
+
+    def proven(layer, num_routed, decision):
+        decided[(guard.window.ctx.micro_batch, layer)] = guard.ledger.in_use()
+        return real_proven(layer, num_routed, decision)
+    h._needs_no_eviction, h.proven = needs_no_eviction, proven
+    out = []
+    for _ in range(4):
+        walks.clear()
+        run(model, batches(), guard)
+        out.append([[predicted, decided[(mb, layer)]] for mb, layer, predicted in walks])
+    guard.detach()
+    return out
+
+
+def check_walk(state: dict) -> dict:
+    return {"seen": _walks(True), "bound": _walks(False)}
+
+
 def check_tight(state: dict) -> dict:
     """Adaptive at 0.85 and 0.7 of the everything-kept peak (worst rank)."""
     out = {}
@@ -334,6 +368,7 @@ def check_spike_none(state: dict) -> dict:
 
 
 CHECKS = {"policies": check_policies, "bytes": check_bytes, "hookless": check_hookless,
+          "walk": check_walk,
           "tight": check_tight, "mixed": check_mixed, "votes": check_votes,
           "fallback": check_fallback, "spike": check_spike, "spike_none": check_spike_none}
 

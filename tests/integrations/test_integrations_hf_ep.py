@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).with_name("hf_ep_worker.py")
 JOB_TIMEOUT_S = 120   # a hung collective fails here (the group's own timeout is longer)
-CHECKS = ("policies", "bytes", "hookless", "tight", "mixed", "votes", "fallback", "spike")
+CHECKS = ("policies", "bytes", "hookless", "walk", "tight", "mixed", "votes", "fallback", "spike")
 
 
 def torchrun(out_dir: Path, *checks: str) -> subprocess.CompletedProcess:
@@ -103,6 +103,22 @@ def test_experts_calls_run_hookless_and_change_nothing_but_the_hook(found, rank,
             assert got == want, (key, got, want)
         else:
             assert want <= got <= 1.02 * want, (key, got, want)
+
+
+@pytest.mark.parametrize("rank", RANKS)
+def test_the_proofs_walk_steps_layer_to_layer_by_what_layers_left(found, rank):
+    """Under EP the hookless proof walks the later layers' decisions from layer to layer
+    by what a layer was seen to leave on the device and to grow to its decision
+    (runtime/routed_history.py `LayerSteps`), not by the deciding layer's growth, which on
+    transformers' EP holds the exchanges' buffers that the layer frees at its end. Once
+    every layer has its history (the last two of four calm steps): never below the in-use
+    the later layer decided at, and, summed, under half the bound's overshoot without
+    them (here 1.5-36 KB against 62-75 KB a layer)."""
+    got = found("walk", rank)
+    over = {name: [p - actual for step in got[name][2:] for p, actual in step]
+            for name in ("seen", "bound")}
+    assert over["seen"] and min(over["seen"]) >= 0, over
+    assert sum(over["seen"]) <= 0.5 * sum(over["bound"]), over
 
 
 @pytest.mark.parametrize("rank", RANKS)

@@ -21,7 +21,7 @@ import pytest
 
 from spikeguard.parallel.launch_utils import run_spawned
 from spikeguard.runtime.routed_history import (ROUTED_HISTORY, ROUTED_HISTORY_MIN,
-                                               ROUTED_SLACK, RoutedHistory)
+                                               ROUTED_SLACK, LayerSteps, RoutedHistory)
 
 import routed_history_workers
 
@@ -68,6 +68,40 @@ def test_only_the_last_forwards_count():
     h.note(99, 0, 1)
     h._rise[99] = 1.0
     assert h.predict(99, 1) == int(200 * (1 + ROUTED_SLACK)) + 1
+
+
+# ---- what a layer leaves, entry to entry (LayerSteps) -------------------------------------
+def _keep_all(num_routed: int) -> int:
+    return 10 * num_routed
+
+
+def test_a_step_is_the_next_entry_less_the_kept_expert_path():
+    s = LayerSteps()
+    assert s.most(64) is None
+    s.decided(0, 0, entry_in_use=1000, in_use=1300, num_tokens=64, num_routed=20,
+              kept_all=True)
+    s.entered(0, 1, 1900, 64, _keep_all)   # 1900 - 1000 - 200
+    assert s.most(64) == (700, 300)
+    assert s.most(32) is None   # another token count: other shapes
+
+
+def test_no_step_across_a_layer_that_evicted_or_another_micro_batch_or_a_gap():
+    s = LayerSteps()
+    s.decided(0, 0, 1000, 1300, 64, 20, kept_all=False)
+    s.entered(0, 1, 1900, 64, _keep_all)
+    s.decided(0, 1, 1000, 1300, 64, 20, kept_all=True)
+    s.entered(1, 2, 1900, 64, _keep_all)   # another micro-batch's layer
+    s.decided(0, 2, 1000, 1300, 64, 20, kept_all=True)
+    s.entered(0, 1, 1900, 64, _keep_all)   # not the next layer
+    assert s.most(64) is None
+
+
+def test_the_most_of_the_last_steps():
+    s = LayerSteps()
+    for i in range(ROUTED_HISTORY + 1):   # the first (one-time allocations) ages out
+        s.decided(i, 0, 0, 500 if i == 0 else 300, 64, 0, kept_all=True)
+        s.entered(i, 1, 900 if i == 0 else 700 + i % 2, 64, _keep_all)
+    assert s.most(64) == (701, 300)
 
 
 # ---- under EP=2, for real ----------------------------------------------------------------
