@@ -32,17 +32,17 @@ decision of layer L:
   * in a pipeline, the same of every layer of each forward the stage runs before this
     micro-batch's backward (the residency's `later_forwards`: it is among their older
     residents, which their shortfalls may evict), from a bound on the in-use each will
-    see (`_later_forwards_fit`: this micro-batch and the forwards between whole at the
+    see (hookless_pipeline.py: this micro-batch and the forwards between whole at the
     most they can keep, less what the older ones whose backward runs first hold now,
     plus the gradients it makes) at the reserve that forward will read.
-The most routed copies: in one process exactly L's (the built-in router is dropless
-top-k: tokens x top-k copies in every layer). Under expert parallelism a rank's count
-moves from layer to layer, and is predicted per later layer from its own recent forwards
-(runtime/routed_history.py), scaled by any rise this micro-batch's layers so far show;
-until every layer has enough forwards behind it, the forecast's own bound, (1 + its load
-margin) x the most seen in this micro-batch. A prediction, not a proof: a spike that
-starts in a later layer only is not foreseen (that layer then evicts less, takes a
-smaller plan of its own, or the safety net re-runs).
+The most routed copies: in one process exactly L's (dropless top-k: tokens x top-k in
+every layer). Under expert parallelism a rank's count moves from layer to layer and is
+predicted per layer from its own recent forwards (runtime/routed_history.py), scaled by
+any rise this micro-batch's layers show, the later forwards' of a pipeline alike; until
+every layer has enough forwards behind it, the forecast's bound, (1 + its load margin) x
+the most seen in this micro-batch. A prediction, not a proof: a spike that starts in a
+later layer only is not foreseen (that layer evicts less, takes a smaller plan of its
+own, or the safety net re-runs).
 Then no decision of the micro-batch asks for eviction (other micro-batches evict only
 their own layers outside a pipeline, and none before its backward inside one): L's
 expert stages run hookless, and every later layer of the micro-batch is covered whole
@@ -57,42 +57,38 @@ Should the prediction still be wrong, the bytes are just not evictable: the late
 picks a smaller plan, or the safety net re-runs; gradients and peaks are the same either
 way (the tensors autograd saves, and when it frees them, do not depend on the hook).
 
-A transformers experts call (integrations/hf_window.py `run_region`) is one region, not
-five stages: proven alike, it runs paused (`run_call`) and is attributed to op "experts"
-with the region byte model's keep-everything bytes (integrations/hf_bytes.py); in one
-process and under transformers' EP, whose window is the experts' own forward on the rows
-this rank received, between the two exchanges (its byte model is that call's: what the
-exchanges keep is measured on the first layer as the router's and combine's, the same
-shapes on every layer: the rows this rank sends). torchtitan's experts call likewise, in
-one process only (its combine, after the call, is what the hook measured, as attention's;
-under its EP the call holds the exchanges, which the byte model does not separate).
+A transformers experts call (integrations/hf_window.py `run_region`) is one region:
+proven alike, it runs paused (`run_call`), attributed to op "experts" with the region byte
+model's keep-everything bytes (integrations/hf_bytes.py); in one process and under
+transformers' EP (there the experts' own forward on the rows received, between the two
+exchanges, whose byte model is that call's; what the exchanges keep is measured on the
+first layer as router and combine: the rows a rank sends, the same every layer).
+torchtitan's call likewise, in one process only (its combine, after the call, as the hook
+measured it; under its EP the true peak moved with the garbage collector: README).
 
 Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
-ops are the byte model's bytes (ExpertShape.predict, which tests/runtime/
-test_runtime_attribution.py holds within 5% of the measured; combine under expert
-parallelism with the rows its reverse all-to-all returned, the forecast's per token, as
-tests/parallel/test_parallel_ep_bytes.py measures them), released when backward has
-passed the layer's expert path (the gradient of its dispatched rows is ready); attention,
-router and shared expert are what the hook measured on the last layer of the micro-batch
-that ran hooked (same shapes, same bytes), released when backward has passed the layer
-(the gradient of its input is ready).
+ops are the byte model's bytes (ExpertShape.predict, within 5% of the measured:
+tests/runtime/test_runtime_attribution.py; combine under EP with the rows its reverse
+all-to-all returned, tests/parallel/test_parallel_ep_bytes.py), released when backward
+has passed the layer's expert path; attention, router and shared expert are what the hook
+measured on the micro-batch's last layer run hooked, released when backward has passed
+the layer (the gradient of its input is ready).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import replace
-from typing import NamedTuple, Optional
+from typing import Optional
 
 from spikeguard.memory.ledger import Ledger
 from spikeguard.plan.catalogue import ALL_SAVE, CONSUMERS, OPS, ExpertShape
 from spikeguard.plan.decide import LayerFacts, fits_unaided
-from spikeguard.plan.forecast import Forecast
-from spikeguard.plan.room import EntryState, Seen, forward_transient_bytes_per_routed
+from spikeguard.plan.room import EntryState, forward_transient_bytes_per_routed
 from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.hooks import SavedTensorTracker
 from spikeguard.runtime.hookless_ends import HooklessEnds
+from spikeguard.runtime.hookless_walk import Walk, later_forwards_fit, walks_at
 from spikeguard.runtime.routed_history import LayerSteps, RoutedHistory
 
 # The operators whose saved tensors the executor's stages make (a later stage reads
@@ -103,17 +99,6 @@ COMBINE_OPS = tuple(op for op in OPS if not CONSUMERS[op]) + ("combine",)
 # for a region call whose combine runs after it, torchtitan's; the built-in path models
 # its combine from the byte model, a transformers call holds its own).
 MEASURED_OPS = ("attn", "router", "shared", "combine")
-class _Walk(NamedTuple):
-    """What the proof's walk holds fixed over the layers it asks `fits_unaided` about."""
-
-    routed: int              # the most routed copies a layer may get
-    layer_part: int          # an attention part's bytes (same shapes, same bytes)
-    seen: Seen               # the window's memory of earlier decisions, at `routed`
-    resident: int            # the other micro-batches' backward above their forward's end
-    forecast: Optional[Forecast] = None   # the window's, unless the walk is another forward's
-    grads: Optional[int] = None           # gradients to come at every layer; None: the window's
-
-
 class HooklessLayers:
     """Pauses the tracker's hooks where the proof holds, and models what they would say."""
 
@@ -141,7 +126,7 @@ class HooklessLayers:
         # Layer input shape -> MEASURED_OPS and the growth to the decision ("growth") on
         # the last layer of that shape run hooked, for the next micro-batch's first layer.
         self._carried: dict[tuple, dict[str, int]] = {}
-        self._growth = 0   # in-use from the running layer's entry to its decision
+        self.growth = 0   # in-use from the running layer's entry to its decision
         self._whole = False   # the layer running now is covered from its entry
         self._decided = False   # the layer running now decided (it is not recomputed whole)
 
@@ -153,7 +138,7 @@ class HooklessLayers:
         self.ends.first_layer(x)
         if self.enabled and not self.exact_routing:
             self.steps.entered(mb, layer, self.window.layer_entry_in_use,
-                               self.window.num_tokens, self._keep_all_bytes)
+                               self.window.num_tokens, self.keep_all_bytes)
         if not self.enabled or not getattr(x, "requires_grad", False):
             return
         if mb not in self._measured and mb not in self._covered_after \
@@ -176,7 +161,7 @@ class HooklessLayers:
         if not self._whole and self._decided:
             self._measured[mb] = {op: self.ledger.bytes_by(mb, layer, op) for op in MEASURED_OPS}
             if getattr(x, "requires_grad", False):
-                self._carried[tuple(x.shape)] = dict(self._measured[mb], growth=self._growth)
+                self._carried[tuple(x.shape)] = dict(self._measured[mb], growth=self.growth)
         elif self.tracker.is_paused:   # the shared expert ran hookless too
             self._model(mb, layer, {"shared": self._measured[mb]["shared"]}, x)
         self._whole = False
@@ -226,7 +211,7 @@ class HooklessLayers:
         out = run()
         if not (self._whole and self.tracker.is_paused):
             self.tracker.resume()   # the rest of this layer runs hooked, and is measured
-        modelled = {"experts": self._keep_all_bytes(num_routed)}
+        modelled = {"experts": self.keep_all_bytes(num_routed)}
         if self._whole and self.tracker.is_paused:   # its combine runs paused too
             modelled["combine"] = self._measured[mb]["combine"]
         self._model(mb, layer, modelled, x)
@@ -239,7 +224,7 @@ class HooklessLayers:
         """Nothing of the step can later want this layer's saved tensors (module doc)."""
         w = self.window
         in_use = self.ledger.in_use()
-        self._growth = in_use - w.layer_entry_in_use   # carried if the layer ran hooked
+        self.growth = in_use - w.layer_entry_in_use   # carried if the layer ran hooked
         mb = w.ctx.micro_batch
         if self.enabled and not self.exact_routing:   # every forward decision, spikes too
             self.routed.note(mb, layer, num_routed)
@@ -253,7 +238,7 @@ class HooklessLayers:
         layer_part = self.ledger.bytes_by(mb, layer) - self.ledger.bytes_by(mb, layer, "dispatch")
         routed = max(num_routed, w.seen.max_routed)   # exact in one process (module doc)
         return self._layers_fit(layer + 1, layer, in_use, layer_part,
-                                max(layer_part, self._growth), routed, num_routed)
+                                max(layer_part, self.growth), routed, num_routed)
 
     def _layers_fit(self, first: int, layer: int, in_use: int, layer_part: int, growth: int,
                     routed: int, own_routed: Optional[int] = None) -> bool:
@@ -267,35 +252,30 @@ class HooklessLayers:
         bound = routed if self.exact_routing else int(routed * (1 + w.forecast.load_margin))
         post = int((w.forecast.post_bytes_per_token + w.forecast.combine_bytes_per_token)
                    * w.num_tokens)
-        per_layer = growth + self._keep_all_bytes(bound) + post
+        per_layer = growth + self.keep_all_bytes(bound) + post
         mb = w.ctx.micro_batch
-        walk = _Walk(bound, layer_part, replace(w.seen, max_routed=bound), max(
+        walk = Walk(bound, layer_part, replace(w.seen, max_routed=bound), max(
             (v for m, v in w.pending_backward.items() if m != mb), default=0))
         later_layers = range(first, w.num_layers)
-        predicted = [] if self.exact_routing or own_routed is None else \
-            [self.routed.predict(mb, later) for later in later_layers]
-        if not predicted or None in predicted:
-            walks = [walk] * len(later_layers)
-        else:
-            most = itertools.accumulate(predicted, max, initial=routed)
-            next(most)
-            walks = [_Walk(n, layer_part, replace(w.seen, max_routed=m), walk.resident)
-                     for n, m in zip(predicted, most)]
+        predicted = None if self.exact_routing or own_routed is None else \
+            self.routed.predict_all(mb, later_layers)
+        walks = [walk] * len(later_layers) if predicted is None else walks_at(
+            w.seen, predicted, routed, layer_part, walk.resident)
         at_decision = in_use
-        before = own_routed if predicted and None not in predicted else bound
+        before = bound if predicted is None else own_routed
         # Under EP, from layer to layer by what a layer was seen to leave and to grow to
         # its decision (LayerSteps); this layer's own growth to its decision left out once
         seen = None if self.exact_routing else self.steps.most(w.num_tokens)
         for later, there in zip(later_layers, walks):
             if later > layer and seen is None:   # the layer before it kept everything,
-                at_decision += growth + self._keep_all_bytes(before) + post   # then attention
+                at_decision += growth + self.keep_all_bytes(before) + post   # then attention
             elif later > layer:
-                at_decision += seen[0] + self._keep_all_bytes(before) + (
-                    max(growth, seen[1]) - self._growth if later == layer + 1 else 0)
-            if not self._needs_no_eviction(later, at_decision, there):
+                at_decision += seen[0] + self.keep_all_bytes(before) + (
+                    max(growth, seen[1]) - self.growth if later == layer + 1 else 0)
+            if not self.needs_no_eviction(later, at_decision, there):
                 return False
             before = there.routed
-        return w.forecast.residency is None or self._later_forwards_fit(
+        return w.forecast.residency is None or later_forwards_fit(self, 
             layer, in_use, per_layer, walk)
 
     def _proven_at_entry(self, mb: int, layer: int, x) -> bool:
@@ -320,44 +300,7 @@ class HooklessLayers:
         self._covered_after[mb] = layer - 1
         return True
 
-    def _later_forwards_fit(self, layer: int, in_use: int, per_layer: int, walk) -> bool:
-        """Under a pipeline, the forwards the stage runs before this micro-batch's backward
-        (plan/residency.py: it is among their older residents) decide with no eviction
-        either: each of their layers walked as this one's later layers are, at the
-        residency's reserve as that forward will read it, from a bound on the in-use it
-        will see: this micro-batch's forward ended (every later layer keeping everything,
-        then the head), each forward between whole (its layers, head and stage input: an
-        attention part's bytes), less what the older micro-batches whose backward runs
-        first hold now, plus the gradients that backward makes. The older ones'
-        backward excess beside them: the largest predicted, this micro-batch's taken as
-        the last finished forward's (same shapes; before the first, all of its predicted
-        backward peak above the in-use now)."""
-        w, residency = self.window, self.window.forecast.residency
-        later = residency.later_forwards()
-        if later is None:
-            return False
-        head = int(w.forecast.head_bytes_per_token * w.num_tokens)
-        whole = w.num_layers * per_layer + head + walk.layer_part
-        start = in_use + (w.num_layers - layer) * per_layer + head + walk.layer_part
-        grads = max(w.grads_to_come.values(), default=0)
-        own = w.last_backward_excess
-        if own is None:   # no forward finished yet: its predicted peak over the in-use now
-            own = w.backward_above(w.ctx.micro_batch, in_use)
-        resident = max(walk.resident, own)
-        for i, forward in enumerate(later):
-            freed = residency.freed_before(forward)
-            base = start + i * whole + (grads if freed else 0) - sum(
-                self.ledger.bytes_by(micro_batch=mb) for mb in freed)
-            there = _Walk(walk.routed, walk.layer_part, walk.seen, resident,
-                          replace(w.forecast, residency=residency.at_forward(forward)),
-                          0 if freed else grads)
-            for later_layer in range(w.num_layers):
-                if not self._needs_no_eviction(later_layer, base + later_layer * per_layer
-                                               + walk.layer_part, there):
-                    return False
-        return True
-
-    def _needs_no_eviction(self, layer: int, in_use: int, walk) -> bool:
+    def needs_no_eviction(self, layer: int, in_use: int, walk) -> bool:
         """Would `layer`, at `in_use` after its attention part, decide with no eviction and
         no whole-layer fallback? The window's own procedure (plan/decide.py
         `fits_unaided`), on a prediction."""
@@ -378,7 +321,7 @@ class HooklessLayers:
             fixed_backward=w.layer_room.fsdp.layer_backward(layer), **extra)
         return fits_unaided(entry, facts, in_use, w.layer_room.room, forecast, w.planner)
 
-    def _keep_all_bytes(self, num_routed: int) -> int:
+    def keep_all_bytes(self, num_routed: int) -> int:
         return self.window.planner.fixed(ALL_SAVE, num_routed).device_bytes
 
     def _model(self, mb: int, layer: int, bytes_by_op: dict[str, int], t) -> None:

@@ -53,6 +53,11 @@ class RoutedHistory:
             return None
         return int(max(past) * rise * (1 + ROUTED_SLACK)) + 1
 
+    def predict_all(self, micro_batch: int, layers) -> Optional[list[int]]:
+        """`predict` for each of `layers`, or None where one has too little history."""
+        predicted = [self.predict(micro_batch, layer) for layer in layers]
+        return None if None in predicted else predicted
+
     def forget_micro_batch(self, micro_batch: int) -> None:
         self._rise.pop(micro_batch, None)
 

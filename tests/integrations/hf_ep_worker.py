@@ -198,7 +198,7 @@ def _walks(steps_seen: bool) -> list:
     model, guard = guarded("adaptive", HUGE)
     h = guard.hookless
     walks, decided = [], {}
-    real_fit, real_proven = h._needs_no_eviction, h.proven
+    real_fit, real_proven = h.needs_no_eviction, h.proven
     if not steps_seen:
         h.steps.most = lambda num_tokens: None
 
@@ -209,7 +209,7 @@ def _walks(steps_seen: bool) -> list:
     def proven(layer, num_routed, decision):
         decided[(guard.window.ctx.micro_batch, layer)] = guard.ledger.in_use()
         return real_proven(layer, num_routed, decision)
-    h._needs_no_eviction, h.proven = needs_no_eviction, proven
+    h.needs_no_eviction, h.proven = needs_no_eviction, proven
     out = []
     for _ in range(4):
         walks.clear()

@@ -278,8 +278,13 @@ def test_pp_ep_calm_adaptive_saves_everywhere_when_keeping_everything_fits(pp2ep
                 assert d["recompute"] == d["offload"] == 0 and d["save"] > 0, where
                 assert record["evicted_bytes"] == record["full_layers"] == 0, where
                 # ... and, proven so, runs layers without the saved-tensor hook
-                # (runtime/hookless.py): under EP the counts' bound is the forecast's.
-                assert record["hookless_layers"] > 0, where + (record["hookless_layers"],)
+                # (runtime/hookless.py): from the second step on every layer has the
+                # forwards behind it that predict its counts, the later forwards' too
+                # (hookless_walk.py), and every rank runs at least 3 in 4 of its layers
+                # hookless (stage 0 ran 2-3 of 8 at the forecast's bound)
+                layers = CFG_EP["num_layers"] // 2 * MICRO_BATCHES
+                assert 4 * record["hookless_layers"] >= 3 * layers, \
+                    where + (record["hookless_layers"],)
 
 
 def test_pp_ep_none_runs_every_layer_without_the_hook(pp2ep2):
