@@ -32,9 +32,10 @@ decision of layer L:
   * in a pipeline, the same of every layer of each forward the stage runs before this
     micro-batch's backward (the residency's `later_forwards`: it is among their older
     residents, which their shortfalls may evict), from a bound on the in-use each will
-    see (hookless_pipeline.py: this micro-batch and the forwards between whole at the
-    most they can keep, less what the older ones whose backward runs first hold now,
-    plus the gradients it makes) at the reserve that forward will read.
+    see (runtime/hookless_walk.py `later_forwards_fit`: this micro-batch and the
+    forwards between whole at the most they can keep, less what the older ones whose
+    backward runs first hold now, plus the gradients it makes) at the reserve that
+    forward will read.
 The most routed copies: in one process exactly L's (dropless top-k: tokens x top-k in
 every layer). Under expert parallelism a rank's count moves from layer to layer and is
 predicted per layer from its own recent forwards (runtime/routed_history.py), scaled by
@@ -228,8 +229,9 @@ class HooklessLayers:
         mb = w.ctx.micro_batch
         if self.enabled and not self.exact_routing:   # every forward decision, spikes too
             self.routed.note(mb, layer, num_routed)
+            kept_all = decision.plan == ALL_SAVE and not decision.evict_bytes
             self.steps.decided(mb, layer, w.layer_entry_in_use, in_use, w.num_tokens,
-                               num_routed, decision.plan == ALL_SAVE and not decision.evict_bytes)
+                               num_routed, kept_all)
         if not self.enabled or decision.plan != ALL_SAVE or decision.evict_bytes \
                 or not w.num_tokens:
             return False
@@ -275,8 +277,8 @@ class HooklessLayers:
             if not self.needs_no_eviction(later, at_decision, there):
                 return False
             before = there.routed
-        return w.forecast.residency is None or later_forwards_fit(self, 
-            layer, in_use, per_layer, walk)
+        return w.forecast.residency is None or later_forwards_fit(self, layer, in_use,
+                                                                  per_layer, walk)
 
     def _proven_at_entry(self, mb: int, layer: int, x) -> bool:
         """A micro-batch's first guarded layer, before its attention runs: covered whole
