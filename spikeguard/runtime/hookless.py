@@ -110,7 +110,7 @@ class HooklessLayers:
         # guarded layer's index, after which the head runs.
         self.ends = HooklessEnds(tracker, ledger, window.ctx, window.policy, window.num_layers,
                                  last_layer, lambda: window.forecast.residency is not None,
-                                 window.recorder)
+                                 window.recorder, self.fits_from_start)
         self.tracker = tracker
         self.ledger = ledger
         self.shape = shape
@@ -136,7 +136,7 @@ class HooklessLayers:
         """A guarded layer's forward starts on input `x`: covered, it runs paused."""
         mb = self.window.ctx.micro_batch
         self._whole = self._decided = False
-        self.ends.first_layer(x)
+        self.ends.first_layer(layer, x)
         if self.enabled and not self.exact_routing:
             self.steps.entered(mb, layer, self.window.layer_entry_in_use,
                                self.window.num_tokens, self.keep_all_bytes)
@@ -288,19 +288,33 @@ class HooklessLayers:
         count is exact before the router runs (one process: tokens x top-k), with this
         layer itself walked too, at its entry plus the growth measured there."""
         carried = self._carried.get(tuple(x.shape))
-        w = self.window
-        if carried is None or not w.num_tokens:
+        if carried is None or not self.window.num_tokens:
             return False
-        if w.policy != "none":
-            routed = int(w.seen.routed_per_token * w.num_tokens)
-            layer_part = carried["attn"] + carried["router"]
-            growth = max(layer_part, carried["growth"])
-            if not self.exact_routing or routed <= 0 or not self._layers_fit(
-                    layer, layer, self.ledger.in_use() + growth, layer_part, growth, routed):
-                return False
+        if self.window.policy != "none" and not self._fits_at_entry(
+                layer, carried, self.ledger.in_use()):
+            return False
         self._measured[mb] = {op: carried[op] for op in MEASURED_OPS}
         self._covered_after[mb] = layer - 1
         return True
+
+    def fits_from_start(self, layer: int, shape: tuple, in_use: int) -> bool:
+        """Before a forward's embedding runs (runtime/hookless_ends.py): would its first
+        guarded `layer`, on an input of `shape`, be proven at its entry with the device at
+        `in_use` there, so that no decision of the micro-batch asks for eviction? Under
+        adaptive in one process (exact counts), where a layer of that shape ran hooked."""
+        carried = self._carried.get(shape)
+        return carried is not None and self.window.policy == "adaptive" \
+            and bool(self.window.num_tokens) and self._fits_at_entry(layer, carried, in_use)
+
+    def _fits_at_entry(self, layer: int, carried: dict, in_use: int) -> bool:
+        """The proof from `layer`'s entry at `in_use` (itself walked as a later layer at
+        the growth `carried` measured there): one process only."""
+        w = self.window
+        routed = int(w.seen.routed_per_token * w.num_tokens)
+        layer_part = carried["attn"] + carried["router"]
+        growth = max(layer_part, carried["growth"])
+        return self.exact_routing and routed > 0 and self._layers_fit(
+            layer, layer, in_use + growth, layer_part, growth, routed)
 
     def needs_no_eviction(self, layer: int, in_use: int, walk) -> bool:
         """Would `layer`, at `in_use` after its attention part, decide with no eviction and

@@ -18,8 +18,17 @@ Harmless where nothing of the step can want the ends' saved tensors off the devi
     residency may evict any layer of an older micro-batch: in a pipeline the ends stay
     hooked.
   * the embedding's: it comes before every layer, so the evictor may take it, but only
-    saved tensors of EVICTABLE_MIN_BYTES or more: it runs hookless where its measured bytes
-    are below that (the token ids of `small`: 9 KiB), or under policy none (nothing evicts).
+    saved tensors of EVICTABLE_MIN_BYTES or more, and only when a decision of the
+    micro-batch asks for room. It runs hookless where its measured bytes are below that
+    (the token ids of `small`: 9 KiB), under policy none (nothing evicts), and under
+    adaptive in one process where the layers' proof (runtime/hookless.py
+    `fits_from_start`) already holds for the micro-batch's first guarded layer at its
+    entry, before the embedding runs: every layer's routed count is known then (tokens x
+    top-k), the device's figure at that entry is the one at the forward's start plus
+    what the last forward of the same inputs' shapes rose by up to it, and no decision
+    of the micro-batch will ask for eviction. (A torchtitan model's dense first layers
+    run before its first guarded layer, counted here as the embedding: 43 tensors a
+    calm step of deepseek_v3 at the calm pages' sizes, hooked before under adaptive.)
 A forward whose inputs' shapes (and keyword arguments) were not seen before, or one
 recomputing every layer whole (the safety net's re-run), runs its ends hooked and is
 measured. What is modelled is attributed to op "embed" (layer -1) and "head" (the layer
@@ -47,7 +56,7 @@ class HooklessEnds:
 
     def __init__(self, tracker: SavedTensorTracker, ledger: Ledger, ctx, policy: str,
                  head_layer: int, last_layer: int, in_pipeline: Callable[[], bool],
-                 recorder: Callable):
+                 recorder: Callable, fits_from_start: Callable[[int, tuple, int], bool]):
         self.tracker = tracker
         self.recorder = recorder         # the open step's record (None outside a step)
         self.ledger = ledger
@@ -57,10 +66,17 @@ class HooklessEnds:
         self.head_layer = head_layer     # the head's layer index in the ledger
         self.last_layer = last_layer     # the last guarded layer's index
         self.in_pipeline = in_pipeline   # a pipeline's residency is on
+        # (first layer, its input's shape, the device's figure at its entry) -> proven
+        self.fits_from_start = fits_from_start
         # Inputs' signature -> (embedding's bytes, head's bytes) of a forward run hooked.
         self._carried: dict[tuple, tuple[int, int]] = {}
         self._modelled: dict[int, list] = {}   # micro-batch -> its modelled ledger keys
         self._inputs: Optional[tuple] = None   # the running forward's signature
+        # Inputs' signature -> (first guarded layer, its input's shape, how far the device's
+        # figure rose from the forward's start to that layer's entry), as last seen.
+        self._first: dict[tuple, tuple[int, tuple, int]] = {}
+        self._start_in_use = 0    # the device's figure at the running forward's start
+        self._before_first = False   # no guarded layer of the running forward entered yet
         self._embed_paused = False   # the running forward started paused
         self._head_paused = False    # its head runs paused
 
@@ -72,15 +88,30 @@ class HooklessEnds:
                 or self.in_pipeline():
             return
         self._inputs = _signature(args, kwargs)
+        self._start_in_use = self.ledger.in_use()
+        self._before_first = True
         known = self._carried.get(self._inputs)
-        if known is not None and (self.policy == "none" or known[0] < EVICTABLE_MIN_BYTES):
+        if known is not None and self._embed_harmless(known[0]):
             self.tracker.pause()
             self._embed_paused = True
 
-    def first_layer(self, x) -> None:
+    def _embed_harmless(self, embed_bytes: int) -> bool:
+        """Nothing of the step can want the embedding's saved tensors (module doc)."""
+        if self.policy == "none" or embed_bytes < EVICTABLE_MIN_BYTES:
+            return True
+        first = self._first.get(self._inputs)
+        return first is not None and self.fits_from_start(
+            first[0], first[1], self._start_in_use + first[2])
+
+    def first_layer(self, layer: int, x) -> None:
         """A guarded layer starts on `x`: if the embedding ran paused, the hook is back
         (the layer pauses it again where it is covered), and the embedding's model is
-        released with `x`'s gradient."""
+        released with `x`'s gradient. The forward's first one notes how far the device
+        rose to its entry, for the next forward of the same inputs' shapes."""
+        if self._before_first and self._inputs is not None and torch.is_tensor(x):
+            self._before_first = False
+            self._first[self._inputs] = (layer, tuple(x.shape),
+                                         self.ledger.in_use() - self._start_in_use)
         if self._embed_paused:
             self._embed_paused = False
             self.tracker.resume()
@@ -108,7 +139,7 @@ class HooklessEnds:
             self._carried[self._inputs] = (self.ledger.bytes_by(mb, EMBED_LAYER, "embed"),
                                            self.ledger.bytes_by(mb, self.head_layer, "head"))
         self._inputs = None
-        self._embed_paused = self._head_paused = False
+        self._embed_paused = self._head_paused = self._before_first = False
 
     def forget_micro_batch(self, micro_batch: int) -> None:
         """A new forward of `micro_batch`: an older one's model whose backward never ran

@@ -13,6 +13,11 @@ measures; torchtitan's combine (after the call) and the attention, router and sh
 expert as the hook measured them on the first layer (up to 4% over on a later micro-batch:
 that layer, of the first micro-batch, also saved what later ones share).
 
+The dense first layer runs before the first guarded one, counted as the embedding
+(runtime/hookless_ends.py): under adaptive it runs hookless where the proof holds for the
+whole micro-batch before it starts (the same gradients, true peak and "embed" bytes as
+hooked), and hooked where a decision will need room (a budget under the calm peak).
+
     .venv/bin/python -m pytest tests/integrations/test_integrations_titan_hookless.py -q
 """
 
@@ -90,3 +95,77 @@ def test_the_modelled_attribution_matches_what_the_hook_measures():
             assert got == want, (key, got, want)
         else:
             assert want <= got <= 1.04 * want, (key, got, want)
+
+
+class _Packs:
+    """A guard's tracker counting what it packs per layer (-1: before the first guarded
+    layer, the embedding and here the dense first layer), and the ledger's "embed" bytes
+    when each forward ends."""
+
+    def __init__(self, guard):
+        self.per_layer: dict[int, int] = {}
+        self.embed_read: list[int] = []
+        pack, observe = guard.tracker.pack, guard.window.observe_forward
+
+        def counting_pack(t):
+            self.per_layer[guard.ctx.layer] = self.per_layer.get(guard.ctx.layer, 0) + 1
+            return pack(t)
+
+        def reading_observe(mb, *args):
+            self.embed_read.append(guard.ledger.bytes_by(mb, -1, "embed"))
+            return observe(mb, *args)
+
+        guard.tracker.pack = counting_pack
+        guard.window.observe_forward = reading_observe
+
+    def clear(self) -> None:
+        self.per_layer.clear()
+        self.embed_read.clear()
+
+
+def _embed_case(budget, ends: bool, data, steps: int = 3):
+    """`steps` steps of adaptive at `budget`, the ends' cover on or off: the last step's
+    gradients, meter peak and packs."""
+    model = build()
+    guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+    guard.hookless.ends.enabled = ends
+    packs = _Packs(guard)
+    for _ in range(steps - 1):
+        step(model, data, guard)
+    packs.clear()
+    with LiveMeter(baseline_tensors=model_state_tensors(model, None)) as meter:
+        grads = step(model, data, guard)
+    assert guard.ledger.activation_bytes == 0
+    return guard, grads, meter.peak_bytes, packs
+
+
+def test_under_adaptive_the_dense_first_layer_runs_hookless_where_the_micro_batch_is_proven():
+    """torchtitan's deepseek_v3 runs a dense layer before its first MoE layer: counted as
+    the embedding, over the evictor's 16 KiB, so adaptive could evict it. In one process
+    the layers' proof holds for the whole micro-batch before it starts (calm, a loose
+    budget): it runs hookless, modelled as measured, and nothing else changes."""
+    from spikeguard.runtime.hooks import EVICTABLE_MIN_BYTES
+    data = batches(3)
+    on, grads_on, peak_on, packs_on = _embed_case(HUGE, True, data)
+    off, grads_off, peak_off, packs_off = _embed_case(HUGE, False, data)
+    assert min(packs_off.embed_read) >= EVICTABLE_MIN_BYTES   # not the small-bytes rule
+    assert packs_off.per_layer.get(-1, 0) > 0
+    assert packs_on.per_layer.get(-1, 0) == 0, packs_on.per_layer
+    assert sum(packs_on.per_layer.values()) == 0   # every layer and the head too
+    assert on.history[-1]["hookless_ends"] == 2 * len(data)
+    assert packs_on.embed_read == packs_off.embed_read   # modelled exactly as measured
+    assert bitwise(grads_off, grads_on)
+    assert bitwise(step(build(), data), grads_on)
+    assert peak_on == peak_off
+
+
+def test_where_a_decision_will_need_room_the_dense_first_layer_stays_hooked():
+    """At a budget the calm step does not fit with everything saved, the proof fails
+    before the embedding: it runs hooked (its tensors evictable), gradients bitwise."""
+    data = batches(3)
+    probe, _, _, _ = _embed_case(HUGE, True, data, steps=1)
+    budget = int(0.75 * probe.history[-1]["peak_bytes"])
+    guard, grads, _, packs = _embed_case(budget, True, data)
+    assert guard.history[-1]["hookless_layers"] < len(moe_blocks(build())) * len(data)
+    assert packs.per_layer.get(-1, 0) > 0, packs.per_layer
+    assert bitwise(step(build(), data), grads)
