@@ -109,7 +109,7 @@ class HooklessLayers:
         # The embedding and the head (runtime/hookless_ends.py); `last_layer`: the last
         # guarded layer's index, after which the head runs.
         self.ends = HooklessEnds(tracker, ledger, window.ctx, window.policy, window.num_layers,
-                                 last_layer, lambda: window.forecast.residency is not None,
+                                 last_layer, lambda: window.forecast.residency,
                                  window.recorder, self.fits_from_start)
         self.tracker = tracker
         self.ledger = ledger

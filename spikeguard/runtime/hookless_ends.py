@@ -11,24 +11,27 @@ a step (2 of the embedding, 12 of the head). Measured against the guard before t
 (CPU, emulated device, the two packages side by side in one process, two runs of 80
 interleaved rounds): -0.4 to +0.6 points of plain/this, not resolved from the noise.
 
-Harmless where nothing of the step can want the ends' saved tensors off the device:
+Harmless where nothing of the step can want the ends' saved tensors off the device. Under
+policy none nothing evicts; under adaptive the evictor never takes a saved tensor under
+EVICTABLE_MIN_BYTES, whoever asks (the token ids of `small`: 9 KiB; a pipeline stage's
+end that computes nothing: 0). Beyond those:
   * the head's: the window evicts only layers before the deciding one of the deciding
     micro-batch (runtime/hooks.py `evict`), and the head comes after every layer; another
     micro-batch's decisions evict only its own layers, except in a pipeline, whose
-    residency may evict any layer of an older micro-batch: in a pipeline the ends stay
-    hooked.
-  * the embedding's: it comes before every layer, so the evictor may take it, but only
-    saved tensors of EVICTABLE_MIN_BYTES or more, and only when a decision of the
-    micro-batch asks for room. It runs hookless where its measured bytes are below that
-    (the token ids of `small`: 9 KiB), under policy none (nothing evicts), and under
-    adaptive in one process where the layers' proof (runtime/hookless.py
+    residency may evict any layer of an older micro-batch: there the head runs hookless
+    where the stage runs no forward before this micro-batch's backward (the residency's
+    `later_forwards`: the last stage of a 1F1B schedule).
+  * the embedding's: it comes before every layer, so the evictor may take it when a
+    decision of the micro-batch (or, in a pipeline, of a forward before its backward)
+    asks for room. It runs hookless where the layers' proof (runtime/hookless.py
     `fits_from_start`) already holds for the micro-batch's first guarded layer at its
-    entry, before the embedding runs: every layer's routed count is known then (tokens x
-    top-k), the device's figure at that entry is the one at the forward's start plus
-    what the last forward of the same inputs' shapes rose by up to it, and no decision
-    of the micro-batch will ask for eviction. (A torchtitan model's dense first layers
-    run before its first guarded layer, counted here as the embedding: 43 tensors a
-    calm step of deepseek_v3 at the calm pages' sizes, hooked before under adaptive.)
+    entry, before the embedding runs: where every layer's routed count is known then
+    (one process: tokens x top-k), the device's figure at that entry is the one at the
+    forward's start plus what the last forward of the same inputs' shapes rose by up to
+    it, and no decision that could take it will ask for eviction. (A torchtitan model's
+    dense first layers run before its first guarded layer, counted here as the
+    embedding: 43 tensors a calm step of deepseek_v3 at the calm pages' sizes, hooked
+    before under adaptive.)
 A forward whose inputs' shapes (and keyword arguments) were not seen before, or one
 recomputing every layer whole (the safety net's re-run), runs its ends hooked and is
 measured. What is modelled is attributed to op "embed" (layer -1) and "head" (the layer
@@ -45,6 +48,7 @@ from typing import Callable, Optional
 import torch
 
 from spikeguard.memory.ledger import Ledger
+from spikeguard.plan.residency import Residency
 from spikeguard.runtime.grad_hooks import on_grad
 from spikeguard.runtime.hooks import EVICTABLE_MIN_BYTES, SavedTensorTracker
 
@@ -55,7 +59,7 @@ class HooklessEnds:
     """Starts a forward paused and ends it paused where the ends' bytes are known."""
 
     def __init__(self, tracker: SavedTensorTracker, ledger: Ledger, ctx, policy: str,
-                 head_layer: int, last_layer: int, in_pipeline: Callable[[], bool],
+                 head_layer: int, last_layer: int, residency: Callable[[], Optional[Residency]],
                  recorder: Callable, fits_from_start: Callable[[int, tuple, int], bool]):
         self.tracker = tracker
         self.recorder = recorder         # the open step's record (None outside a step)
@@ -65,7 +69,7 @@ class HooklessEnds:
         self.policy = policy
         self.head_layer = head_layer     # the head's layer index in the ledger
         self.last_layer = last_layer     # the last guarded layer's index
-        self.in_pipeline = in_pipeline   # a pipeline's residency is on
+        self.residency = residency       # a pipeline's residency (None outside one)
         # (first layer, its input's shape, the device's figure at its entry) -> proven
         self.fits_from_start = fits_from_start
         # Inputs' signature -> (embedding's bytes, head's bytes) of a forward run hooked.
@@ -84,8 +88,7 @@ class HooklessEnds:
         """A guarded forward's hooks are on: paused for its embedding where known."""
         self._embed_paused = self._head_paused = False
         self._inputs = None
-        if not self.enabled or whole_recompute or not torch.is_grad_enabled() \
-                or self.in_pipeline():
+        if not self.enabled or whole_recompute or not torch.is_grad_enabled():
             return
         self._inputs = _signature(args, kwargs)
         self._start_in_use = self.ledger.in_use()
@@ -97,11 +100,20 @@ class HooklessEnds:
 
     def _embed_harmless(self, embed_bytes: int) -> bool:
         """Nothing of the step can want the embedding's saved tensors (module doc)."""
-        if self.policy == "none" or embed_bytes < EVICTABLE_MIN_BYTES:
+        if self._never_evicted(embed_bytes):
             return True
         first = self._first.get(self._inputs)
         return first is not None and self.fits_from_start(
             first[0], first[1], self._start_in_use + first[2])
+
+    def _head_harmless(self, head_bytes: int) -> bool:
+        """Nothing of the step can want the head's saved tensors (module doc)."""
+        residency = self.residency()
+        return self._never_evicted(head_bytes) or residency is None \
+            or residency.later_forwards() == ()
+
+    def _never_evicted(self, num_bytes: int) -> bool:
+        return self.policy == "none" or num_bytes < EVICTABLE_MIN_BYTES
 
     def first_layer(self, layer: int, x) -> None:
         """A guarded layer starts on `x`: if the embedding ran paused, the hook is back
@@ -124,7 +136,8 @@ class HooklessEnds:
             return False
         out = out[0] if isinstance(out, (tuple, list)) else out
         known = self._carried.get(self._inputs)
-        if known is None or not (torch.is_tensor(out) and out.requires_grad):
+        if known is None or not (torch.is_tensor(out) and out.requires_grad) \
+                or not self._head_harmless(known[1]):
             return False
         self.tracker.pause()
         self._head_paused = True

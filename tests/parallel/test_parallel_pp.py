@@ -210,14 +210,17 @@ def test_pp_adaptive_runs_every_layer_without_the_hook_when_everything_fits(pp2)
     everything fitting, that is every layer of every micro-batch on both stages (the
     bitwise test above holds the gradients). The first layer of a step's first
     micro-batch runs its attention hooked: it measures what the covered ones model. The
-    ends (embedding, head) stay hooked in a pipeline (runtime/hookless_ends.py: the
-    residency may evict any layer of an older micro-batch)."""
+    ends (runtime/hookless_ends.py), measured on the first micro-batch, run hookless
+    after it on both stages: stage 0's embedding (token ids, under the evictor's 16 KiB)
+    and its end after the last layer (nothing), stage 1's start (nothing) and its head,
+    where the stage runs no forward before the micro-batch's backward (the last stage
+    under 1F1B: nothing can evict it). The bitwise test above holds the gradients."""
     world, load = pp2
     layers_per_stage = CFG["num_layers"] // 2
     for rank in range(world):
         for record in load("adaptive", rank)["records"]:
             assert record["hookless_layers"] == layers_per_stage * MICRO_BATCHES, (rank, record)
-            assert record["hookless_ends"] == 0, (rank, record)
+            assert record["hookless_ends"] == 2 * (MICRO_BATCHES - 1), (rank, record)
 
 
 # ---- PP=2 x EP=2 -----------------------------------------------------------------------
@@ -289,13 +292,15 @@ def test_pp_ep_calm_adaptive_saves_everywhere_when_keeping_everything_fits(pp2ep
 
 def test_pp_ep_none_runs_every_layer_without_the_hook(pp2ep2):
     """Policy none never offloads or evicts, under a pipeline neither: every layer of every
-    micro-batch on every stage runs without the saved-tensor hook (runtime/hookless.py);
+    micro-batch on every stage runs without the saved-tensor hook (runtime/hookless.py),
+    and the ends too once the first micro-batch measured them (runtime/hookless_ends.py);
     the tests above hold its gradients bitwise and its peak to the meter's."""
     world, load = pp2ep2
     layers_per_stage = CFG_EP["num_layers"] // 2
     for rank in range(world):
         for record in load("calm", rank)["records"]:
             assert record["hookless_layers"] == layers_per_stage * MICRO_BATCHES, (rank, record)
+            assert record["hookless_ends"] == 2 * (MICRO_BATCHES - 1), (rank, record)
 
 
 @pytest.mark.parametrize("scenario", ["calm", "tight", "spike_adaptive"])

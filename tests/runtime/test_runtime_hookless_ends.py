@@ -7,7 +7,9 @@ Against that reference: no tensor packed in the ends after the first forward of 
 the ledger's attribution of the ends exact when the window reads it, nothing left in the
 ledger after backward, the same gradients (torch.equal, and the plain model's), the same
 true peak (tests/meter.py); a layer that is not covered runs hooked after a hookless
-embedding; a new shape is measured again.
+embedding; a new shape is measured again. Under a pipeline's residency (a real one, on
+one process) the head stays hooked where a forward of the stage comes before the
+micro-batch's backward, under adaptive.
 
     .venv/bin/python -m pytest tests/runtime/test_runtime_hookless_ends.py -q
 """
@@ -138,3 +140,59 @@ def test_a_layer_not_covered_runs_hooked_after_a_hookless_embedding():
     assert on.packed[(0, "attn")] > 0
     _same(grads, ref_grads)
     assert peak == ref_peak
+
+
+def _schedule(order: str) -> list:
+    """A stage's action list in torch.distributed.pipelining's IR: "FFBB" = F0 F1 B0 B1."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    kinds = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+    seen = {"F": 0, "B": 0}
+    actions = []
+    for kind in order:
+        actions.append(_Action(0, kinds[kind], seen[kind]))
+        seen[kind] += 1
+    return actions
+
+
+@pytest.mark.parametrize("order, head_hookless", [("FFBB", [False, True]),
+                                                  ("FBFB", [True, True])])
+def test_under_a_schedule_the_head_is_hookless_only_where_no_forward_comes_before_its_backward(
+        order, head_hookless):
+    """In a pipeline a stage's residency may evict an older micro-batch's saved tensors
+    when a later forward asks for room: the head of a micro-batch with a forward of the
+    stage before its backward (F0 of F0 F1 B0 B1) stays hooked under adaptive; one with
+    none (F1 there, every micro-batch of F B F B) runs hookless once measured. The
+    embedding (token ids, under the evictor's 16 KiB) runs hookless either way."""
+    from spikeguard.plan.residency import Residency, positions
+    batches = _batches((4, 4), seed=5)
+    on = _Watched("adaptive", ends=True)
+    g = on.guard
+    g.forecast.residency = Residency(positions(_schedule(order), 0),
+                                     micro_batch=lambda: g.ctx.micro_batch,
+                                     host_bytes=g.engine.host_bytes_by_layer,
+                                     device_bytes=lambda mb: g.ledger.bytes_by(micro_batch=mb))
+    plain = build_model(TINY, seed=0)
+    for t in batches:
+        plain(t[:, :-1], t[:, 1:]).loss.backward()
+    head = TINY.num_layers
+    for _ in range(2):
+        on.model.zero_grad(set_to_none=True)
+        on.packed.clear()
+        packed_head, losses, backwards = [], [], 0
+        with g.step():
+            g.forecast.residency.begin_step()
+            for kind in order:
+                if kind == "B":
+                    losses[backwards].backward()
+                    backwards += 1
+                    continue
+                before = on.packed[(head, "head")]
+                t = batches[len(losses)]
+                losses.append(on.model(t[:, :-1], t[:, 1:]).loss)
+                packed_head.append(on.packed[(head, "head")] - before)
+        assert g.ledger.activation_bytes == 0
+    assert on.packed[(-1, "embed")] == 0   # the last step's embeddings: hookless
+    assert [n == 0 for n in packed_head] == head_hookless, packed_head
+    assert g.history[-1]["hookless_ends"] == len(batches) + sum(head_hookless)
+    _same({n: p.grad for n, p in on.model.named_parameters()},
+          {n: p.grad for n, p in plain.named_parameters()})
