@@ -52,8 +52,9 @@ plan is not all-save: then the hook is back from its expert path on (the executo
 need it). The first layer that runs hooked measures what the covered ones model; that
 measurement is carried to later micro-batches and steps by the layer input's shape, so
 a micro-batch's first layer is covered from its entry too where the proof holds there
-(`_proven_at_entry`: under none always; under adaptive in one process, whose routed
-count is known before the router runs, with that layer walked as a later one).
+(`_proven_at_entry`: under none always; under adaptive with that layer walked as a later
+one, at its routed count: known before the router runs in one process, predicted from
+its recent forwards under expert parallelism).
 Should the prediction still be wrong, the bytes are just not evictable: the later layer
 picks a smaller plan, or the safety net re-runs; gradients and peaks are the same either
 way (the tensors autograd saves, and when it frees them, do not depend on the hook).
@@ -284,9 +285,12 @@ class HooklessLayers:
         """A micro-batch's first guarded layer, before its attention runs: covered whole
         from its entry where a layer of the same input shape ran hooked before (its
         measurement is carried across micro-batches and steps: same shapes, same bytes)
-        and the proof holds already: under none always; under adaptive where the routed
-        count is exact before the router runs (one process: tokens x top-k), with this
-        layer itself walked too, at its entry plus the growth measured there."""
+        and the proof holds already: under none always; under adaptive with this layer
+        itself walked too, at its entry plus the growth measured there, at its routed
+        count: exact before the router runs in one process (tokens x top-k), predicted
+        from its recent forwards under expert parallelism (a prediction, as the later
+        layers': a first layer that spikes beyond it leaves its attention part
+        unevictable, and its own decision runs its experts hooked)."""
         carried = self._carried.get(tuple(x.shape))
         if carried is None or not self.window.num_tokens:
             return False
@@ -303,18 +307,25 @@ class HooklessLayers:
         `in_use` there, so that no decision of the micro-batch asks for eviction? Under
         adaptive in one process (exact counts), where a layer of that shape ran hooked."""
         carried = self._carried.get(shape)
-        return carried is not None and self.window.policy == "adaptive" \
-            and bool(self.window.num_tokens) and self._fits_at_entry(layer, carried, in_use)
+        return carried is not None and self.window.policy == "adaptive" and \
+            self.exact_routing and bool(self.window.num_tokens) and \
+            self._fits_at_entry(layer, carried, in_use)
 
     def _fits_at_entry(self, layer: int, carried: dict, in_use: int) -> bool:
-        """The proof from `layer`'s entry at `in_use` (itself walked as a later layer at
-        the growth `carried` measured there): one process only."""
+        """The proof from `layer`'s entry at `in_use`, itself walked as a later layer at
+        the growth `carried` measured there (the walk's step to the next layer reads it as
+        this layer's). Its routed count: in one process exact; under expert parallelism
+        what its recent forwards predict (no rise seen yet in the micro-batch), the later
+        layers' alike, once each has the history (else no proof)."""
         w = self.window
-        routed = int(w.seen.routed_per_token * w.num_tokens)
         layer_part = carried["attn"] + carried["router"]
-        growth = max(layer_part, carried["growth"])
-        return self.exact_routing and routed > 0 and self._layers_fit(
-            layer, layer, in_use + growth, layer_part, growth, routed)
+        self.growth = growth = max(layer_part, carried["growth"])
+        if self.exact_routing:
+            routed = own = int(w.seen.routed_per_token * w.num_tokens)
+        else:
+            routed = own = self.routed.predict(w.ctx.micro_batch, layer)
+        return bool(routed) and self._layers_fit(layer, layer, in_use + growth, layer_part,
+                                                 growth, routed, own)
 
     def needs_no_eviction(self, layer: int, in_use: int, walk) -> bool:
         """Would `layer`, at `in_use` after its attention part, decide with no eviction and

@@ -47,8 +47,9 @@ class RoutedHistory:
         past.append(num_routed)
 
     def predict(self, micro_batch: int, layer: int) -> Optional[int]:
+        """A micro-batch none of whose layers decided yet has seen no rise (1)."""
         past = self._past.get(layer)
-        rise = self._rise.get(micro_batch)
+        rise = self._rise.get(micro_batch, 1.0)
         if rise is None or past is None or len(past) < ROUTED_HISTORY_MIN:
             return None
         return int(max(past) * rise * (1 + ROUTED_SLACK)) + 1

@@ -74,13 +74,15 @@ def _run(rank: int, out_dir: str) -> None:
         _favour_rank0(guard.model, layers)
         _favour_rank0(plain, layers)
         calm_most = {ly: max(past) for ly, past in history._past.items()}
-        # per step: [layer deciding, later layer, predicted routed] and what each layer routed
+        # per step: [layer deciding, later layer, predicted routed, at its decision (else at
+        # its entry, before its router ran)] and what each layer routed
         predicted, routed = [], []
         real_predict, real_note = history.predict, history.note
 
         def predict(micro_batch, layer):
             n = real_predict(micro_batch, layer)
-            predicted[-1].append([guard.window.ctx.layer, layer, n])
+            at = guard.window.ctx.layer
+            predicted[-1].append([at, layer, n, at in routed[-1]])   # one micro-batch a step
             return n
 
         def note(micro_batch, layer, num_routed):
@@ -88,16 +90,26 @@ def _run(rank: int, out_dir: str) -> None:
             real_note(micro_batch, layer, num_routed)
 
         history.predict, history.note = predict, note
+        packed, real_pack = [0], guard.tracker.pack
+
+        def pack(t):
+            packed[0] += 1
+            return real_pack(t)
+
+        guard.tracker.pack = pack
         records = []
         for _ in range(steps):
             predicted.append([])
             routed.append({})
+            packed[0] = 0
             with metered(guard.model) as meter:   # the independent meter (tests/meter.py)
                 guard.run_step(lambda: plain_step(guard.model, batches))
             records.append({k: guard.history[-1][k] for k in (
                 "hookless_layers", "safety_net_reruns", "peak_bytes", "budget_bytes")})
             records[-1]["meter_peak"] = meter.peak_bytes
+            records[-1]["packed"] = packed[0]
         history.predict, history.note = real_predict, real_note
+        guard.tracker.pack = real_pack
         plain_step(plain, batches)
         same = all((p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
                    for p, q in zip(plain.parameters(), guard.model.parameters(), strict=True))

@@ -6,9 +6,11 @@ layer of four on `small` at EP=2, 1.1x the calm peak (rank 0's layer 0 routes th
 so three layers a step ran their saved-tensor hooks on calm steps. With each later layer's
 own history, scaled by how far the micro-batch's layers so far rose above theirs, every
 layer of a calm step runs hookless once each has `ROUTED_HISTORY_MIN` forwards behind it.
-A spike in every layer is foreseen from the first; one that starts in a later layer is
-not, and the device must still hold: the budget kept and the gradients the plain
-model's, whatever the plans.
+A micro-batch's first layer is covered from its entry too, its count predicted before
+its router runs: a calm step then packs nothing in Python. A spike in every layer is
+foreseen from the first layer's decision on (not at its entry); one that starts in a
+later layer is not, and the device must still hold: the budget kept and the gradients
+the plain model's, whatever the plans.
 
     .venv/bin/python -m pytest tests/runtime/test_runtime_routed_history.py -q
 """
@@ -123,8 +125,11 @@ def test_once_every_layer_has_history_a_calm_step_runs_every_layer_hookless(run)
         assert all(max(r["peak_bytes"], r["meter_peak"]) <= r["budget_bytes"]
                    for r in records), (rank, records)
         # the first steps go by the forecast's bound (rank 0: 1 layer of 4), the last two
-        # by the history
+        # by the history: the first layer is covered from its entry too (its count
+        # predicted before its router runs), and with the ends nothing at all is packed
         assert [r["hookless_layers"] for r in records[-2:]] == [4, 4], (rank, records)
+        assert [r["packed"] for r in records[-2:]] == [0, 0], (rank, records)
+        assert records[0]["packed"] > 0, (rank, records)
         assert out["calm"]["grads_equal"], rank
     assert run[0]["calm"]["records"][0]["hookless_layers"] < 4, \
         "the forecast's bound proves every layer already: this case tests nothing"
@@ -148,14 +153,21 @@ def test_a_spike_in_every_layer_is_foreseen_and_absorbed(run):
         spike = out["spike"]
         _held(rank, spike, reruns=True)
         for step, routed in zip(spike["predicted"], spike["routed"]):
-            for decided, later, predicted in step:   # every prediction covers what came
-                assert predicted is None or predicted >= routed[str(later)], \
-                    (rank, decided, later, predicted, routed)
+            for decided, later, predicted, at_decision in step:
+                # every prediction made at a decision covers what came; before the first
+                # layer's router ran nothing of the spike shows (the entry's miss below)
+                assert not at_decision or predicted is None or \
+                    predicted >= routed[str(later)], (rank, decided, later, predicted, routed)
     spike = run[0]["spike"]
     rise = spike["routed"][0]["0"] / spike["calm_most"]["0"]
     assert rise > 1.2, f"rank 0 routes {rise:.2f}x its calm count: no spike to foresee"
-    assert any(p is not None for _, _, p in spike["predicted"][0]), \
-        "the spike's first step predicted nothing: the case tests nothing"
+    made = spike["predicted"][0]
+    assert any(p is not None and at for _, _, p, at in made), \
+        "the spike's first step predicted nothing at a decision: the case tests nothing"
+    # At the first layer's entry its count was predicted from calm steps: short of the
+    # spike, its attention part ran hookless, and the device held all the same (_held).
+    assert any(not at and later == 0 and p is not None and p < spike["routed"][0]["0"]
+               for _, later, p, at in made), made
 
 
 @pytest.mark.multiprocess
@@ -165,7 +177,7 @@ def test_a_spike_that_starts_late_is_missed_and_the_device_still_holds(run):
     for rank, out in enumerate(run):
         _held(rank, out["late"], reruns=False)
     late = run[0]["late"]   # its first step: layer 2's history is calm
-    missed = [(decided, later, p) for decided, later, p in late["predicted"][0]
-              if p is not None and later == 2 and p < late["routed"][0]["2"]]
+    missed = [(decided, later, p) for decided, later, p, at in late["predicted"][0]
+              if at and p is not None and later == 2 and p < late["routed"][0]["2"]]
     assert missed, ("no prediction of layer 2 fell short of its late spike: the case does "
                     f"not test a miss ({late['predicted']}, routed {late['routed']})")
