@@ -278,8 +278,8 @@ class HooklessLayers:
             if not self.needs_no_eviction(later, at_decision, there):
                 return False
             before = there.routed
-        return w.forecast.residency is None or later_forwards_fit(self, layer, in_use,
-                                                                  per_layer, walk)
+        return w.forecast.residency is None or later_forwards_fit(
+            self, layer, in_use, per_layer, walk, own_routed)
 
     def _proven_at_entry(self, mb: int, layer: int, x) -> bool:
         """A micro-batch's first guarded layer, before its attention runs: covered whole

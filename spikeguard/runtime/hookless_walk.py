@@ -38,7 +38,8 @@ def walks_at(seen: Seen, predicted: list[int], routed: int, layer_part: int,
             for n, m in zip(predicted, most)]
 
 
-def later_forwards_fit(proof, layer: int, in_use: int, per_layer: int, walk: Walk) -> bool:
+def later_forwards_fit(proof, layer: int, in_use: int, per_layer: int, walk: Walk,
+                       own_routed: Optional[int] = None) -> bool:
     """Under a pipeline, the forwards the stage runs before this micro-batch's backward
     (plan/residency.py: it is among their older residents) decide with no eviction
     either: each of their layers walked as this one's later layers are, at the
@@ -50,7 +51,8 @@ def later_forwards_fit(proof, layer: int, in_use: int, per_layer: int, walk: Wal
     the largest predicted, this micro-batch's taken as the last finished forward's (same
     shapes; before the first, all of its predicted backward peak above the in-use now).
     `proof`: the HooklessLayers deciding at layer `layer`, `in_use` the device's count
-    there; `per_layer` the bound's bytes a layer adds, at `walk.routed` copies."""
+    there; `per_layer` the bound's bytes a layer adds, at `walk.routed` copies;
+    `own_routed` what layer `layer` itself routes, where known."""
     w, residency = proof.window, proof.window.forecast.residency
     later = residency.later_forwards()
     if later is None:
@@ -61,7 +63,7 @@ def later_forwards_fit(proof, layer: int, in_use: int, per_layer: int, walk: Wal
         own = w.backward_above(w.ctx.micro_batch, in_use)
     resident = max(walk.resident, own)
     walks, sizes, to_decision, start = _per_layer(proof, layer, in_use, per_layer, walk,
-                                                  resident)
+                                                  resident, own_routed)
     head = int(w.forecast.head_bytes_per_token * w.num_tokens)
     whole = sum(sizes) + head + walk.layer_part
     start += head + walk.layer_part
@@ -80,13 +82,17 @@ def later_forwards_fit(proof, layer: int, in_use: int, per_layer: int, walk: Wal
     return True
 
 
-def _per_layer(proof, layer: int, in_use: int, per_layer: int, walk: Walk, resident: int):
+def _per_layer(proof, layer: int, in_use: int, per_layer: int, walk: Walk, resident: int,
+               own_routed: Optional[int] = None):
     """(a walk per layer of the stage, the bytes each adds, the growth from a layer's
     entry to its decision, the in-use this micro-batch's forward ends at before its
     head). Under expert parallelism, where every layer has its history, each layer at its
     own recent counts, as this micro-batch's later layers (a spike under way in it scales
     them too), and from layer to layer by what layers were seen to leave (LayerSteps);
-    else every layer at the bound's `per_layer`."""
+    else every layer at the bound's `per_layer`. This micro-batch's own end counts the
+    deciding layer at `own_routed`, its real count, where given: a rank's count moves
+    2x between micro-batches of `small` at PP=2 x EP=2 (layer 1: 292-639 copies), and
+    its history's most put stage 0's later forwards 3 MiB high."""
     w, n = proof.window, proof.window.num_layers
     predicted = None if proof.exact_routing else proof.routed.predict_all(
         w.ctx.micro_batch, range(n))
@@ -101,4 +107,5 @@ def _per_layer(proof, layer: int, in_use: int, per_layer: int, walk: Walk, resid
         step, to_decision, entry = seen[0], max(walk.layer_part, seen[1]), \
             in_use - proof.growth
     sizes = [step + proof.keep_all_bytes(routed) for routed in predicted]
-    return walks, sizes, to_decision, entry + sum(sizes[layer:])
+    own = sizes[layer] if own_routed is None else step + proof.keep_all_bytes(own_routed)
+    return walks, sizes, to_decision, entry + own + sum(sizes[layer + 1:])
