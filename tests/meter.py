@@ -19,7 +19,9 @@ the storage is freed (a weakref callback on the storage object, which torch keep
 with its weakrefs, as long as the C++ storage lives: checked on torch 2.13 with storages
 held only by autograd's saved tensors). Plus the baseline storages given at entry.
 Outputs of view ops are skipped without a look; outputs of in-place/out= ops have their
-nbytes re-read, so `resize_`, `set_` and out= resizing are followed.
+nbytes re-read, so `resize_`, `set_` and out= resizing are followed. A tensor subclass
+that wraps others (a wrapper subclass: its storage holds no data) is not counted: its
+inner tensors are, where the ops that made them ran.
 
 What it misses, by construction:
 - allocations internal to one op and freed inside it (a kernel's scratch, the
@@ -181,6 +183,12 @@ class LiveMeter(TorchDispatchMode):
                 return
             try:
                 storage = out.untyped_storage()
+                # A wrapper subclass's (functional collectives' AsyncCollectiveTensor, made
+                # by _c10d_functional._wrap_tensor_autograd) has a placeholder storage of
+                # its full size and no data: its bytes are its inner tensor's, counted
+                # where an op made it. Counted, each all-to-all's received rows were
+                # counted twice for as long as autograd kept the wrapper.
+                storage.data_ptr()
             except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
                 return
             if kind == _NEW:

@@ -189,3 +189,18 @@ def test_cap_raises_out_of_memory_one_op_late():
         y = _ScratchInBackward.apply(x).sum()
         with pytest.raises(torch.OutOfMemoryError):  # raised inside the autograd engine
             y.backward()
+
+
+def test_a_wrapper_subclass_counts_its_inner_tensor_once():
+    """torch.distributed's functional collectives hand back an AsyncCollectiveTensor, a
+    wrapper subclass around the collective's output, through an op of its own
+    (_c10d_functional._wrap_tensor_autograd). Its storage is a placeholder of the full
+    size with no data: only the inner tensor is memory."""
+    from torch.distributed._functional_collectives import _wrap_tensor_autograd
+    with LiveMeter() as meter:
+        inner_BH = torch.randn(B, H)
+        wrapped_BH = _wrap_tensor_autograd(inner_BH)
+        assert type(wrapped_BH).__name__ == "AsyncCollectiveTensor"
+        assert meter.live_bytes == meter.peak_bytes == B * H * F32
+        del inner_BH, wrapped_BH
+        assert meter.live_bytes == 0

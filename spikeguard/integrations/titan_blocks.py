@@ -168,7 +168,7 @@ def titan_window(door: WindowDoor, layer: int, hookless: bool, orig_forward, x_R
                  num_tokens_per_expert_e, *more, **kwargs):
     """In place of `inner_experts.forward`: decide on the R rows received, run the call
     as one region under the plan (the guard reached through `door` only). `hookless`
-    (one process, as for transformers: runtime/hookless.py): the call may run with no
+    (as for transformers: runtime/hookless.py): the call may run with no
     saved-tensor hook where nothing of the step can later want what it saves off the
     device; what it keeps is then the region byte model's (module doc)."""
     def call(x_RD, num_tokens_per_expert_e):
@@ -247,10 +247,10 @@ class TitanAdapter(BlockAdapter):
         experts = self.part(block).experts
         orig = experts.forward
         self._own_forward[id(block)] = vars(experts).get("forward")
-        # Under EP a layer covered whole would also hold the exchanges' rows (outside the
-        # call), which nothing here models: hooked there, as for transformers.
-        window = functools.partial(titan_window, door, self.layer_index(block),
-                                   self.group() is None, orig)
+        # Hookless where proven, in one process and under EP alike (runtime/hookless.py):
+        # under EP what the exchanges keep outside the call is measured on the first
+        # layer as router and combine, as for transformers.
+        window = functools.partial(titan_window, door, self.layer_index(block), True, orig)
         window.__signature__ = inspect.signature(orig)
         experts.forward = window
 

@@ -65,8 +65,8 @@ model's keep-everything bytes (integrations/hf_bytes.py); in one process and und
 transformers' EP (there the experts' own forward on the rows received, between the two
 exchanges, whose byte model is that call's; what the exchanges keep is measured on the
 first layer as router and combine: the rows a rank sends, the same every layer).
-torchtitan's call likewise, in one process only (its combine, after the call, as the hook
-measured it; under its EP the true peak moved with the garbage collector: README).
+torchtitan's call likewise, in one process and under its EP (its combine, after the call,
+as the hook measured it).
 
 Attribution of what ran hookless, per (micro-batch, layer, op) in the ledger: the expert
 ops are the byte model's bytes (ExpertShape.predict, within 5% of the measured:
