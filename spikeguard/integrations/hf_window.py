@@ -99,12 +99,10 @@ def _window(door: WindowDoor, part, layer: int, local, call, hidden_states, top_
     # The call may run hookless (runtime/hookless.py): in one process, and under
     # transformers' EP, where it is the experts' own forward on the received rows between
     # the two exchanges (its byte model, hf_bytes.derive_bytes(ep=True), is its own).
-    if local is None:
-        return run_region(door, layer, call, inputs, counts, top_k_index.numel(),
-                          hookless=True)
-    return run_region(door, layer, call, inputs, counts, top_k_index.numel(),
-                      recompute_call=_with_weights(local, call), saved_ops=EP_SAVED_OPS,
-                      hookless=True)
+    under_ep = {} if local is None else {"recompute_call": _with_weights(local, call),
+                                         "saved_ops": EP_SAVED_OPS}
+    return run_region(door, layer, call, inputs, counts, top_k_index.numel(), hookless=True,
+                      **under_ep)
 
 
 def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[int],
@@ -118,8 +116,8 @@ def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[i
     the forward's local weights back for backward) and keeps `saved_ops` cached. The
     guard is reached through `door` only. `hookless`: the call may run with no saved-tensor
     hook where nothing can later want what it saves off the device (runtime/hookless.py;
-    set for transformers, in one process and under its EP, whose region byte model is
-    the call's own; for torchtitan in one process)."""
+    set for transformers and torchtitan, in one process and under their EP, whose region
+    byte model is the call's own)."""
     hidden_states = inputs[0]
     if door.in_full_region():
         door.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))

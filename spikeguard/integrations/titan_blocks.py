@@ -164,13 +164,15 @@ def derive_titan_bytes(part: TitanBlock, top_k: int, grouped: bool) -> TitanRegi
                             num_local_experts=e)
 
 
-def titan_window(door: WindowDoor, layer: int, hookless: bool, orig_forward, x_RD,
+def titan_window(door: WindowDoor, layer: int, orig_forward, x_RD,
                  num_tokens_per_expert_e, *more, **kwargs):
     """In place of `inner_experts.forward`: decide on the R rows received, run the call
-    as one region under the plan (the guard reached through `door` only). `hookless`
-    (as for transformers: runtime/hookless.py): the call may run with no
-    saved-tensor hook where nothing of the step can later want what it saves off the
-    device; what it keeps is then the region byte model's (module doc)."""
+    as one region under the plan (the guard reached through `door` only). As for
+    transformers (runtime/hookless.py), in one process and under EP alike, the call runs
+    with no saved-tensor hook where nothing of the step can later want what it saves off
+    the device; what it keeps is then the region byte model's (module doc); under EP
+    what the exchanges keep outside the call is measured on the first layer as router
+    and combine."""
     def call(x_RD, num_tokens_per_expert_e):
         return orig_forward(x_RD, num_tokens_per_expert_e, *more, **kwargs)
 
@@ -181,7 +183,7 @@ def titan_window(door: WindowDoor, layer: int, hookless: bool, orig_forward, x_R
     counts = (num_tokens_per_expert_e.tolist() if num_tokens_per_expert_e.device.type == "cpu"
               else [num_routed])
     return run_region(door, layer, call, (x_RD, num_tokens_per_expert_e), counts, num_routed,
-                      hookless=hookless)
+                      hookless=True)
 
 
 def refuse_wrappers(model: nn.Module, blocks: list[TitanBlock]) -> None:
@@ -247,10 +249,7 @@ class TitanAdapter(BlockAdapter):
         experts = self.part(block).experts
         orig = experts.forward
         self._own_forward[id(block)] = vars(experts).get("forward")
-        # Hookless where proven, in one process and under EP alike (runtime/hookless.py):
-        # under EP what the exchanges keep outside the call is measured on the first
-        # layer as router and combine, as for transformers.
-        window = functools.partial(titan_window, door, self.layer_index(block), True, orig)
+        window = functools.partial(titan_window, door, self.layer_index(block), orig)
         window.__signature__ = inspect.signature(orig)
         experts.forward = window
 

@@ -1,7 +1,7 @@
 """Hookless experts calls on torchtitan models in one process (spikeguard/runtime/
-hookless.py, integrations/titan_blocks.py `titan_window(hookless=True)`): a call that keeps
-everything, where nothing of the step can later want what it saves off the device, runs
-with no saved-tensor hook, and the layers after it in the micro-batch run whole without
+hookless.py, integrations/titan_blocks.py `titan_window`): a call that keeps everything,
+where nothing of the step can later want what it saves off the device, runs with no
+saved-tensor hook, and the layers after it in the micro-batch run whole without
 one; everything else is as with the hook on every layer (the same guard with
 `hookless.enabled = False`).
 
