@@ -18,7 +18,6 @@ from torch import nn
 
 from spikeguard.errors import UsageError
 from spikeguard.memory import device as device_memory
-from spikeguard.memory.ledger import local_tensor
 from spikeguard.memory.budget import format_bytes, parse_bytes
 from spikeguard.plan.layer_room import MICRO_BATCH_CODES
 
