@@ -17,7 +17,16 @@ Two pieces, each through an extension point the Trainer has:
 
 One guard step per `training_step`: under gradient accumulation each micro-batch is one
 record of `guard.history`, and a re-run by the net re-runs that micro-batch from the
-gradients accumulated before it. The optimizer step (the Trainer's, after the last
+gradients accumulated before it. Those are not copied at each micro-step (on CUDA a
+device-to-host copy of every gradient beside every micro-batch after a window's first):
+each micro-step of the window is noted (its inputs and the random state it began with),
+and a failed one's re-run replays the ones before it from no gradients, in order, with
+their random states, then runs again from its own (`run_step(fn, replay=...)`,
+spikeguard.runtime.step): the sums are bitwise those of an uninterrupted window. On one
+process only: where gradients are reduced across ranks (DDP, FSDP2, transformers'
+`DistributedConfig`) the window's earlier micro-steps ran under the Trainer's own
+deferred-reduction context, which a replay inside the last one's would not be; there
+the gradients are copied as before. The optimizer step (the Trainer's, after the last
 micro-batch) runs on the device through the optimizer's own step hooks
 (spikeguard.runtime.wiring), so the Trainer's LR scheduler, built before, keeps working.
 
@@ -32,9 +41,13 @@ Importing this module needs transformers (`pip install 'spikeguard[hf]'`).
 
 from __future__ import annotations
 
+import copy
 import functools
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from spikeguard.errors import UsageError
@@ -60,6 +73,9 @@ class SpikeGuardCallback(TrainerCallback):
                          "memory_snapshot": memory_snapshot}
         self.guard = None
         self.num_logged = 0   # guard.history's records already in a log
+        # The accumulation window's micro-steps so far, (args, kwargs, random state); None
+        # where the window cannot be replayed (it began with gradients, or several ranks)
+        self.window: Optional[list[tuple]] = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         from spikeguard.integrations import ADAPTERS
@@ -71,7 +87,17 @@ class SpikeGuardCallback(TrainerCallback):
         self.guard = attach(model, optimizer=_torch_optimizer(optimizer), adapters=ADAPTERS,
                             **self.settings)
         self.num_logged = 0
+        self.window = None
         setattr(self.trainer, GUARD_ATTR, self.guard)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        """A gradient-accumulation window begins (the Trainer calls this before its first
+        micro-step): it can be replayed from no gradients if it begins with none, on one
+        process (module doc)."""
+        model = self.guard.model if self.guard is not None else None
+        fresh = model is not None and all(p.grad is None for p in model.parameters())
+        alone = not (dist.is_initialized() and dist.get_world_size() > 1)
+        self.window = [] if fresh and alone else None
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.guard is not None and self.guard.attached:
@@ -82,7 +108,41 @@ def _guarded_training_step(callback: SpikeGuardCallback, training_step, *args, *
     guard = callback.guard
     if guard is None or not guard.attached:
         return training_step(*args, **kwargs)
-    return guard.run_step(lambda: training_step(*args, **kwargs))
+    window, replay = callback.window, None
+    if window is not None:
+        # its own copy of a dict of inputs, taken first: compute_loss may pop the labels
+        noted = ([copy.copy(a) if isinstance(a, Mapping) else a for a in args],
+                 {k: copy.copy(v) if isinstance(v, Mapping) else v for k, v in kwargs.items()},
+                 _random_state())
+        if window:
+            replay = functools.partial(_replay, training_step, list(window), noted[2])
+    result = guard.run_step(lambda: training_step(*args, **kwargs), replay=replay)
+    if window is not None:
+        window.append(noted)
+    return result
+
+
+def _replay(training_step, earlier: list, then) -> None:
+    """The window's micro-steps before a failed one, from no gradients (the net dropped
+    them), each from the random state it began with; then the failed one's own."""
+    for args, kwargs, state in earlier:
+        _set_random_state(state)
+        training_step(*args, **kwargs)
+    _set_random_state(then)
+
+
+def _random_state() -> tuple:
+    """The generators a micro-step's dropout draws from: the CPU's and, once CUDA is in
+    use, the current device's."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 def _log_with_guard(callback: SpikeGuardCallback, log, logs, *args, **kwargs):

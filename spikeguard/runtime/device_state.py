@@ -198,6 +198,23 @@ class GradSnapshot:
                 p.grad.copy_(g)
 
 
+class GradsReplayed:
+    """The gradients before a step, made again rather than copied: the step's caller
+    replays, from no gradients at all, what made them (`run_step(fn, replay=...)`). Where
+    a step opens with gradients (an accumulation window's later micro-steps: transformers'
+    Trainer calls the guard once per micro-batch), GradSnapshot copies all of them to host
+    at every step, on CUDA a device-to-host copy of every gradient beside each micro-batch;
+    this copies nothing, and a failed step's re-run first replays the window's earlier
+    micro-steps from no gradients, in their order, so the sums are bitwise the same."""
+
+    def __init__(self, model: nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def restore(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type == "cpu":

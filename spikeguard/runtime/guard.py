@@ -228,10 +228,12 @@ class Guard:
         """The number the next forward of the open step gets (None outside a step)."""
         return self._recorder.micro_batches if self._recorder is not None else None
 
-    def run_step(self, fn: Callable[[], object]):
+    def run_step(self, fn: Callable[[], object], replay: Optional[Callable[[], object]] = None):
         """Run `fn()` (every micro-batch's forward and backward) as one guarded step, with
-        the safety net that reaches backward (spikeguard.runtime.step). Returns fn's value."""
-        return run_steps([self], fn)
+        the safety net that reaches backward (spikeguard.runtime.step). Returns fn's value.
+        `replay`, where the step opens with gradients: makes them again from none (the
+        earlier micro-steps of an accumulation window), so that they are not copied."""
+        return run_steps([self], fn, replay=replay)
 
     @contextlib.contextmanager
     def step_scope(self, recorder=None):

@@ -8,6 +8,12 @@ are put back as they were before the step, and `fn` runs again with every layer
 recomputed: the data is the same, so the gradients are bitwise those of an uninterrupted
 run. `Guard.run_step(fn)` is this with one guard.
 
+The gradients the step opened with are copied to host first (GradSnapshot), unless the
+caller gives `replay`: a callable that makes them again from no gradients at all (the
+earlier micro-steps of a gradient-accumulation window, replayed in their order). Then
+nothing is copied; a failed attempt drops every gradient, and the re-run runs `replay()`
+and then `fn()`, both with every layer recomputed (runtime/device_state.py GradsReplayed).
+
 Under expert parallelism the device refuses as a GPU does, at once, on one rank
 (spikeguard.runtime.agreement): a rank that fails after a forward (in backward, or in a
 loss computed outside the model) frees the step, makes the reverse exchanges its peers
@@ -34,7 +40,7 @@ from spikeguard.errors import BudgetInfeasible, DeviceOutOfMemory, UsageError
 from spikeguard.memory.budget import format_bytes
 from spikeguard.runtime.agreement import (ABORT, STEP, GroupFailure, JobEnds, Note,
                                           agreed_text, unrecoverable, worst)
-from spikeguard.runtime.device_state import GradSnapshot, where_code
+from spikeguard.runtime.device_state import GradSnapshot, GradsReplayed, where_code
 from spikeguard.runtime.interrupts import interrupts_not_swallowed
 from spikeguard.runtime.net import failure_note, recomputing
 
@@ -90,14 +96,15 @@ def _attempt(guards: Sequence, fn, agreement, rerun: bool):
     return None, agreement.settle_backward(mine)
 
 
-def _run_group(guards: Sequence, fn, agreement):
+def _run_group(guards: Sequence, fn, agreement, replay=None):
     """run_steps under an expert-parallel group; see the module docstring."""
-    snapshots = [GradSnapshot(g.model) for g in guards] if guards[0].group_adaptive else None
+    snapshots = _snapshots(guards, guards[0].group_adaptive, replay)
     for rerun in (False, True):
         with opened(guards, recorders=[g.recorder for g in guards] if rerun else None):
             agreement.begin_step()
             with recomputing(guards, rerun):
-                result, notes = _attempt(guards, fn, agreement, rerun)
+                result, notes = _attempt(guards, _replaying(fn, replay) if rerun else fn,
+                                         agreement, rerun)
             if notes is None:
                 return result
             note = worst(notes)
@@ -138,6 +145,25 @@ def _run_pipeline(guards: Sequence, fn, step_end, keep_grads: bool):
             guard.recorder.restart("step", failure)
 
 
+def _snapshots(guards: Sequence, keep: bool, replay) -> Optional[list]:
+    """What puts each guard's gradients back after a failed attempt (None: no re-run)."""
+    if not keep:
+        return None
+    kind = GradSnapshot if replay is None else GradsReplayed
+    return [kind(g.model) for g in guards]
+
+
+def _replaying(fn, replay):
+    """The re-run's body: the gradients the step opened with made again, then `fn`."""
+    if replay is None:
+        return fn
+
+    def rerun():
+        replay()
+        return fn()
+    return rerun
+
+
 def note_rerun(guards: Sequence, failure: str) -> None:
     """The step's re-run, to be said when the step has gone through (`say_reruns`)."""
     guards[0].recorder.rerun_lines.append(
@@ -163,16 +189,22 @@ def _where_failed(guard, note: Note, rank: int) -> tuple[int, int]:
 
 
 def run_steps(guards: Sequence, fn: Callable[[], object],
-              step_end: Optional[Callable[[], list]] = None, keep_grads: bool = True):
+              step_end: Optional[Callable[[], list]] = None, keep_grads: bool = True,
+              replay: Optional[Callable[[], object]] = None):
     """Run `fn()` as one step of every guard in `guards`; see the module docstring.
 
     `step_end` (a pipeline rank: spikeguard.parallel.pipeline_recovery): `fn` never
     raises a device failure, its stages play the schedule to its end as ghosts, and
     `step_end()` returns every rank's notes of the step, the same on every rank of the
     job. `keep_grads`: whether some rank of the job may re-run (it then keeps the
-    gradients to put back)."""
+    gradients to put back). `replay`: see the module docstring (not in a pipeline)."""
     if not callable(fn):
         raise UsageError(f"run_step() needs a callable, got {type(fn).__name__}")
+    if replay is not None and not callable(replay):
+        raise UsageError(f"run_step(replay=...) needs a callable or None, got "
+                         f"{type(replay).__name__}")
+    if replay is not None and step_end is not None:
+        raise UsageError("a pipeline step does not replay: its gradients are copied")
     guards = list(guards)
     _check_can_open(guards)
     agreement = group_agreement(guards)
@@ -180,9 +212,9 @@ def run_steps(guards: Sequence, fn: Callable[[], object],
         if step_end is not None:
             result = _run_pipeline(guards, fn, step_end, keep_grads)
         elif agreement is not None:
-            result = _run_group(guards, fn, agreement)
+            result = _run_group(guards, fn, agreement, replay)
         else:
-            result = _run_alone(guards, fn)
+            result = _run_alone(guards, fn, replay)
         say_reruns(guards)
         return result
     except DeviceOutOfMemory as err:
@@ -200,10 +232,10 @@ def run_steps(guards: Sequence, fn: Callable[[], object],
     raise fatal
 
 
-def _run_alone(guards: Sequence, fn):
+def _run_alone(guards: Sequence, fn, replay=None):
     """run_steps on one process: the rank decides alone."""
     adaptive = all(g.policy == "adaptive" for g in guards)
-    snapshots = [GradSnapshot(g.model) for g in guards] if adaptive else None
+    snapshots = _snapshots(guards, adaptive, replay)
     with opened(guards):
         try:
             return fn()
@@ -221,7 +253,7 @@ def _run_alone(guards: Sequence, fn):
         for guard in guards:
             guard.recompute_whole(True)
         try:
-            return fn()
+            return _replaying(fn, replay)()
         except (DeviceOutOfMemory, torch.OutOfMemoryError) as err:
             oom = guards[0].device_oom(err)
             needed = max(oom.needed_bytes or 0, guards[0].meter.last_refusal()[1])

@@ -48,13 +48,13 @@ def assert_bitwise(expected: dict, actual: dict) -> None:
     assert not differ, f"gradients differ from the unguarded model's: {differ}"
 
 
-def tiny_qwen3_moe():
+def tiny_qwen3_moe(**config):
     """The tiny Qwen3-MoE the Trainer tests train (seed 0), built from transformers' own
-    config, as a Trainer user builds one."""
+    config, as a Trainer user builds one (`config`: more of its settings)."""
     import transformers
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model(
         "qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=4, num_experts_per_tok=2, vocab_size=256)
+        num_experts=4, num_experts_per_tok=2, vocab_size=256, **config)
     return transformers.AutoModelForCausalLM.from_config(cfg)

@@ -36,8 +36,8 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore")]
 HUGE = "1GiB"
 
 
-def _model():
-    return tiny_qwen3_moe()
+def _model(**config):
+    return tiny_qwen3_moe(**config)
 
 
 class _DevicePeaks(transformers.TrainerCallback):
@@ -52,16 +52,16 @@ class _DevicePeaks(transformers.TrainerCallback):
             self.peaks.append(guard.meter.peak())
 
 
-def _train(tmp_path, accumulation: int = 1, after=None, **guard):
+def _train(tmp_path, accumulation: int = 1, after=None, config=None, **guard):
     """(model, trainer) after 3 optimizer steps of 4 sequences of 33 bytes; the device's
-    peaks per step are `trainer.device_peaks`."""
+    peaks per step are `trainer.device_peaks`; `config`: more of the model's settings."""
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": w, "labels": w} for w in torch.randint(0, 256, (12, 33), generator=gen)]
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4 // accumulation,
         gradient_accumulation_steps=accumulation, learning_rate=1e-3, report_to="none",
         save_strategy="no", logging_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
-    model = _model()
+    model = _model(**(config or {}))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     if guard:
         guard_trainer(trainer, **guard)   # the one line a user adds
@@ -151,6 +151,36 @@ def test_the_step_level_net_re_runs_a_training_step_that_ran_out(runs, tmp_path,
     assert all(p <= budget for p in trainer.device_peaks)
     assert any("full recompute" in r.getMessage() for r in caplog.records)
     assert _equal(runs["plain"], model)
+
+
+@pytest.mark.slow
+def test_accumulation_re_runs_by_replay_and_copies_no_gradient(tmp_path, monkeypatch):
+    """A window's second micro-step opens with the first's gradients: its re-run replays
+    the first from none instead of copying every gradient to host at each micro-step,
+    from the random state it began with (attention dropout: without it the sums differ)."""
+    config = {"attention_dropout": 0.3}
+    from spikeguard.runtime import device_state
+    copied, copy = [], device_state._host_copy
+    monkeypatch.setattr(device_state, "_host_copy",
+                        lambda t: copied.append(t.numel()) or copy(t))   # no reference kept
+    plain, _ = _train(tmp_path, accumulation=2, config=config)
+    reference = [p.detach().clone() for p in plain.parameters()]
+    peaks = {}
+    for policy in ("none", "full"):
+        _, trainer = _train(tmp_path, accumulation=2, config=config, budget=HUGE,
+                            policy=policy)
+        peaks[policy] = max(trainer.device_peaks)
+    budget = peaks["full"] + 9 * (peaks["none"] - peaks["full"]) // 10
+    model, trainer = _train(tmp_path, accumulation=2, config=config, budget=budget,
+                            policy="adaptive", after=_Blind)
+    history = trainer.spikeguard.history
+    assert len(history) == 6
+    # the backward ran out in some window's second micro-step, and the step re-ran
+    assert any(r["safety_net"] for r in history[1::2]), history
+    assert all(r["scope"] == "step" for record in history for r in record["safety_net"])
+    assert copied == []
+    assert all(p <= budget for p in trainer.device_peaks)
+    assert _equal(reference, model)
 
 
 def test_gradient_accumulation_is_one_record_per_micro_batch(runs, tmp_path):
