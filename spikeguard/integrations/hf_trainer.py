@@ -22,11 +22,12 @@ device-to-host copy of every gradient beside every micro-batch after a window's 
 each micro-step of the window is noted (its inputs and the random state it began with),
 and a failed one's re-run replays the ones before it from no gradients, in order, with
 their random states, then runs again from its own (`run_step(fn, replay=...)`,
-spikeguard.runtime.step): the sums are bitwise those of an uninterrupted window. On one
-process only: where gradients are reduced across ranks (DDP, FSDP2, transformers'
-`DistributedConfig`) the window's earlier micro-steps ran under the Trainer's own
-deferred-reduction context, which a replay inside the last one's would not be; there
-the gradients are copied as before. The optimizer step (the Trainer's, after the last
+spikeguard.runtime.step): the sums are bitwise those of an uninterrupted window. Under
+FSDP2 (transformers' `DistributedConfig`) each micro-step is noted with FSDP2's
+reduction flags as the Trainer set them (deferred on all but the window's last) and
+replayed under them: there a copy could not put the window back at all (the earlier
+micro-steps' gradients are FSDP2's unsharded ones, which a failed attempt drops:
+runtime/fsdp.py). Under DDP (no FSDP2) the gradients are still copied. The optimizer step (the Trainer's, after the last
 micro-batch) runs on the device through the optimizer's own step hooks
 (spikeguard.runtime.wiring), so the Trainer's LR scheduler, built before, keeps working.
 
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from spikeguard.errors import UsageError
+from spikeguard.runtime.fsdp import gradient_sync, set_gradient_sync
 
 GUARD_ATTR = "spikeguard"   # on the trainer: the guard while training
 
@@ -97,7 +99,7 @@ class SpikeGuardCallback(TrainerCallback):
         model = self.guard.model if self.guard is not None else None
         fresh = model is not None and all(p.grad is None for p in model.parameters())
         alone = not (dist.is_initialized() and dist.get_world_size() > 1)
-        self.window = [] if fresh and alone else None
+        self.window = [] if fresh and (alone or gradient_sync(model)) else None
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.guard is not None and self.guard.attached:
@@ -113,22 +115,26 @@ def _guarded_training_step(callback: SpikeGuardCallback, training_step, *args, *
         # its own copy of a dict of inputs, taken first: compute_loss may pop the labels
         noted = ([copy.copy(a) if isinstance(a, Mapping) else a for a in args],
                  {k: copy.copy(v) if isinstance(v, Mapping) else v for k, v in kwargs.items()},
-                 _random_state())
+                 _random_state(), gradient_sync(guard.model))
         if window:
-            replay = functools.partial(_replay, training_step, list(window), noted[2])
+            replay = functools.partial(_replay, guard.model, training_step, list(window),
+                                       noted[2:])
     result = guard.run_step(lambda: training_step(*args, **kwargs), replay=replay)
     if window is not None:
         window.append(noted)
     return result
 
 
-def _replay(training_step, earlier: list, then) -> None:
+def _replay(model, training_step, earlier: list, then: tuple) -> None:
     """The window's micro-steps before a failed one, from no gradients (the net dropped
-    them), each from the random state it began with; then the failed one's own."""
-    for args, kwargs, state in earlier:
+    them), each from the random state and under FSDP2's reduction flags it began with;
+    then the failed one's own."""
+    for args, kwargs, state, sync in earlier:
         _set_random_state(state)
+        set_gradient_sync(model, sync)
         training_step(*args, **kwargs)
-    _set_random_state(then)
+    _set_random_state(then[0])
+    set_gradient_sync(model, then[1])
 
 
 def _random_state() -> tuple:

@@ -52,6 +52,7 @@ from spikeguard.parallel.expert_parallel import exchange
 from spikeguard.parallel.family_backward import Span, alike, counted_whole, remaining, replay
 from spikeguard.parallel.release import handed, let_go
 from spikeguard.runtime.agreement import STEP, Note, PeerFailed
+from spikeguard.runtime.fsdp import gradient_sync
 
 
 @dataclass
@@ -207,7 +208,12 @@ class FamilyAgreement(GroupAgreement):
         if notes:
             self._reset_fsdp()
         elif forward_ends:   # its backward's collectives recorded up to the next flag point
-            key = (self.micro_batch, self.votes, tuple(self.decisions))
+            # FSDP2's reduction on or deferred (runtime/fsdp.py gradient_sync): a backward
+            # that reduces makes collectives one that defers does not (transformers'
+            # Trainer defers them on an accumulation window's micro-batches but the last;
+            # a template of the other kind replayed no reduce-scatter: the peers hung in it)
+            key = (self.micro_batch, self.votes, tuple(self.decisions),
+                   gradient_sync(self.model))
             self.span = Span(key, self.exchanges, watch=key not in self.confirmed)
             self.span.begin()
         return notes

@@ -88,6 +88,22 @@ def fsdp_units(model: nn.Module, layer_of: Callable[[nn.Module], Optional[int]]
     return [unit_bytes(state, layer_of(module)) for module, state in fsdp_states(model)]
 
 
+def gradient_sync(model: nn.Module) -> tuple:
+    """Whether FSDP2 reduces (and all-reduces) the gradients in a backward now, per
+    parameter group of every unit under `model` (what `set_requires_gradient_sync` and
+    `set_requires_all_reduce` set; () without FSDP2). A backward that defers them makes
+    none of the reduce-scatters and keeps the unsharded gradients inside FSDP2 instead."""
+    return tuple((g.reduce_grads, g.all_reduce_grads) for _module, state in fsdp_states(model)
+                 for g in fsdp_param_groups(state))
+
+
+def set_gradient_sync(model: nn.Module, flags: tuple) -> None:
+    """Put back what `gradient_sync(model)` read (every group, in its order)."""
+    groups = [g for _module, state in fsdp_states(model) for g in fsdp_param_groups(state)]
+    for group, (reduce, all_reduce) in zip(groups, flags):
+        group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+
+
 def reset_after_failed_attempt(model: nn.Module) -> None:
     """FSDP2 as between two iterations, after an attempt that a refusal ended mid-forward or
     mid-backward (torch 2.13): the one reset of the guard's free-attempt path
@@ -98,7 +114,10 @@ def reset_after_failed_attempt(model: nn.Module) -> None:
     * the attempt's unsharded gradients are dropped (`unsharded_accumulated_grad`, the
       unsharded parameter's `.grad`): FSDP2's reset discards in-flight reductions but
       keeps these tensors; left, they stay on the device and the re-run's backward
-      accumulates into them (the step's gradients are restored from the guard's snapshot);
+      accumulates into them (the step's gradients are restored from the guard's snapshot;
+      where FSDP2 deferred the reduction, as on a gradient-accumulation window's earlier
+      micro-batches, the gradients the step opened with are among these: only a replay
+      of those micro-batches makes them again, runtime/step.py);
     * the root's `reset_iter_state()` (public since torch 2.13): it waits on the in-flight
       all-gathers and reduce-scatters, reshards every parameter group and clears the
       iteration's trackers of every unit (training states, the queued post-backward

@@ -2,11 +2,12 @@
 ep_size=2)` with and without spikeguard (tests/integrations/test_integrations_hf_trainer_ep.py).
 
     .venv/bin/python -m torch.distributed.run --nproc-per-node 2 \
-        tests/integrations/hf_trainer_ep_worker.py OUT_DIR CASE [BUDGET]
+        tests/integrations/hf_trainer_ep_worker.py OUT_DIR CASE [BUDGET [ACCUMULATION]]
 
 CASE: `plain` (no guard), `none`, `full`, `adaptive`, `blind` (adaptive with a forecast
 blind to what is still to come, so a backward runs out and the step-level net re-runs it on
-every rank together). Writes OUT_DIR/CASE_rank<r>.json: the history's peaks and re-runs,
+every rank together). ACCUMULATION: the Trainer's gradient_accumulation_steps (the same 4
+sequences a rank and step, in that many micro-batches). Writes OUT_DIR/CASE_rank<r>.json: the history's peaks and re-runs,
 the device's own peak and the fallback votes gathered per step, and a digest of the
 parameters after 3 steps; or the one-line error.
 """
@@ -70,11 +71,15 @@ def blind(guard) -> None:
 def train(out_dir: Path, budget) -> dict:
     import transformers
     from spikeguard.integrations.hf_trainer import guard_trainer
+    from spikeguard.runtime import device_state
+    copies, copy = [], device_state._host_copy   # gradients copied to host, counted
+    device_state._host_copy = lambda t: copies.append(t.numel()) or copy(t)
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": w, "labels": w}
             for w in torch.randint(0, 256, (STEPS * BATCH * 2, SEQ), generator=gen)]
     args = transformers.TrainingArguments(
-        output_dir=str(out_dir / "trainer"), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        output_dir=str(out_dir / "trainer"), max_steps=STEPS,
+        per_device_train_batch_size=BATCH // ACCUM, gradient_accumulation_steps=ACCUM,
         learning_rate=1e-3, report_to="none", save_strategy="no", logging_strategy="no",
         use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo")
     model = build()
@@ -87,7 +92,8 @@ def train(out_dir: Path, budget) -> dict:
     digest = [float(p.to_local().double().sum()) for p in model.parameters()]
     params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     torch.save(params, out_dir / f"{CASE}_params_rank{dist.get_rank()}.pt")
-    out = {"digest": digest, "device_peaks": peaks.peaks, "votes": peaks.votes, "loss": loss}
+    out = {"digest": digest, "device_peaks": peaks.peaks, "votes": peaks.votes, "loss": loss,
+           "grad_copies": len(copies)}
     if CASE != "plain":
         history = trainer.spikeguard.history
         out.update(peaks=[r["peak_bytes"] for r in history],
@@ -100,6 +106,7 @@ def train(out_dir: Path, budget) -> dict:
 if __name__ == "__main__":
     OUT, CASE = Path(sys.argv[1]), sys.argv[2]
     BUDGET = int(sys.argv[3]) if len(sys.argv) > 3 else 1 << 40
+    ACCUM = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     torch.set_num_threads(1)
     try:
         found = train(OUT, BUDGET)

@@ -14,7 +14,9 @@ optimizer steps, each rank its own share of the data (the Trainer's distributed 
     from the second step on, not one per layer (the vote promise);
   * a forced backward out-of-memory (the forecast blinded): the step-level net re-runs
     the step on every rank together (the refused rank replays the rest of its backward's
-    collectives with zeros: spikeguard.parallel.family_backward), parameters bitwise.
+    collectives with zeros: spikeguard.parallel.family_backward), parameters bitwise;
+  * the same under gradient accumulation, where the window's earlier micro-batch deferred
+    FSDP2's reduction: re-run by replay, no gradient copied, parameters bitwise.
 
     .venv/bin/python -m pytest tests/integrations/test_integrations_hf_trainer_ep.py -q
 """
@@ -38,18 +40,20 @@ JOB_TIMEOUT_S = 150   # a hung collective fails here
 RANKS = (0, 1)
 
 
-def job(out_dir: Path, case: str, budget: int = 1 << 40, name: str = "") -> list[dict]:
+def job(out_dir: Path, case: str, budget: int = 1 << 40, name: str = "",
+        accumulation: int = 1) -> list[dict]:
     """One torchrun job of 2 ranks, in its own folder `out_dir/name`; each rank's findings
     (None for a rank ended by the launcher before it wrote them: its peer died)."""
     out_dir = out_dir / (name or case)
     out_dir.mkdir()
-    torchrun_job(WORKER, [out_dir, case, budget], JOB_TIMEOUT_S, case)
+    torchrun_job(WORKER, [out_dir, case, budget, accumulation], JOB_TIMEOUT_S, case)
     files = [out_dir / f"{case}_rank{r}.json" for r in RANKS]
     return [json.loads(f.read_text()) if f.exists() else None for f in files]
 
 
-def same_as_plain(out_dir: Path, case: str, rank: int, name: str = "") -> bool:
-    plain = torch.load(out_dir / "plain" / f"plain_params_rank{rank}.pt")
+def same_as_plain(out_dir: Path, case: str, rank: int, name: str = "",
+                  plain_name: str = "plain") -> bool:
+    plain = torch.load(out_dir / plain_name / f"plain_params_rank{rank}.pt")
     guarded = torch.load(out_dir / (name or case) / f"{case}_params_rank{rank}.pt")
     return plain.keys() == guarded.keys() and all(torch.equal(plain[n], guarded[n])
                                                   for n in plain)
@@ -130,3 +134,30 @@ def test_calm_steps_cast_one_fallback_vote_not_one_per_layer(runs):
         assert got["reruns"] == [[], [], []], got
         assert got["votes"] == [2, 1, 1], got
         assert same_as_plain(out, "adaptive", rank, "adaptive_calm")
+
+
+@pytest.mark.slow
+def test_under_accumulation_a_backward_oom_re_runs_by_replay_on_every_rank(runs):
+    """gradient_accumulation_steps=2: the Trainer defers FSDP2's reduction on each window's
+    first micro-batch (its gradients stay FSDP2's unsharded ones) and reduces on the
+    second. A backward refused in a second: before, the refused rank replayed the
+    collectives of a deferring backward (no reduce-scatter) and its peer waited in one
+    for good; with that fixed, the copy of the gradients put back none of the first
+    micro-batch's (dropped with the attempt) and the parameters differed. Now the step's
+    re-run replays the first micro-batch under its own flags: nothing copied, bitwise."""
+    out = runs[0]
+    found = {c: job(out, c, name=c + "_accumulated", accumulation=2)
+             for c in ("plain", "none", "full")}
+    for case in found:
+        assert all("error" not in r for r in found[case]), found[case]
+    peak = {c: max(max(r["device_peaks"]) for r in found[c]) for c in ("none", "full")}
+    budget = peak["full"] + 7 * (peak["none"] - peak["full"]) // 10
+    blind = job(out, "blind", budget, "blind_accumulated", accumulation=2)
+    for rank in RANKS:
+        assert blind[rank] is not None and "error" not in blind[rank], blind[rank]
+        reruns = [r for step in blind[rank]["reruns"] for r in step]
+        assert reruns and all(r.startswith("step: rank ") and "out of memory in backward"
+                              in r for r in reruns), blind[rank]
+        assert all(p <= budget for p in blind[rank]["device_peaks"])
+        assert blind[rank]["grad_copies"] == 0
+        assert same_as_plain(out, "blind", rank, "blind_accumulated", "plain_accumulated")
