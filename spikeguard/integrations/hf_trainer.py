@@ -27,9 +27,11 @@ FSDP2 (transformers' `DistributedConfig`) each micro-step is noted with FSDP2's
 reduction flags as the Trainer set them (deferred on all but the window's last) and
 replayed under them: there a copy could not put the window back at all (the earlier
 micro-steps' gradients are FSDP2's unsharded ones, which a failed attempt drops:
-runtime/fsdp.py). Under DDP (no FSDP2) the gradients are still copied. The optimizer step (the Trainer's, after the last
-micro-batch) runs on the device through the optimizer's own step hooks
-(spikeguard.runtime.wiring), so the Trainer's LR scheduler, built before, keeps working.
+runtime/fsdp.py). Under DDP (no FSDP2) the gradients are still copied.
+
+The optimizer step (the Trainer's, after the last micro-batch) runs on the device
+through the optimizer's own step hooks (spikeguard.runtime.wiring), so the Trainer's LR
+scheduler, built before, keeps working.
 
 The Trainer's `log` (the same kind of seam) adds the guard's figures to each training log
 (one holding "loss", every `logging_steps`), so `state.log_history` and every `report_to`
@@ -75,8 +77,9 @@ class SpikeGuardCallback(TrainerCallback):
                          "memory_snapshot": memory_snapshot}
         self.guard = None
         self.num_logged = 0   # guard.history's records already in a log
-        # The accumulation window's micro-steps so far, (args, kwargs, random state); None
-        # where the window cannot be replayed (it began with gradients, or several ranks)
+        # The accumulation window's micro-steps so far, (args, kwargs, random state,
+        # FSDP2's reduction flags); None where the window cannot be replayed (it began
+        # with gradients, or several ranks without FSDP2)
         self.window: Optional[list[tuple]] = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -95,7 +98,7 @@ class SpikeGuardCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         """A gradient-accumulation window begins (the Trainer calls this before its first
         micro-step): it can be replayed from no gradients if it begins with none, on one
-        process (module doc)."""
+        process or under FSDP2 (module doc)."""
         model = self.guard.model if self.guard is not None else None
         fresh = model is not None and all(p.grad is None for p in model.parameters())
         alone = not (dist.is_initialized() and dist.get_world_size() > 1)
