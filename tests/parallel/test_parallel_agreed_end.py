@@ -40,8 +40,12 @@ def _run(argv, timeout_s=300):
     try:
         out, err = proc.communicate(timeout=timeout_s)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+        if proc.poll() is None:   # hung: SIGTERM ends the job's torchrun and its ranks
+            proc.terminate()      # (each in a session of its own: a kill of this one's
+            try:                  # session alone would leave them running)
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
     return proc, out, err
 
 
