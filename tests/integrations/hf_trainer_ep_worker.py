@@ -7,9 +7,10 @@ ep_size=2)` with and without spikeguard (tests/integrations/test_integrations_hf
 CASE: `plain` (no guard), `none`, `full`, `adaptive`, `blind` (adaptive with a forecast
 blind to what is still to come, so a backward runs out and the step-level net re-runs it on
 every rank together). ACCUMULATION: the Trainer's gradient_accumulation_steps (the same 4
-sequences a rank and step, in that many micro-batches). Writes OUT_DIR/CASE_rank<r>.json: the history's peaks and re-runs,
-the device's own peak and the fallback votes gathered per step, and a digest of the
-parameters after 3 steps; or the one-line error.
+sequences a rank and step, in that many micro-batches). Writes OUT_DIR/CASE_rank<r>.json:
+the history's peaks and re-runs, the device's own peak and the fallback votes gathered per
+step, the gradients copied to host, and a digest of the parameters after 3 steps; or the
+one-line error.
 """
 
 from __future__ import annotations
