@@ -61,7 +61,13 @@ class DevicePeaks:
 
 
 def blind(guard) -> None:
-    """The forecast blind to what is still to come (as the one-process Trainer test)."""
+    """The forecast blind to what is still to come (as the one-process Trainer test), and
+    the cost model's default rates, frozen (plan/cost_rates.py): the plans, hence whether
+    and where a backward runs out, the same from run to run (timed rates once ranked an
+    offload below a recompute on a loaded machine: no step ran out, at accumulation 2)."""
+    from spikeguard.plan.cost import CostModel
+    from spikeguard.plan.cost_rates import rates_of, use_rates
+    use_rates(guard.cost, rates_of(CostModel()))
     guard.forecast.still_to_come = lambda *a, **k: 0
     guard.forecast.head_bytes_per_token = 0.0
     guard.forecast.observe = lambda *a, **k: None
