@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from spikeguard.model.moe import MoEBlock
-from spikeguard.plan.catalogue import OPS, Action, ExpertShape, LayerPlan
+from spikeguard.plan.catalogue import ALL_SAVE, OPS, Action, ExpertShape, LayerPlan
 from spikeguard.plan.planner import Planner
 from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
 from spikeguard.runtime.doors import WindowDoor
@@ -36,6 +36,10 @@ def run_window(door: WindowDoor, block: MoEBlock, dispatched) -> torch.Tensor:
         return block.experts(dispatched.x_ND, counts)
     if door.in_full_region():
         door.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
+        return block.experts(dispatched.x_ND, counts)
+    if door.position.calm:   # kept whole, proven before the forward (runtime/calm_forward.py)
+        door.record_plan(block.layer_idx, counts, ALL_SAVE)
+        door.calm.layer_ran()
         return block.experts(dispatched.x_ND, counts)
     decision = door.decide(block.layer_idx, dispatched.x_ND.shape[0])
     door.record_plan(block.layer_idx, counts, decision.plan)

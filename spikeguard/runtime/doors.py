@@ -26,6 +26,7 @@ from torch import nn
 from spikeguard.errors import DeviceOutOfMemory
 from spikeguard.memory.ledger import Ledger
 from spikeguard.plan.cost import CostModel
+from spikeguard.runtime.calm_forward import CalmForwards
 from spikeguard.runtime.executor import ExpertPathExecutor
 from spikeguard.runtime.history import StepRecorder
 from spikeguard.runtime.hookless import HooklessLayers
@@ -76,6 +77,7 @@ class WindowDoor:
     executor: ExpertPathExecutor
     cost: CostModel
     hookless: HooklessLayers
+    calm: CalmForwards        # counts a layer run in a calm forward
     in_full_region: Callable[[], bool]   # inside a whole-layer checkpoint: recomputed already
     decide: Callable                     # (layer, num_routed) -> the plan's Decision
     record_plan: Callable[[int, list, object], None]   # (layer, counts, plan) for the record
@@ -99,6 +101,7 @@ def window_door(guard) -> WindowDoor:
     return WindowDoor(
         position=guard.position, ctx=guard.ctx, ledger=guard.ledger, tracker=guard.tracker,
         engine=guard.engine, executor=guard.executor, cost=guard.cost, hookless=guard.hookless,
+        calm=guard.calm,
         in_full_region=lambda: guard.layers.in_full_region,
         decide=lambda layer, num_routed: guard.decide(layer, num_routed),
         record_plan=lambda layer, counts, plan: guard.record_plan(layer, counts, plan),

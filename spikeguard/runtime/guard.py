@@ -37,7 +37,8 @@ from spikeguard.memory.snapshot import memory_snapshots
 from spikeguard.memory.static import StaticWalk, optimizer_state_bytes
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
-from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
+from spikeguard.runtime.calm_forward import CalmForwards
+from spikeguard.runtime.fsdp import fsdp_states, model_fsdp_bytes, reset_after_failed_attempt
 from spikeguard.runtime.doors import net_door, window_door
 from spikeguard.runtime.device_state import (
     HEAD_LAYER, PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES, PHASE_OPTIMIZER, GradSnapshot,
@@ -122,6 +123,8 @@ class Guard:
         self.hookless = HooklessLayers(
             self.window, self.tracker, self.ledger, self.shape, exact_routing=self.group is None,
             last_layer=max(self.adapter.layer_index(b) for b in self.moe_blocks))
+        self.calm = CalmForwards(self.hookless, self.position, not fsdp_states(model),
+                                 lambda: not {"decide", "record_plan"} & vars(self).keys())
         agreement = self.adapter.agreement()   # None without a group: a rank decides alone
         if agreement is not None:
             agreement.device = self.device
@@ -285,6 +288,7 @@ class Guard:
         """Free what a failed attempt at the step holds on the device: its graph, saved
         tensors and offloaded copies (the gradients are abandon_step's)."""
         self.ctx.tags.clear()
+        self.calm.forget()
         for block in self.moe_blocks:
             forget_aux_loss(block)
         gc.collect()   # the failed step's graph (and its saved tensors) go with it
@@ -358,17 +362,16 @@ class Guard:
             self.planner.refresh()
         self.position.in_forward = True
         try:
-            with self.tracker.hooks():
-                self.hookless.ends.begin(args, kwargs, self.full_recompute)
+            with self.calm.forward(args, kwargs, self.full_recompute) as calm:
                 out = orig_forward(*args, **kwargs)
-                self.hookless.ends.end()
         finally:
             self.position.in_forward = False
         self.engine.end_forward()
         self.ctx.tags.clear()
         self.position.at_head_backward()
-        self.window.observe_forward(mb, out, num_tokens(args, kwargs),
-                                    [self.adapter.layer_index(b) for b in self.moe_blocks])
+        if not calm:   # a calm forward teaches nothing new (runtime/calm_forward.py)
+            self.window.observe_forward(mb, out, num_tokens(args, kwargs),
+                                        [self.adapter.layer_index(b) for b in self.moe_blocks])
         if self._recorder is not None:
             self._recorder.end_attempt()
         return out
@@ -379,6 +382,7 @@ class Guard:
         for block in self.moe_blocks:   # its graph reaches back through the whole forward
             forget_aux_loss(block)
         gc.collect()  # the failed forward's graph holds ledger entries until collected
+        self.calm.forget()
         for key in self.ledger.entries_of(mb):
             self.ledger.drop(key)
         self.tracker.forget_micro_batch(mb)

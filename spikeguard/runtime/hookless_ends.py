@@ -42,6 +42,7 @@ goes with the micro-batch's next forward (HooklessLayers.forget_micro_batch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Optional
 
@@ -84,19 +85,41 @@ class HooklessEnds:
         self._embed_paused = False   # the running forward started paused
         self._head_paused = False    # its head runs paused
 
+    @contextlib.contextmanager
+    def hooked_forward(self, args, kwargs, whole_recompute: bool):
+        """A guarded forward with the tracker's pair on: its ends paused where known, and
+        measured where not (a forward that raises measures nothing)."""
+        with self.tracker.hooks():
+            self.begin(args, kwargs, whole_recompute)
+            yield
+            self.end()
+
     def begin(self, args, kwargs, whole_recompute: bool) -> None:
         """A guarded forward's hooks are on: paused for its embedding where known."""
         self._embed_paused = self._head_paused = False
         self._inputs = None
         if not self.enabled or whole_recompute or not torch.is_grad_enabled():
             return
-        self._inputs = _signature(args, kwargs)
+        self._inputs = signature(args, kwargs)
         self._start_in_use = self.ledger.in_use()
         self._before_first = True
         known = self._carried.get(self._inputs)
         if known is not None and self._embed_harmless(known[0]):
             self.tracker.pause()
             self._embed_paused = True
+
+    def calm_from_start(self, args, kwargs, in_use: int) -> bool:
+        """Before a forward starts, the device at `in_use`: would it run hookless whole and
+        keep everything, no decision asking for eviction (runtime/calm_forward.py)? Where a
+        forward of the same inputs' shapes ran with its ends and first layer measured:
+        under none always; under adaptive where the layers' proof holds from the first
+        layer's entry (`fits_from_start`: one process, exact counts)."""
+        inputs = signature(args, kwargs)
+        first = self._first.get(inputs)
+        if not self.enabled or first is None or inputs not in self._carried:
+            return False
+        return self.policy == "none" or self.fits_from_start(first[0], first[1],
+                                                             in_use + first[2])
 
     def _embed_harmless(self, embed_bytes: int) -> bool:
         """Nothing of the step can want the embedding's saved tensors (module doc)."""
@@ -172,7 +195,7 @@ class HooklessEnds:
             self.ledger.release_all(keys)
 
 
-def _signature(args, kwargs) -> tuple:
+def signature(args, kwargs) -> tuple:
     """What the ends' saved bytes depend on, as far as the call shows: each tensor
     argument's shape and dtype, every other argument's value where it is a plain one."""
     def one(v):

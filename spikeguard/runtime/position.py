@@ -34,6 +34,7 @@ class Position:
         self.phase = PHASE_IDLE
         self.in_forward = False        # False during backward's recompute and evaluation
         self.plain = False             # guard.unguarded(): forwards are the model's own
+        self.calm = False              # a calm forward runs (runtime/calm_forward.py)
 
     def set_where(self, phase: int, layer: int) -> int:
         """Move the device's position code; returns the previous one."""

@@ -47,6 +47,7 @@ def _guarded(cfg, budget, hookless: bool, policy: str = "adaptive"):
     model = build_model(cfg, seed=0)
     guard = spikeguard.attach(model, budget=budget, policy=policy)
     use_rates(guard.cost, RATES)
+    guard.calm.enabled = False   # the hooked path's later steps (else calm_forward.py's)
     if not hookless:   # else as the policy has it
         guard.hookless.enabled = False
     return model, guard

@@ -46,6 +46,7 @@ class _Watched:
         self.guard = g = spikeguard.attach(self.model, budget="1GiB", policy=policy)
         g.hookless.ends.enabled = ends
         g.hookless.enabled = layers
+        g.calm.enabled = False   # the hooked path's later forwards (else calm_forward.py's)
         self.packed: Counter = Counter()
         self.ends_read: list[tuple[int, int]] = []
         pack, observe = g.tracker.pack, g.window.observe_forward

@@ -1,0 +1,147 @@
+"""Calm forwards: a micro-batch proven, before it starts, to keep everything with no
+hook runs as the plain model's own forward.
+
+One part of the guard (spikeguard.runtime.guard). In one process every layer routes
+exactly tokens x top-k copies (dropless top-k), so what a forward of inputs already seen
+will hold is known before its embedding runs. Where the proof of runtime/hookless.py holds
+from the forward's start (`HooklessEnds.calm_from_start`: under none always, since nothing
+of its step offloads or evicts; under adaptive the layers' walk from the first layer's
+entry at the device's figure now, every layer keeping everything with no eviction asked),
+every layer would decide to keep everything and run hookless, and both ends too: the
+per-layer bookkeeping of that path (the position's labels and backward marks, the
+ledger's modelled bytes, the decision and its proof, layer by layer) only re-derives what
+is already known. A calm forward skips it: the layers run their own forwards, the expert
+windows record their plan (keep everything) and their counts for the step's record, and
+nothing else.
+
+Why: on a calm step of `small` on CPU that bookkeeping, not the saved-tensor hooks (gone
+already on hookless layers) nor the emulated device, was the guard's cost (scratch ablation,
+one process, 120 interleaved rounds, CPU clock: plain/this 0.985 under none, 0.978 under
+adaptive, 0.993 with the layers' and windows' guard code bypassed, 0.996 for the plain model
+on the active emulated device).
+
+What a calm forward does not do, and why that is safe:
+  * no decision reacts to what the device shows at a layer: the proof was made at the
+    forward's start with exact counts and the growth measured on the last forward of the
+    same shapes; a forward that still runs out is re-run by the safety net, with every
+    layer recomputed whole (never calm);
+  * nothing is modelled in the ledger: outside a pipeline another micro-batch's decisions
+    evict only their own layers (runtime/hooks.py `evict`), so nothing needs these;
+  * the forecast, the layer peaks and the cost model learn nothing from it: they keep
+    what the last forward of the same shapes run with hooks taught them (a calm forward
+    holds the same);
+  * the device's position labels stay at the forward's embedding, then the head, so a
+    calm step's record names its peak's phase and the head, not a layer.
+Not under expert parallelism (a rank's counts move from layer to layer, and the group's
+votes run per layer), in a pipeline (its residency may evict any older micro-batch's
+layer), or where the model has FSDP2 units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from spikeguard.runtime.device_state import PHASE_FORWARD
+from spikeguard.runtime.hookless import HooklessLayers
+from spikeguard.runtime.hookless_ends import EMBED_LAYER, signature
+from spikeguard.runtime.position import Position
+
+
+class CalmForwards:
+    """Says which forwards run calm, runs them so, and keeps the evidence it stands on."""
+
+    def __init__(self, hookless: HooklessLayers, position: Position, supported: bool,
+                 seams_own: Callable[[], bool]):
+        self.hookless = hookless
+        self.position = position
+        # `supported`: the model has no FSDP2 unit (left to the hooked path, whose
+        # per-layer proof reads FSDP2's bytes still to come). Tests that study the hooked
+        # path on the later steps of one process turn `enabled` off.
+        self.enabled = supported and hookless.enabled and hookless.exact_routing
+        # False while a caller has put its own plan seam on the guard (`guard.decide`: the
+        # oracle bench's plan table, a test's forced plan): every layer then decides.
+        self.seams_own = seams_own
+        # Inputs' signature -> [(device's figure at the start, gradient bytes its backward
+        # was to add)] of hooked forwards of those shapes that kept every layer whole and
+        # hookless, with no eviction: under adaptive a calm forward starts no higher and
+        # adds no more than one of them (the proof alone is a prediction: at 0.85x it
+        # passed where the window's own decisions moved something, and the head's
+        # backward ran out). A micro-batch after another's backward starts higher with
+        # less to add, so a few are kept, none below another.
+        self._kept: dict[tuple, list[tuple[int, int]]] = {}
+
+    @contextlib.contextmanager
+    def forward(self, args, kwargs, whole_recompute: bool):
+        """A guarded forward (after `window.begin_micro_batch`): calm where proven (yields
+        True), else hooked, and noted where it kept everything (yields False)."""
+        h = self.hookless
+        inputs = signature(args, kwargs)
+        in_use = h.ledger.in_use()
+        grads = max(h.window.grads_to_come.values(), default=0)
+        if self._proven(inputs, args, kwargs, in_use, grads, whole_recompute):
+            with self._running():
+                yield True
+            return
+        step = h.window.recorder()
+        before = None if step is None else (step.hookless_layers, step.evicted_bytes)
+        with h.ends.hooked_forward(args, kwargs, whole_recompute):
+            yield False
+        if before is not None and not whole_recompute and self.enabled:
+            kept = (step.hookless_layers - before[0] == h.window.num_layers
+                    and step.evicted_bytes == before[1])
+            self._note(inputs, (in_use, grads) if kept else None)
+
+    def _note(self, inputs: tuple, state) -> None:
+        """A hooked forward of `inputs` from `state` kept everything (None: it did not,
+        and what was seen of those shapes stands no more)."""
+        if state is None:
+            self._kept.pop(inputs, None)
+            return
+        seen = [s for s in self._kept.get(inputs, ()) if not _covers(state, s)]
+        if not any(_covers(s, state) for s in seen):
+            seen.append(state)
+        self._kept[inputs] = seen[-4:]
+
+    def _proven(self, inputs, args, kwargs, in_use: int, grads: int,
+                whole_recompute: bool) -> bool:
+        h = self.hookless
+        if not (self.enabled and h.enabled and self.seams_own()) or whole_recompute \
+                or not torch.is_grad_enabled() or h.window.forecast.residency is not None:
+            return False
+        if h.window.policy == "adaptive" and not any(
+                _covers(s, (in_use, grads)) for s in self._kept.get(inputs, ())):
+            return False
+        return h.ends.calm_from_start(args, kwargs, in_use)
+
+    def forget(self) -> None:
+        """An attempt failed: what the hooked forwards showed is no evidence any more."""
+        self._kept.clear()
+
+    @contextlib.contextmanager
+    def _running(self):
+        """The forward inside runs calm: the layers' and the windows' guard code steps
+        aside (runtime/layers.py, the adapters' windows)."""
+        self.position.calm = True
+        self.position.set_where(PHASE_FORWARD, EMBED_LAYER)
+        step = self.hookless.window.recorder()
+        try:
+            yield
+        finally:
+            self.position.calm = False
+        if step is not None:   # both ends ran with no hook, as a hooked calm forward's do
+            step.hookless_ends += 2
+            step.calm_forwards += 1
+
+    def layer_ran(self) -> None:
+        """A layer's expert path ran calm: counted as a hookless layer of the step."""
+        step = self.hookless.window.recorder()
+        if step is not None:
+            step.hookless_layers += 1
+
+
+def _covers(seen: tuple[int, int], now: tuple[int, int]) -> bool:
+    """A forward from `seen` (in-use, gradients to come) is at least as tight as `now`."""
+    return now[0] <= seen[0] and now[1] <= seen[1]
