@@ -16,8 +16,9 @@ calm steps fit, so adaptive keeps everything). Prints medians and the spread
 (lowest-highest) of seconds per step, and of the per-round ratio plain/this its median with
 a 95% interval of that median (spikeguard/bench/spread.py: order statistics, no assumed
 distribution; a cost "under 2%" is shown only where the interval's low end is >= 0.98), the
-range, and the rounds that would resolve +-0.01; then the bytes adaptive evicted per step and
-the layers it ran hookless (spikeguard/runtime/hookless.py).
+range, and the rounds that would resolve +-0.01; then the bytes adaptive evicted per step, the
+layers it ran hookless (spikeguard/runtime/hookless.py) and the forwards it ran calm, as
+the plain model's own (spikeguard/runtime/calm_forward.py: one process only).
 `--clock cpu` times this process's CPU only: steadier on a shared machine, blind to
 waiting in collectives. `--hf NAME` measures a transformers MoE model instead (hf_bench's
 sizes: 4 layers, 8 experts, top-2, width 128; under torchrun laid out with transformers' own
@@ -184,13 +185,14 @@ def _measure(args, parser, group) -> None:
             seconds = run(p)
             if rep:
                 times[p].append(seconds)
-    evicted, hookless = {}, {}
+    evicted, hookless, calm = {}, {}, {}
     for p, g in guards.items():
         d = g.history[-1]["decisions"]
         assert d["recompute"] == 0 and d["offload"] == 0, (p, d)
         evicted[p] = sum(r["evicted_bytes"] for r in g.history[1:]) / max(1, len(g.history) - 1)
         hookless[p] = sum(r.get("hookless_layers", 0) for r in g.history[1:]) \
             / max(1, len(g.history) - 1)
+        calm[p] = sum(r["calm_forwards"] for r in g.history[1:]) / max(1, len(g.history) - 1)
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
         name = args.hf or args.titan or "small"
@@ -203,7 +205,8 @@ def _measure(args, parser, group) -> None:
                   f"({min(times[p]) * 1e3:.1f}-{max(times[p]) * 1e3:.1f})   plain/this "
                   f"{s['median']:.3f} [95% {interval(s)}] ({rounds_text(s)})"
                   + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step, hookless layers "
-                     f"{hookless[p]:.1f}/step" if p in evicted else ""))
+                     f"{hookless[p]:.1f}/step, calm forwards {calm[p]:.2f}/step"
+                     if p in evicted else ""))
     _detach(guards)
 
 
