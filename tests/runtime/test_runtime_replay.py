@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_marks import metered
 
 import spikeguard
 from spikeguard.errors import UsageError
@@ -85,32 +86,38 @@ def _copies(monkeypatch) -> list:
 
 def _window(sizes, replayed: bool, fail: bool):
     """Three micro-steps, one guard step each; the last fails after its forward where
-    `fail`. Returns the model, its guard and how many replays ran."""
+    `fail`. Returns the model, its guard, how many replays ran, and each step's peak by
+    the independent meter (tests/meter.py; the host copies of the gradients are host
+    memory)."""
     budget = sizes["peak"] + 64 * 1024
     # beside what adaptive keeps at this budget it overflows; beside full recompute's not
     ballast = budget - (sizes["kept"] + sizes["recomputed"]) // 2 if fail else 0
     model = build_model(CFG, seed=0)
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
-    replays = []
+    replays, peaks = [], []
     for i, tokens in enumerate(BATCHES):
         def replay(done=BATCHES[:i]):
             replays.append(len(done))
             for earlier in done:
                 _micro_step(model, earlier)
         last = i == NUM - 1
-        guard.run_step(lambda: _micro_step(model, tokens, ballast if last else 0),
-                       replay=replay if replayed and i else None)
-    return model, guard, replays
+        with metered(model) as meter:
+            guard.run_step(lambda: _micro_step(model, tokens, ballast if last else 0),
+                           replay=replay if replayed and i else None)
+        peaks.append(meter.peak_bytes)
+    return model, guard, replays, peaks
 
 
 @pytest.mark.parametrize("replayed", [True, False], ids=["replay", "copy"])
 def test_a_failed_step_that_opened_with_gradients_gives_the_plain_sums(sizes, monkeypatch,
                                                                        replayed):
     copied = _copies(monkeypatch)
-    model, guard, replays = _window(sizes, replayed, fail=True)
+    model, guard, replays, peaks = _window(sizes, replayed, fail=True)
     last = guard.history[-1]
     assert [r["scope"] for r in last["safety_net"]] == ["step"]   # the step-level net ran
     assert last["peak_bytes"] <= last["budget_bytes"]
+    # The device refused the ballast: what was live never passed the budget, by the meter.
+    assert all(peak <= last["budget_bytes"] for peak in peaks), peaks
     assert all(torch.equal(a, p.grad) for a, p in zip(sizes["grads"], model.parameters()))
     if replayed:
         assert replays == [NUM - 1]   # once, the two micro-steps before the failed one
@@ -124,8 +131,9 @@ def test_a_failed_step_that_opened_with_gradients_gives_the_plain_sums(sizes, mo
 
 def test_a_step_that_goes_through_never_replays_and_copies_nothing(sizes, monkeypatch):
     copied = _copies(monkeypatch)
-    model, guard, replays = _window(sizes, replayed=True, fail=False)
+    model, guard, replays, peaks = _window(sizes, replayed=True, fail=False)
     assert replays == [] and copied == []
+    assert all(peak <= guard.budget_bytes for peak in peaks), peaks
     assert all(not r["safety_net"] for r in guard.history)
     assert all(torch.equal(a, p.grad) for a, p in zip(sizes["grads"], model.parameters()))
 
