@@ -26,7 +26,9 @@ What a calm forward does not do, and why that is safe:
     same shapes; a forward that still runs out is re-run by the safety net, with every
     layer recomputed whole (never calm);
   * nothing is modelled in the ledger: outside a pipeline another micro-batch's decisions
-    evict only their own layers (runtime/hooks.py `evict`), so nothing needs these;
+    evict only their own layers (runtime/hooks.py `evict`), so nothing needs these (what
+    its backward will add above its forward's end is left for a forward that runs before
+    that backward, as the last hooked forward predicted it: `window.pending_backward`);
   * the forecast, the layer peaks and the cost model learn nothing from it: they keep
     what the last forward of the same shapes run with hooks taught them (a calm forward
     holds the same);
@@ -126,11 +128,17 @@ class CalmForwards:
         aside (runtime/layers.py, the adapters' windows)."""
         self.position.calm = True
         self.position.set_where(PHASE_FORWARD, EMBED_LAYER)
-        step = self.hookless.window.recorder()
+        w = self.hookless.window
+        step = w.recorder()
         try:
             yield
         finally:
             self.position.calm = False
+        if w.last_backward_excess is not None:
+            # What its backward will add above the device as it leaves it, as the last
+            # hooked forward predicted (same shapes): a later forward that runs before
+            # that backward leaves room for it (window.backward_done drops it).
+            w.pending_backward[self.position.ctx.micro_batch] = w.last_backward_excess
         if step is not None:   # both ends ran with no hook, as a hooked calm forward's do
             step.hookless_ends += 2
             step.calm_forwards += 1

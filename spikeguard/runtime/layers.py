@@ -44,17 +44,18 @@ class GuardedLayers:
 
     def forward(self, layer, orig_forward, layer_idx, *args, **kwargs):
         """In place of `layer.forward` (bound with functools.partial by the guard)."""
+        if layer_idx == 0 and args and torch.is_tensor(args[0]) and args[0].requires_grad \
+                and self.position.in_forward:
+            # When backward reaches the first layer's input, the micro-batch's backward
+            # through every guarded layer is done (recomputed whole or not, calm or not).
+            on_grad(args[0], functools.partial(self.window.backward_done,
+                                               self.position.ctx.micro_batch))
         if self.position.calm:   # proven before the forward began (runtime/calm_forward.py)
             return orig_forward(*args, **kwargs)
         if not self.position.in_forward:
             return self._body(layer, orig_forward, layer_idx, args, kwargs)
         self.position.enter_layer(layer_idx)
         self.window.enter_layer(self.ledger.in_use())
-        if layer_idx == 0 and args and torch.is_tensor(args[0]) and args[0].requires_grad:
-            # When backward reaches the first layer's input, the micro-batch's backward
-            # through every guarded layer is done (recomputed whole or not).
-            on_grad(args[0], functools.partial(self.window.backward_done,
-                                               self.position.ctx.micro_batch))
         x = args[0] if args else None
         if not self.full_recompute:
             self.hookless.enter_layer(layer_idx, x)

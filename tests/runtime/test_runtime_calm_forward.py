@@ -178,3 +178,25 @@ def test_a_plan_seam_of_the_callers_own_turns_calm_forwards_off():
     del guard.decide   # the guard's own seam again: calm
     guard.run_step(_step_fn(model, _batches((4,)), []))
     assert guard.history[-1]["calm_forwards"] == 1
+
+
+def test_a_calm_forward_leaves_a_reserve_for_its_backward_until_it_is_done():
+    """Both forwards of a step before either backward: what the first one's backward will
+    add above the device is reserved for the second's decisions (window.pending_backward,
+    which a hooked forward sets from its own decisions' predictions), a calm forward's as
+    the last hooked forward predicted it (the step that made the evidence); each is dropped
+    once that backward is done."""
+    batches = _batches((4, 4))
+    model = build_model(TINY, seed=0)
+    guard = spikeguard.attach(model, budget="1GiB", policy="adaptive")
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with guard.step():
+            last = guard.window.last_backward_excess
+            outs = [model(t[:, :-1], t[:, 1:]) for t in batches]
+            between = dict(guard.window.pending_backward)
+            for out in outs:
+                out.loss.backward()
+            assert guard.window.pending_backward == {}
+    assert guard.history[-1]["calm_forwards"] == 2
+    assert last is not None and between == {0: last, 1: last}, (between, last)
