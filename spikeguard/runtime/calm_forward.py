@@ -36,7 +36,8 @@ What a calm forward does not do, and why that is safe:
     calm step's record names its peak's phase and the head, not a layer.
 Not under expert parallelism (a rank's counts move from layer to layer, and the group's
 votes run per layer), in a pipeline (its residency may evict any older micro-batch's
-layer), or where the model has FSDP2 units.
+layer), where the model has FSDP2 units, or while a caller's own callable stands in for
+a method of the guard, its planner or its window (`seams_replaced`).
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ class CalmForwards:
         # per-layer proof reads FSDP2's bytes still to come). Tests that study the hooked
         # path on the later steps of one process turn `enabled` off.
         self.enabled = supported and hookless.enabled and hookless.exact_routing
-        # False while a caller has put its own plan seam on the guard (`guard.decide`: the
-        # oracle bench's plan table, a test's forced plan): every layer then decides.
+        # False while a caller has put its own callable in place of a method of the
+        # guard, its planner or its window (`seams_replaced`: the oracle bench's plan
+        # table, gpu_check's blind prevention, a test's forced plan or watcher): every
+        # layer then reaches it.
         self.seams_own = seams_own
         # Inputs' signature -> [(device's figure at the start, gradient bytes its backward
         # was to add)] of hooked forwards of those shapes that kept every layer whole and
@@ -153,3 +156,11 @@ class CalmForwards:
 def _covers(seen: tuple[int, int], now: tuple[int, int]) -> bool:
     """A forward from `seen` (in-use, gradients to come) is at least as tight as `now`."""
     return now[0] <= seen[0] and now[1] <= seen[1]
+
+
+def seams_replaced(*objects) -> bool:
+    """Whether a caller has put a callable of its own in place of a method of one of
+    `objects` (an instance attribute shadowing its class's method: `guard.decide = ...`,
+    `guard.planner.fixed = ...`); the guard's own parts set none."""
+    return any(callable(v) and callable(getattr(type(o), k, None))
+               for o in objects for k, v in vars(o).items())

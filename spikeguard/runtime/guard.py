@@ -37,7 +37,7 @@ from spikeguard.memory.snapshot import memory_snapshots
 from spikeguard.memory.static import StaticWalk, optimizer_state_bytes
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
-from spikeguard.runtime.calm_forward import CalmForwards
+from spikeguard.runtime.calm_forward import CalmForwards, seams_replaced
 from spikeguard.runtime.fsdp import fsdp_states, model_fsdp_bytes, reset_after_failed_attempt
 from spikeguard.runtime.doors import net_door, window_door
 from spikeguard.runtime.device_state import (
@@ -124,7 +124,7 @@ class Guard:
             self.window, self.tracker, self.ledger, self.shape, exact_routing=self.group is None,
             last_layer=max(self.adapter.layer_index(b) for b in self.moe_blocks))
         self.calm = CalmForwards(self.hookless, self.position, not fsdp_states(model),
-                                 lambda: not {"decide", "record_plan"} & vars(self).keys())
+                                 lambda: not seams_replaced(self, self.planner, self.window))
         agreement = self.adapter.agreement()   # None without a group: a rank decides alone
         if agreement is not None:
             agreement.device = self.device

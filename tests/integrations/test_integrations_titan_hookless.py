@@ -129,6 +129,7 @@ def _embed_case(budget, ends: bool, data, steps: int = 3):
     model = build()
     guard = spikeguard.attach(model, budget=budget, policy="adaptive")
     guard.hookless.ends.enabled = ends
+    guard.calm.enabled = False   # the hooked path's later forwards (else calm_forward.py's)
     packs = _Packs(guard)
     for _ in range(steps - 1):
         step(model, data, guard)

@@ -159,8 +159,8 @@ def test_a_new_shape_runs_hooked_once():
 
 
 def test_a_plan_seam_of_the_callers_own_turns_calm_forwards_off():
-    """The oracle bench and tests put their own `guard.decide` on a guard: every layer
-    of every forward must reach it."""
+    """The oracle bench and tests put their own `guard.decide` (or the planner's `fixed`)
+    on a guard: every layer of every forward must reach it."""
     model = build_model(TINY, seed=0)
     guard = spikeguard.attach(model, budget="1GiB", policy="none")
     calls = []
@@ -178,6 +178,10 @@ def test_a_plan_seam_of_the_callers_own_turns_calm_forwards_off():
     del guard.decide   # the guard's own seam again: calm
     guard.run_step(_step_fn(model, _batches((4,)), []))
     assert guard.history[-1]["calm_forwards"] == 1
+    fixed, plans = guard.planner.fixed, []   # the planner's plan seam (test_sim_device_bytes)
+    guard.planner.fixed = lambda plan, num_routed: plans.append(plan) or fixed(plan, num_routed)
+    guard.run_step(_step_fn(model, _batches((4,)), []))
+    assert guard.history[-1]["calm_forwards"] == 0 and len(plans) >= TINY.num_layers
 
 
 def test_a_calm_forward_leaves_a_reserve_for_its_backward_until_it_is_done():
