@@ -38,9 +38,8 @@ def run_window(door: WindowDoor, block: MoEBlock, dispatched) -> torch.Tensor:
         door.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
         return block.experts(dispatched.x_ND, counts)
     if door.position.calm:   # kept whole, proven before the forward (runtime/calm_forward.py)
-        door.record_plan(block.layer_idx, counts, ALL_SAVE)
-        door.calm.layer_ran()
-        return block.experts(dispatched.x_ND, counts)
+        return door.calm.run_layer(door.record_plan, block.layer_idx, counts, ALL_SAVE,
+                                   block.experts, dispatched.x_ND, counts)
     decision = door.decide(block.layer_idx, dispatched.x_ND.shape[0])
     door.record_plan(block.layer_idx, counts, decision.plan)
     if not door.hookless.tracker.is_paused:   # paused: covered whole, combine runs paused

@@ -123,9 +123,8 @@ def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[i
         door.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
         return call(*inputs)
     if door.position.calm:   # kept whole, proven before the forward (runtime/calm_forward.py)
-        door.record_plan(layer, counts, RegionPlan((Action.SAVE,)))
-        door.calm.layer_ran()
-        return call(*inputs)
+        return door.calm.run_layer(door.record_plan, layer, counts,
+                                   RegionPlan((Action.SAVE,)), call, *inputs)
     decision = door.decide(layer, num_routed)
     action = region_action(decision.plan)
     door.record_plan(layer, counts, RegionPlan((action,)))

@@ -146,11 +146,16 @@ class CalmForwards:
             step.hookless_ends += 2
             step.calm_forwards += 1
 
-    def layer_ran(self) -> None:
-        """A layer's expert path ran calm: counted as a hookless layer of the step."""
+    def run_layer(self, record_plan: Callable, layer: int, counts, plan, call, *inputs):
+        """A layer's expert path in a calm forward (the built-in window, the shared region
+        of transformers and torchtitan): its plan (keep everything) and counts recorded
+        for the step's record (`record_plan`: the guard's), counted as a hookless layer of
+        the step, and the experts called on `inputs`."""
+        record_plan(layer, counts, plan)
         step = self.hookless.window.recorder()
         if step is not None:
             step.hookless_layers += 1
+        return call(*inputs)
 
 
 def _covers(seen: tuple[int, int], now: tuple[int, int]) -> bool:

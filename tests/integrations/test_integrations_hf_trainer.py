@@ -3,7 +3,9 @@
 steps, one process. The guarded runs end with parameters `torch.equal` to the unguarded
 Trainer's; adaptive, at a budget between full recompute's peak and the all-saved peak,
 stays under it where `none` dies in one line; gradient accumulation gives one guard
-record per micro-batch; the guard is gone when training ends. Peaks are read by a
+record per micro-batch; from their second step (none) and third (adaptive) the forwards
+run calm, as the plain model's (runtime/calm_forward.py); the guard is gone when
+training ends. Peaks are read by a
 callback at each step's end from the device's own peak counter (the emulated allocator's,
 the optimizer step included), not from the guard's history.
 
@@ -97,6 +99,13 @@ def test_three_steps_bitwise_and_the_guard_is_gone_after(runs, tmp_path):
     assert runs["full_peak"] < runs["none_peak"]
     model, trainer = _train(tmp_path, budget=HUGE, policy="adaptive")
     assert _equal(runs["plain"], model)
+    # calm forwards (runtime/calm_forward.py) run inside the Trainer's own steps: none's
+    # after its first forward of these shapes, adaptive's once a hooked forward kept
+    # everything from a start as tight (the optimizer's state arrives in step 1's update)
+    calm = {p: [r["calm_forwards"] for r in h]
+            for p, h in (("none", runs["none"]), ("adaptive", trainer.spikeguard.history))}
+    assert calm == {"none": [0, 1, 1], "adaptive": [0, 0, 1]}, calm
+    assert [r["calm_forwards"] for r in runs["full"]] == [0, 0, 0]
     assert not trainer.spikeguard.attached                 # detached at on_train_end
     assert "forward" not in vars(model)
 
