@@ -32,12 +32,24 @@ What a calm forward does not do, and why that is safe:
   * the forecast, the layer peaks and the cost model learn nothing from it: they keep
     what the last forward of the same shapes run with hooks taught them (a calm forward
     holds the same);
-  * the device's position labels stay at the forward's embedding, then the head, so a
-    calm step's record names its peak's phase and the head, not a layer.
-Not under expert parallelism (a rank's counts move from layer to layer, and the group's
-votes run per layer), in a pipeline (its residency may evict any older micro-batch's
-layer), where the model has FSDP2 units, or while a caller's own callable stands in for
-a method of the guard, its planner or its window (`seams_replaced`).
+  * the device's position labels follow the layers' entries in the forward but not the
+    backward (they stay at the head's), so a calm step's record names its peak's phase
+    and, in backward, the head rather than a layer.
+Under expert parallelism only for policy none: its every layer keeps everything with no
+hook whatever it receives, so nothing is to be proven, and a calm forward makes the same
+collectives as a hooked one (the dispatcher's counts exchanges and exchanges, a family's
+flag points at its units, the net's end-of-attempt flag point: none of them is the
+layers' guard code), so each rank may run calm or not on its own. Not under adaptive
+there (a rank's counts move from layer to layer, unknown before the forward: a spike in
+a later layer must still find its own plan), nor where the layers cast the group's
+whole-layer fallback vote (transformers' EP with some rank adaptive: a collective at
+every layer), in a pipeline (its residency may evict any older micro-batch's layer),
+where the model has FSDP2 units, or while a caller's own callable stands in for a method
+of the guard, its planner or its window (`seams_replaced`).
+
+A calm layer still moves the device's position label to itself (one call), so that an
+out-of-memory line names the layer as the hooked path's would; its backward is not
+labelled per layer (the labels stay at the head's backward).
 """
 
 from __future__ import annotations
@@ -61,9 +73,13 @@ class CalmForwards:
         self.hookless = hookless
         self.position = position
         # `supported`: the model has no FSDP2 unit (left to the hooked path, whose
-        # per-layer proof reads FSDP2's bytes still to come). Tests that study the hooked
-        # path on the later steps of one process turn `enabled` off.
-        self.enabled = supported and hookless.enabled and hookless.exact_routing
+        # per-layer proof reads FSDP2's bytes still to come) and its layers cast no
+        # whole-layer fallback vote (a collective each rank's hooked forward makes at every
+        # layer: a calm rank would skip it). Under expert parallelism (no exact counts)
+        # only policy none: nothing of it depends on the counts a layer receives. Tests
+        # that study the hooked path on the later steps of one process turn `enabled` off.
+        self.enabled = supported and hookless.enabled and (
+            hookless.exact_routing or hookless.window.policy == "none")
         # False while a caller has put its own callable in place of a method of the
         # guard, its planner or its window (`seams_replaced`: the oracle bench's plan
         # table, gpu_check's blind prevention, a test's forced plan or watcher): every

@@ -123,16 +123,16 @@ class Guard:
         self.hookless = HooklessLayers(
             self.window, self.tracker, self.ledger, self.shape, exact_routing=self.group is None,
             last_layer=max(self.adapter.layer_index(b) for b in self.moe_blocks))
-        self.calm = CalmForwards(self.hookless, self.position, not fsdp_states(model),
-                                 lambda: not seams_replaced(self, self.planner, self.window))
         agreement = self.adapter.agreement()   # None without a group: a rank decides alone
         if agreement is not None:
             agreement.device = self.device
-        self.layers = GuardedLayers(self.adapter, self.moe_blocks, self.position, self.window,
-                                    self.ledger, self.hookless, full_recompute=policy == "full",
-                                    agreement=agreement
-                                    if self.adapter.layer_fallback_agreed else None)
+        self.layers = GuardedLayers(
+            self.adapter, self.moe_blocks, self.position, self.window, self.ledger, self.hookless,
+            policy == "full", agreement if self.adapter.layer_fallback_agreed else None)
         self.layers.agree_at_attach(policy)
+        self.calm = CalmForwards(self.hookless, self.position, not (
+            fsdp_states(model) or self.layers.votes), lambda: not seams_replaced(
+                self, self.planner, self.window))
         # Whether some rank of the group is adaptive (then any rank may have to re-run a
         # step its peer failed, and keeps the gradients to put back); every rank attaches.
         self.group_adaptive = (agreement.any_rank(policy == "adaptive")

@@ -51,6 +51,7 @@ class GuardedLayers:
             on_grad(args[0], functools.partial(self.window.backward_done,
                                                self.position.ctx.micro_batch))
         if self.position.calm:   # proven before the forward began (runtime/calm_forward.py)
+            self.position.enter_layer(layer_idx)   # an out-of-memory line names the layer
             return orig_forward(*args, **kwargs)
         if not self.position.in_forward:
             return self._body(layer, orig_forward, layer_idx, args, kwargs)
@@ -88,6 +89,12 @@ class GuardedLayers:
                              "parallelism (a layer recomputed whole re-runs its count "
                              "exchange, which every rank must then run too)")
         self.agree_fallback = self.agreement.any_rank(policy == "adaptive")
+
+    @property
+    def votes(self) -> bool:
+        """Whether each layer's forward casts the group's whole-layer fallback vote (a
+        collective every rank makes at the same layer; not under full recompute)."""
+        return self.agreement is not None and self.agree_fallback and not self.full_recompute
 
     def falls_back(self, layer_idx: int) -> bool:
         """Adaptive's whole-layer fallback for this layer: the window's, agreed by the group

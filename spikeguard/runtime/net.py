@@ -79,9 +79,7 @@ def layer_votes(door: NetDoor) -> bool:
     """Whether this attempt's layers vote on the whole-layer fallback (GuardedLayers: some
     rank adaptive, where a recomputed layer re-issues a collective; not under full
     recompute): the votes are flag points the journal of a family's EP counts on."""
-    layers = door.layers
-    return (layers.agreement is not None and layers.agree_fallback
-            and not layers.full_recompute)
+    return door.layers.votes
 
 
 class MicroBatchNet:

@@ -162,6 +162,7 @@ def _hookless_run(policy: str, hookless: bool, data, reference) -> dict:
     model = build(ep=2)
     guard = spikeguard.attach(model, budget=HUGE, policy=policy)
     guard.hookless.enabled = hookless
+    guard.calm.enabled = False   # the hooked path's own attribution is what is studied
     step(model, data, guard)
     seen = {}
 

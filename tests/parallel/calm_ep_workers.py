@@ -1,0 +1,130 @@
+"""Spawned rank functions for tests/parallel/test_parallel_calm_forward_ep.py.
+
+Every rank builds the same `tiny` model (seed 0) and shards its experts over the group
+(parallelize_experts); its micro-batches are its own data. B = sequences per micro-batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import spikeguard
+from spikeguard.model import build_model, model_config
+from spikeguard.parallel import parallelize_experts
+from spikeguard.parallel.launch_utils import close_gloo, init_gloo
+
+from meter import LiveMeter, model_state_tensors
+
+CFG = model_config("tiny")
+HUGE = 1 << 40
+# Sequences per micro-batch, per step, per rank: rank 0's third step starts with a shape
+# it has not seen (a hooked forward) while rank 1's is calm, so the ranks run calm and
+# hooked forwards side by side and their collectives must still meet.
+SHAPES = {0: [(4, 8), (4, 8), (6, 8)], 1: [(4, 8), (4, 8), (4, 8)]}
+
+
+def _data(rank: int, step: int, sizes) -> list:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return [torch.randint(0, CFG.vocab_size, (b, CFG.seq_len + 1), generator=gen)
+            for b in sizes]
+
+
+def _model():
+    return parallelize_experts(build_model(CFG, seed=0), torch.distributed.group.WORLD)
+
+
+def _step_fn(model, batches, watch=None):
+    """`watch(i, ended)`: called before micro-batch i's forward (False) and after (True)."""
+    def fn():
+        for i, t in enumerate(batches):
+            if watch is not None:
+                watch(i, False)
+            loss = model(t[:, :-1], t[:, 1:]).loss
+            if watch is not None:
+                watch(i, True)
+            loss.backward()
+    return fn
+
+
+def side_by_side_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    """The plain model, `none` with calm forwards and `none` with them off, step by step
+    in turn (each rank in the same order): per model and step the local gradients, per
+    guard its records and the independent meter's peak of each step."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        models = {name: _model() for name in ("plain", "calm", "hooked")}
+        guards = {name: spikeguard.attach(models[name], budget=HUGE, policy="none")
+                  for name in ("calm", "hooked")}
+        guards["hooked"].calm.enabled = False
+        out = {name: {"grads": [], "peaks": []} for name in models}
+        for step, sizes in enumerate(SHAPES[rank]):
+            batches = _data(rank, step, sizes)
+            for name, model in models.items():
+                model.zero_grad(set_to_none=True)
+                fn = _step_fn(model, batches)
+                meter = LiveMeter(baseline_tensors=model_state_tensors(model))
+                with meter:
+                    fn() if name == "plain" else guards[name].run_step(fn)
+                out[name]["peaks"].append(meter.peak_bytes)
+                out[name]["grads"].append({n: p.grad.clone()
+                                           for n, p in model.named_parameters()})
+        for name, guard in guards.items():
+            out[name]["history"] = guard.history
+            guard.detach()
+        torch.save(out, Path(out_dir) / f"side_by_side_rank{rank}.pt")
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
+
+
+def out_of_memory_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                         calm: bool) -> None:
+    """`none` under a budget its calm steps fit, calm forwards on or off: two steps, then a
+    third whose first forward on rank 0 starts beside a device tensor that leaves it half
+    the room that forward grew by on the step before (the same shapes), so it runs out
+    inside the forward (and the attempt, freed, leaves room for what the peer waits in). Saved: each rank's line, and its record of calm forwards."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        batches = _data(rank, 0, (4, 8))
+        probe_model = _model()
+        probe = spikeguard.attach(probe_model, budget=HUGE, policy="none")
+        probe.run_step(_step_fn(probe_model, batches))
+        budget = int(1.2 * probe.history[-1]["peak_bytes"])
+        probe.detach()
+        del probe_model, probe
+
+        model = _model()
+        guard = spikeguard.attach(model, budget=budget, policy="none")
+        guard.calm.enabled = calm
+        seen, ballast = [], []
+
+        def note(i, ended):   # the device's figure before micro-batch 0's forward, after
+            if i == 0:
+                seen.append(guard.ledger.in_use())
+
+        def crowd(i, ended):  # rank 0, step 3: before micro-batch 0's forward, beside it
+            if i == 0 and rank == 0 and not ended:
+                start, grown = seen[0], seen[1] - seen[0]
+                ballast.append(torch.empty(budget - start - grown // 2, dtype=torch.uint8))
+                ballast[-1].fill_(1)
+
+        guard.run_step(_step_fn(model, batches))
+        guard.run_step(_step_fn(model, batches, note))
+        line = ""
+        try:
+            guard.run_step(_step_fn(model, batches, crowd))
+        except spikeguard.DeviceOutOfMemory as err:
+            line = str(err)
+        ballast.clear()
+        torch.save({"line": line, "budget": budget,
+                    "calm": [r["calm_forwards"] for r in guard.history]},
+                   Path(out_dir) / f"oom_{'calm' if calm else 'hooked'}_rank{rank}.pt")
+        guard.detach()
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
+
