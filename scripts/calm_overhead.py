@@ -192,7 +192,8 @@ def _measure(args, parser, group) -> None:
         evicted[p] = sum(r["evicted_bytes"] for r in g.history[1:]) / max(1, len(g.history) - 1)
         hookless[p] = sum(r.get("hookless_layers", 0) for r in g.history[1:]) \
             / max(1, len(g.history) - 1)
-        calm[p] = sum(r["calm_forwards"] for r in g.history[1:]) / max(1, len(g.history) - 1)
+        calm[p] = (sum(r["calm_forwards"] for r in g.history[1:]) / max(1, len(g.history) - 1),
+                   sum(r["calm_left"] for r in g.history[1:]) / max(1, len(g.history) - 1))
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
         name = args.hf or args.titan or "small"
@@ -205,7 +206,8 @@ def _measure(args, parser, group) -> None:
                   f"({min(times[p]) * 1e3:.1f}-{max(times[p]) * 1e3:.1f})   plain/this "
                   f"{s['median']:.3f} [95% {interval(s)}] ({rounds_text(s)})"
                   + (f"   evicted {evicted[p] / 2**20:.1f} MiB/step, hookless layers "
-                     f"{hookless[p]:.1f}/step, calm forwards {calm[p]:.2f}/step"
+                     f"{hookless[p]:.1f}/step, calm forwards {calm[p][0]:.2f}/step"
+                     + (f" ({calm[p][1]:.2f} left calm)" if calm[p][1] else "")
                      if p in evicted else ""))
     _detach(guards)
 

@@ -37,7 +37,8 @@ def run_window(door: WindowDoor, block: MoEBlock, dispatched) -> torch.Tensor:
     if door.in_full_region():
         door.record_plan(block.layer_idx, counts, FULL_RECOMPUTE)
         return block.experts(dispatched.x_ND, counts)
-    if door.position.calm:   # kept whole, proven before the forward (runtime/calm_forward.py)
+    if door.position.calm and door.calm.keeps(block.layer_idx, dispatched.x_ND.shape[0]):
+        # kept whole, proven before the forward (runtime/calm_forward.py)
         return door.calm.run_layer(door.record_plan, block.layer_idx, counts, ALL_SAVE,
                                    block.experts, dispatched.x_ND, counts)
     decision = door.decide(block.layer_idx, dispatched.x_ND.shape[0])

@@ -122,7 +122,8 @@ def run_region(door: WindowDoor, layer: int, call, inputs: tuple, counts: list[i
     if door.in_full_region():
         door.record_plan(layer, counts, RegionPlan((Action.RECOMPUTE,)))
         return call(*inputs)
-    if door.position.calm:   # kept whole, proven before the forward (runtime/calm_forward.py)
+    if door.position.calm and door.calm.keeps(layer, num_routed):
+        # kept whole, proven before the forward (runtime/calm_forward.py)
         return door.calm.run_layer(door.record_plan, layer, counts,
                                    RegionPlan((Action.SAVE,)), call, *inputs)
     decision = door.decide(layer, num_routed)

@@ -22,9 +22,10 @@ on the active emulated device).
 
 What a calm forward does not do, and why that is safe:
   * no decision reacts to what the device shows at a layer: the proof was made at the
-    forward's start with exact counts and the growth measured on the last forward of the
-    same shapes; a forward that still runs out is re-run by the safety net, with every
-    layer recomputed whole (never calm);
+    forward's start with exact counts (under expert parallelism predicted ones, checked
+    at each layer: below) and the growth measured on the last forward of the same
+    shapes; a forward that still runs out is re-run by the safety net, with every layer
+    recomputed whole (never calm);
   * nothing is modelled in the ledger: outside a pipeline another micro-batch's decisions
     evict only their own layers (runtime/hooks.py `evict`), so nothing needs these (what
     its backward will add above its forward's end is left for a forward that runs before
@@ -35,32 +36,42 @@ What a calm forward does not do, and why that is safe:
   * the device's position labels follow the layers' entries in the forward but not the
     backward (they stay at the head's), so a calm step's record names its peak's phase
     and, in backward, the head rather than a layer.
-Under expert parallelism only for policy none: its every layer keeps everything with no
-hook whatever it receives, so nothing is to be proven, and a calm forward makes the same
-collectives as a hooked one (the dispatcher's counts exchanges and exchanges, a family's
-flag points at its units, the net's end-of-attempt flag point: none of them is the
-layers' guard code), so each rank may run calm or not on its own. Not under adaptive
-there (a rank's counts move from layer to layer, unknown before the forward: a spike in
-a later layer must still find its own plan), nor where the layers cast the group's
-whole-layer fallback vote (transformers' EP with some rank adaptive: a collective at
-every layer), in a pipeline (its residency may evict any older micro-batch's layer),
-where the model has FSDP2 units, or while a caller's own callable stands in for a method
-of the guard, its planner or its window (`seams_replaced`).
+Under expert parallelism a rank's counts move from layer to layer and are known only
+once exchanged. Under none nothing depends on them. Under adaptive the start proof walks
+each layer at the copies it predicts (runtime/routed_history.py: the most of that layer's
+last 16 forwards, plus 5%), as the hooked path's proof at a micro-batch's first layer
+does, and the calm forward checks each layer against that walk once its counts are in
+(`keeps`): a layer that routes more copies than the walk put it at, or finds the device
+above the figure the walk put its decision at, leaves calm there (a spike, or a layer
+grown past its history): that layer decides as on the hooked path, and the forward runs
+hooked from it on (the tracker's pair entered until the forward returns). Every earlier
+layer kept everything, as the walk that cleared them assumed of them, and nothing of
+theirs was evictable: the hooked path's covered layers are no different. A calm forward
+makes the same collectives as a hooked one (the dispatcher's counts exchanges and
+exchanges, a family's flag points at its units, the net's end-of-attempt flag point:
+none of them is the layers' guard code), so each rank runs calm or not on its own. Not
+where the layers cast the group's whole-layer fallback vote (transformers' EP with some
+rank adaptive: a collective at every layer), in a pipeline (its residency may evict any
+older micro-batch's layer), where the model has FSDP2 units, or while a caller's own
+callable stands in for a method of the guard, its planner or its window
+(`seams_replaced`).
 
-A calm layer still moves the device's position label to itself (one call), so that an
-out-of-memory line names the layer as the hooked path's would; its backward is not
+A calm layer still moves the device's position label to itself and notes its entry's
+figure (two calls), so that an out-of-memory line names the layer as the hooked path's
+would, and a layer that leaves calm decides from its own entry; its backward is not
 labelled per layer (the labels stay at the head's backward).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from spikeguard.runtime.device_state import PHASE_FORWARD
 from spikeguard.runtime.hookless import HooklessLayers
+from spikeguard.runtime.hooks import innermost_saved_tensor_hooks
 from spikeguard.runtime.hookless_ends import EMBED_LAYER, signature
 from spikeguard.runtime.position import Position
 
@@ -75,11 +86,9 @@ class CalmForwards:
         # `supported`: the model has no FSDP2 unit (left to the hooked path, whose
         # per-layer proof reads FSDP2's bytes still to come) and its layers cast no
         # whole-layer fallback vote (a collective each rank's hooked forward makes at every
-        # layer: a calm rank would skip it). Under expert parallelism (no exact counts)
-        # only policy none: nothing of it depends on the counts a layer receives. Tests
-        # that study the hooked path on the later steps of one process turn `enabled` off.
-        self.enabled = supported and hookless.enabled and (
-            hookless.exact_routing or hookless.window.policy == "none")
+        # layer: a calm rank would skip it). Tests that study the hooked path on the later
+        # steps of one process turn `enabled` off.
+        self.enabled = supported and hookless.enabled
         # False while a caller has put its own callable in place of a method of the
         # guard, its planner or its window (`seams_replaced`: the oracle bench's plan
         # table, gpu_check's blind prevention, a test's forced plan or watcher): every
@@ -93,23 +102,38 @@ class CalmForwards:
         # backward ran out). A micro-batch after another's backward starts higher with
         # less to add, so a few are kept, none below another.
         self._kept: dict[tuple, list[tuple[int, int]]] = {}
+        # Under expert parallelism (adaptive), layer -> (the device's figure at its
+        # decision, its routed copies) where the running calm forward's start proof walked
+        # it: a layer beyond either leaves calm (`keeps`). None: nothing to check (one
+        # process: exact counts; policy none: nothing of it depends on them).
+        self._bounds: Optional[dict[int, tuple[int, int]]] = None
+        self._stack: Optional[contextlib.ExitStack] = None   # the running calm forward's
+        self._top = None      # autograd's innermost saved-tensor hooks at its start
+        self._left = False    # it left calm at a layer
+        self._shape: Optional[tuple] = None   # its first guarded layer's input shape
+        self.ran_calm = False   # the last forward ran calm to its end (the guard reads it)
 
     @contextlib.contextmanager
     def forward(self, args, kwargs, whole_recompute: bool):
-        """A guarded forward (after `window.begin_micro_batch`): calm where proven (yields
-        True), else hooked, and noted where it kept everything (yields False)."""
+        """A guarded forward (after `window.begin_micro_batch`): calm where proven, else
+        hooked, and noted where it kept everything. `ran_calm` says after it whether it
+        ran calm to its end (a calm forward teaches the forecast nothing new)."""
         h = self.hookless
+        self.ran_calm = False
         inputs = signature(args, kwargs)
         in_use = h.ledger.in_use()
         grads = max(h.window.grads_to_come.values(), default=0)
         if self._proven(inputs, args, kwargs, in_use, grads, whole_recompute):
             with self._running():
-                yield True
+                yield
+            self.ran_calm = not self._left
+            if self._left:   # beyond the walk: these shapes run hooked again, once
+                self._kept.pop(inputs, None)
             return
         step = h.window.recorder()
         before = None if step is None else (step.hookless_layers, step.evicted_bytes)
         with h.ends.hooked_forward(args, kwargs, whole_recompute):
-            yield False
+            yield
         if before is not None and not whole_recompute and self.enabled:
             kept = (step.hookless_layers - before[0] == h.window.num_layers
                     and step.evicted_bytes == before[1])
@@ -135,7 +159,47 @@ class CalmForwards:
         if h.window.policy == "adaptive" and not any(
                 _covers(s, (in_use, grads)) for s in self._kept.get(inputs, ())):
             return False
-        return h.ends.calm_from_start(args, kwargs, in_use)
+        if not h.ends.calm_from_start(args, kwargs, in_use):
+            return False
+        self._bounds = None if h.exact_routing or h.window.policy == "none" else {
+            layer: (at, routed) for layer, at, routed in h.walked}
+        self._shape = h.ends.first_shape(args, kwargs)
+        return True
+
+    def keeps(self, layer: int, num_routed: int) -> bool:
+        """In a calm forward, at `layer`'s expert path, its routed copies `num_routed`
+        known: does it stay calm? Always in one process and under none; under expert
+        parallelism where neither its copies nor the device's figure now pass where the
+        start proof's walk put them (then every later step of that walk, made from there,
+        still holds). Where not, the forward leaves calm here (`_leave`): this layer
+        decides as on the hooked path, and the layers after it run hooked (covered from
+        their entry where that decision proves them, as on the hooked path). A proof made
+        again here instead, as `hookless.proven` makes it, is not enough: it kept
+        everything where the hooked path's decision moved something (tiny, EP=2, 1.05x)."""
+        bounds = self._bounds
+        if bounds is None:
+            return True
+        h = self.hookless
+        at, routed = bounds.get(layer, (-1, -1))
+        if num_routed <= routed and h.ledger.in_use() <= at:
+            h.routed.note(h.window.ctx.micro_batch, layer, num_routed)
+            return True
+        return not self._leave()
+
+    def _leave(self) -> bool:
+        """Hooked from here to the forward's end: the tracker's pair entered (taken off
+        when the forward returns), the calm flag down. Not where a saved-tensor hook of
+        someone else's was entered inside the forward and is still on (its exit would
+        then pop this pair): it stays calm, and a forward that runs out is re-run by the
+        safety net."""
+        if innermost_saved_tensor_hooks() != self._top:
+            return False
+        self.position.calm = False
+        self._left = True
+        self._stack.enter_context(self.hookless.tracker.hooks())
+        if self._shape is not None:
+            self.hookless.leave_calm(self._shape)
+        return True
 
     def forget(self) -> None:
         """An attempt failed: what the hooked forwards showed is no evidence any more."""
@@ -146,13 +210,21 @@ class CalmForwards:
         """The forward inside runs calm: the layers' and the windows' guard code steps
         aside (runtime/layers.py, the adapters' windows)."""
         self.position.calm = True
+        self._left = False
+        self._top = innermost_saved_tensor_hooks()
         self.position.set_where(PHASE_FORWARD, EMBED_LAYER)
         w = self.hookless.window
         step = w.recorder()
         try:
-            yield
+            with contextlib.ExitStack() as self._stack:
+                yield
         finally:
             self.position.calm = False
+            self._stack = None
+        if self._left:   # its hooked part decided and is observed as a hooked forward's
+            if step is not None:
+                step.calm_left += 1
+            return
         if w.last_backward_excess is not None:
             # What its backward will add above the device as it leaves it, as the last
             # hooked forward predicted (same shapes): a later forward that runs before

@@ -362,14 +362,14 @@ class Guard:
             self.planner.refresh()
         self.position.in_forward = True
         try:
-            with self.calm.forward(args, kwargs, self.full_recompute) as calm:
+            with self.calm.forward(args, kwargs, self.full_recompute):
                 out = orig_forward(*args, **kwargs)
         finally:
             self.position.in_forward = False
         self.engine.end_forward()
         self.ctx.tags.clear()
         self.position.at_head_backward()
-        if not calm:   # a calm forward teaches nothing new (runtime/calm_forward.py)
+        if not self.calm.ran_calm:   # a calm forward teaches nothing new (calm_forward.py)
             self.window.observe_forward(mb, out, num_tokens(args, kwargs),
                                         [self.adapter.layer_index(b) for b in self.moe_blocks])
         if self._recorder is not None:

@@ -29,6 +29,7 @@ class StepRecorder:
         self.hookless_layers = 0   # expert paths run with no saved-tensor hook (hookless.py)
         self.hookless_ends = 0   # embeddings and heads run with none (hookless_ends.py)
         self.calm_forwards = 0   # forwards run as the plain model's (calm_forward.py)
+        self.calm_left = 0   # ... that left calm at a layer beyond their proof's walk
         self.evicted_bytes = 0
         self.prefetched_bytes = 0   # of the evicted: brought back to the device for backward
         self.plan_us: list[float] = []
@@ -60,6 +61,7 @@ class StepRecorder:
         self.hookless_layers = 0
         self.hookless_ends = 0
         self.calm_forwards = 0
+        self.calm_left = 0
         self.evicted_bytes = 0
         self.prefetched_bytes = 0
         self.peak_bytes, self.peak_where = 0, 0
@@ -110,6 +112,7 @@ class StepRecorder:
             "micro_batches": self.micro_batches, "safety_net_reruns": self.safety_net_reruns,
             "full_layers": self.full_layers, "hookless_layers": self.hookless_layers,
             "hookless_ends": self.hookless_ends, "calm_forwards": self.calm_forwards,
+            "calm_left": self.calm_left,
             "evicted_bytes": self.evicted_bytes, "prefetched_bytes": self.prefetched_bytes,
             "offloaded_bytes": offloaded_bytes_now - self.offloaded_bytes_before,
             "plan_us": sum(self.plan_us) / len(self.plan_us) if self.plan_us else 0.0,

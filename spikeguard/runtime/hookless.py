@@ -129,6 +129,10 @@ class HooklessLayers:
         # the last layer of that shape run hooked, for the next micro-batch's first layer.
         self._carried: dict[tuple, dict[str, int]] = {}
         self.growth = 0   # in-use from the running layer's entry to its decision
+        # The last walk's layers: (layer, the device's figure at its decision, its routed
+        # copies) as the walk put them (runtime/calm_forward.py checks a calm forward's
+        # layers against them under expert parallelism).
+        self.walked: list[tuple[int, int, int]] = []
         self._whole = False   # the layer running now is covered from its entry
         self._decided = False   # the layer running now decided (it is not recomputed whole)
 
@@ -269,6 +273,7 @@ class HooklessLayers:
         # Under EP, from layer to layer by what a layer was seen to leave and to grow to
         # its decision (LayerSteps); this layer's own growth to its decision left out once
         seen = None if self.exact_routing else self.steps.most(w.num_tokens)
+        self.walked = []
         for later, there in zip(later_layers, walks):
             if later > layer and seen is None:   # the layer before it kept everything,
                 at_decision += growth + self.keep_all_bytes(before) + post   # then attention
@@ -277,6 +282,7 @@ class HooklessLayers:
                     max(growth, seen[1]) - self.growth if later == layer + 1 else 0)
             if not self.needs_no_eviction(later, at_decision, there):
                 return False
+            self.walked.append((later, at_decision, there.routed))
             before = there.routed
         return w.forecast.residency is None or later_forwards_fit(
             self, layer, in_use, per_layer, walk, own_routed)
@@ -301,25 +307,43 @@ class HooklessLayers:
         self._covered_after[mb] = layer - 1
         return True
 
-    def fits_from_start(self, layer: int, shape: tuple, in_use: int) -> bool:
+    def fits_from_start(self, layer: int, shape: tuple, in_use: int,
+                        predicted: bool = False) -> bool:
         """Before a forward's embedding runs (runtime/hookless_ends.py): would its first
         guarded `layer`, on an input of `shape`, be proven at its entry with the device at
         `in_use` there, so that no decision of the micro-batch asks for eviction? Under
-        adaptive in one process (exact counts), where a layer of that shape ran hooked."""
+        adaptive, where a layer of that shape ran hooked: in one process on exact counts;
+        under expert parallelism, where `predicted`, on each layer's predicted ones
+        (`walked` then says where the walk put each layer: a calm forward checks them)."""
         carried = self._carried.get(shape)
         return carried is not None and self.window.policy == "adaptive" and \
-            self.exact_routing and bool(self.window.num_tokens) and \
-            self._fits_at_entry(layer, carried, in_use)
+            (self.exact_routing or predicted) and bool(self.window.num_tokens) and \
+            self._fits_at_entry(layer, carried, in_use, most_growth=True)
 
-    def _fits_at_entry(self, layer: int, carried: dict, in_use: int) -> bool:
+    def leave_calm(self, shape: tuple) -> None:
+        """A calm forward leaves calm at a layer (runtime/calm_forward.py): the layers
+        after it are covered from their entry where that layer proves them, modelled as
+        the last layer on an input of `shape` run hooked measured them."""
+        carried = self._carried.get(shape)
+        if carried is not None:
+            self._measured[self.window.ctx.micro_batch] = {op: carried[op]
+                                                           for op in MEASURED_OPS}
+
+    def _fits_at_entry(self, layer: int, carried: dict, in_use: int,
+                       most_growth: bool = False) -> bool:
         """The proof from `layer`'s entry at `in_use`, itself walked as a later layer at
         the growth `carried` measured there (the walk's step to the next layer reads it as
         this layer's). Its routed count: in one process exact; under expert parallelism
         what its recent forwards predict (no rise seen yet in the micro-batch), the later
-        layers' alike, once each has the history (else no proof)."""
+        layers' alike, once each has the history (else no proof). `most_growth` (a calm
+        forward's start, which checks each layer's decision against the walk): under
+        expert parallelism its growth to the decision at least the most any layer grew
+        (it grows with the rows it receives: layer 0 of `small` at EP=2 routes the most)."""
         w = self.window
         layer_part = carried["attn"] + carried["router"]
-        self.growth = growth = max(layer_part, carried["growth"])
+        growth = max(layer_part, carried["growth"])
+        seen = None if self.exact_routing or not most_growth else self.steps.most(w.num_tokens)
+        self.growth = growth = max(growth, seen[1]) if seen else growth
         if self.exact_routing:
             routed = own = int(w.seen.routed_per_token * w.num_tokens)
         else:

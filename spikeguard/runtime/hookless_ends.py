@@ -113,13 +113,20 @@ class HooklessEnds:
         keep everything, no decision asking for eviction (runtime/calm_forward.py)? Where a
         forward of the same inputs' shapes ran with its ends and first layer measured:
         under none always; under adaptive where the layers' proof holds from the first
-        layer's entry (`fits_from_start`: one process, exact counts)."""
+        layer's entry (`fits_from_start`: in one process on exact counts; under expert
+        parallelism on predicted ones, which the calm forward checks layer by layer)."""
         inputs = signature(args, kwargs)
         first = self._first.get(inputs)
         if not self.enabled or first is None or inputs not in self._carried:
             return False
-        return self.policy == "none" or self.fits_from_start(first[0], first[1],
-                                                             in_use + first[2])
+        return self.policy == "none" or self.fits_from_start(
+            first[0], first[1], in_use + first[2], predicted=True)
+
+    def first_shape(self, args, kwargs) -> Optional[tuple]:
+        """The first guarded layer's input shape on the last forward of these inputs'
+        shapes that measured it (None: none did)."""
+        first = self._first.get(signature(args, kwargs))
+        return None if first is None else first[1]
 
     def _embed_harmless(self, embed_bytes: int) -> bool:
         """Nothing of the step can want the embedding's saved tensors (module doc)."""

@@ -52,6 +52,7 @@ class GuardedLayers:
                                                self.position.ctx.micro_batch))
         if self.position.calm:   # proven before the forward began (runtime/calm_forward.py)
             self.position.enter_layer(layer_idx)   # an out-of-memory line names the layer
+            self.window.enter_layer(self.ledger.in_use())   # should it leave calm in there
             return orig_forward(*args, **kwargs)
         if not self.position.in_forward:
             return self._body(layer, orig_forward, layer_idx, args, kwargs)

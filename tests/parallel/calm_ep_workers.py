@@ -15,7 +15,7 @@ from spikeguard.model import build_model, model_config
 from spikeguard.parallel import parallelize_experts
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 
-from meter import LiveMeter, model_state_tensors
+from host_marks import metered
 
 CFG = model_config("tiny")
 HUGE = 1 << 40
@@ -64,8 +64,7 @@ def side_by_side_worker(rank: int, world_size: int, store_path: str, out_dir: st
             for name, model in models.items():
                 model.zero_grad(set_to_none=True)
                 fn = _step_fn(model, batches)
-                meter = LiveMeter(baseline_tensors=model_state_tensors(model))
-                with meter:
+                with metered(model) as meter:   # the guard's host copies marked as host
                     fn() if name == "plain" else guards[name].run_step(fn)
                 out[name]["peaks"].append(meter.peak_bytes)
                 out[name]["grads"].append({n: p.grad.clone()
@@ -128,3 +127,50 @@ def out_of_memory_worker(rank: int, world_size: int, store_path: str, out_dir: s
         raise
     close_gloo()
 
+
+def _calm_peak(rank: int) -> int:
+    """This rank's true peak of a calm step with everything kept (`none`, huge budget)."""
+    model = _model()
+    probe = spikeguard.attach(model, budget=HUGE, policy="none")
+    probe.run_step(_step_fn(model, _data(rank, 0, (4, 4))))
+    peak = probe.history[-1]["peak_bytes"]
+    probe.detach()
+    return peak
+
+
+def adaptive_spike_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                          factor: float) -> None:
+    """Adaptive at `factor` x this rank's calm all-kept peak, calm forwards on and off, and
+    the plain model, step by step in turn: 5 calm steps, then a step whose second
+    micro-batch on every rank is one token repeated (every copy of it routed to the same
+    experts: a spike on the rank that holds them), then a calm one.
+    Saved as in `side_by_side_worker`, with the budget."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        budget = int(factor * _calm_peak(rank))
+        models = {name: _model() for name in ("plain", "calm", "hooked")}
+        guards = {name: spikeguard.attach(models[name], budget=budget, policy="adaptive")
+                  for name in ("calm", "hooked")}
+        guards["hooked"].calm.enabled = False
+        out = {name: {"grads": [], "peaks": []} for name in models}
+        for step in range(7):
+            batches = _data(rank, step, (4, 4))
+            if step == 5:
+                batches = [torch.full_like(t, 7) for t in batches]
+            for name, model in models.items():
+                model.zero_grad(set_to_none=True)
+                fn = _step_fn(model, batches)
+                with metered(model) as meter:   # the guard's host copies marked as host
+                    fn() if name == "plain" else guards[name].run_step(fn)
+                out[name]["peaks"].append(meter.peak_bytes)
+                out[name]["grads"].append({n: p.grad.clone()
+                                           for n, p in model.named_parameters()})
+        for name, guard in guards.items():
+            out[name]["history"] = guard.history
+            guard.detach()
+        out["budget"] = budget
+        torch.save(out, Path(out_dir) / f"adaptive_{factor}_rank{rank}.pt")
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()

@@ -1,14 +1,22 @@
-"""Calm forwards under expert parallelism (spikeguard/runtime/calm_forward.py): policy
-`none`, two spawned ranks (gloo, EP=2, tiny with 4 experts: 2 per rank).
+"""Calm forwards under expert parallelism (spikeguard/runtime/calm_forward.py): two
+spawned ranks (gloo, EP=2, tiny with 4 experts: 2 per rank).
 
-Side by side in one job, step by step: the plain model, `none` with calm forwards and
-`none` with them off (every layer through the hooked path). Each rank's gradients are
-torch.equal across the three, the independent meter's peaks (tests/meter.py) and the
-device's equal (within 4 KiB: gloo's own buffers), the records' decisions, hookless layers and ends, received counts and imbalance equal. Rank
+Policy `none`, side by side in one job, step by step: the plain model, `none` with calm
+forwards and `none` with them off (every layer through the hooked path). Each rank's
+gradients are torch.equal across the three, the independent meter's peaks
+(tests/meter.py) and the device's equal (within 4 KiB: gloo's own buffers), the
+records' decisions, hookless layers and ends, received counts and imbalance equal. Rank
 0's third step starts with a shape it has not seen (hooked) while rank 1's forwards are
 calm: each rank decides alone, and the collectives still meet (a hang fails the spawn's
 deadline). A forward that runs out of memory inside a calm forward ends the job on both
 ranks with the same line the hooked path gives, naming the layer.
+
+Adaptive, the same three side by side at a huge budget and at 1.05x each rank's calm
+all-kept peak: calm forwards once the history and the evidence stand; a spike (one token
+repeated) leaves calm at the layer past the start proof's walk, and there decides and
+moves (offloads: bytes really moved) what the hooked path does; every step's true peak
+under the budget, no re-run, bitwise (seen failing with the check off, and with the
+tracker's pair not entered on leaving).
 
     .venv/bin/python -m pytest tests/parallel/test_parallel_calm_forward_ep.py -q
 """
@@ -77,3 +85,54 @@ def test_a_calm_forward_that_runs_out_ends_the_job_with_the_hooked_paths_line(tm
     assert lines["calm"] == lines["hooked"], lines
     assert "rank 0 ran out of memory in forward of micro-batch 0, layer " in lines["calm"]
 
+
+def _adaptive(tmp_path, factor: float) -> list:
+    run_spawned(workers.adaptive_spike_worker, WORLD, (str(tmp_path), factor),
+                store_path=tmp_path / "store", timeout_s=SPAWN_TIMEOUT_S)
+    return [torch.load(tmp_path / f"adaptive_{factor}_rank{r}.pt", weights_only=False)
+            for r in range(WORLD)]
+
+
+def _bitwise(out, rank) -> None:
+    for step, plain in enumerate(out["plain"]["grads"]):
+        for name in ("calm", "hooked"):
+            grads = out[name]["grads"][step]
+            assert [n for n in plain if not torch.equal(grads[n], plain[n])] == [], \
+                (rank, step, name)
+
+
+@pytest.mark.parametrize("factor", [64.0, 1.05])
+def test_adaptive_calm_forwards_leave_calm_where_a_spike_passes_their_walk(tmp_path, factor):
+    """Adaptive under EP: once every layer has 4 forwards of history and a hooked forward
+    of the shapes kept everything, forwards run calm; a micro-batch that routes past
+    what the start proof walked (a repeated token on every rank: a spike on the rank
+    that holds its experts) leaves calm at that layer and decides there, as the hooked
+    path does. At 1.05x of each rank's calm all-kept peak the spike makes the hooked path
+    move something, and the calm guard the same; both keep every step's true peak (the
+    independent meter, the guard's host copies marked as host) under the budget, with no
+    re-run, and the gradients are bitwise the plain model's."""
+    outs = _adaptive(tmp_path, factor)
+    spike = 5
+    for rank, out in enumerate(outs):
+        _bitwise(out, rank)
+        hooked = out["hooked"]["history"]
+        assert [r["calm_forwards"] + r["calm_left"] for r in hooked] == [0] * 7
+        for name in ("calm", "hooked"):
+            history = out[name]["history"]
+            assert all(r["safety_net_reruns"] == 0 for r in history), (rank, name)
+            assert all(p <= out["budget"] for p in out[name]["peaks"]), (rank, name)
+            assert all(r["peak_bytes"] <= out["budget"] for r in history), (rank, name)
+    calm = [out["calm"]["history"] for out in outs]
+    assert all(sum(r["calm_forwards"] for r in h[2:]) > 0 for h in calm), calm
+    assert sum(h[spike]["calm_left"] for h in calm) >= 1, calm
+    if factor < 2:   # the spike made the hooked path move something: calm's moved the same
+        moved = [[_moved(out[name]["history"][spike]) for out in outs]
+                 for name in ("hooked", "calm")]
+        assert any(d["recompute"] + d["offload"] + evicted for d, _, evicted in moved[0])
+        assert moved[0] == moved[1], moved
+
+
+def _moved(record) -> tuple:
+    """What a step decided and what it really moved (an offload needs the tracker's hook:
+    a forward that left calm without it would decide the same and move nothing)."""
+    return (record["decisions"], record["offloaded_bytes"], record["evicted_bytes"])

@@ -71,6 +71,10 @@ def _run(rank: int, out_dir: str) -> None:
     phases, out = (("calm", (), CALM_STEPS), ("late", (2, 3), 2),
                    ("spike", (0, 1, 2, 3), 2)), {}
     for name, layers, steps in phases:
+        # the spikes study the hooked path's predictions at each decision; a calm forward
+        # makes them once, at its start, and checks each layer's count against them
+        # (tests/parallel/test_parallel_calm_forward_ep.py)
+        guard.calm.enabled = name == "calm"
         _favour_rank0(guard.model, layers)
         _favour_rank0(plain, layers)
         calm_most = {ly: max(past) for ly, past in history._past.items()}
