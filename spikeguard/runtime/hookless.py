@@ -318,7 +318,7 @@ class HooklessLayers:
         carried = self._carried.get(shape)
         return carried is not None and self.window.policy == "adaptive" and \
             (self.exact_routing or predicted) and bool(self.window.num_tokens) and \
-            self._fits_at_entry(layer, carried, in_use, most_growth=True)
+            self._fits_at_entry(layer, carried, in_use, most_growth=predicted)
 
     def leave_calm(self, shape: tuple) -> None:
         """A calm forward leaves calm at a layer (runtime/calm_forward.py): the layers

@@ -48,30 +48,36 @@ def _step_fn(model, batches, watch=None):
     return fn
 
 
+def _side_by_side(policy: str, budget: int, steps: list) -> dict:
+    """The plain model, `policy` with calm forwards and with them off, step by step in
+    turn (each rank in the same order; `steps`: each step's micro-batches): per model and
+    step the local gradients and the independent meter's peak (the guard's host copies
+    marked as host), per guard its records."""
+    models = {name: _model() for name in ("plain", "calm", "hooked")}
+    guards = {name: spikeguard.attach(models[name], budget=budget, policy=policy)
+              for name in ("calm", "hooked")}
+    guards["hooked"].calm.enabled = False
+    out = {name: {"grads": [], "peaks": []} for name in models}
+    for batches in steps:
+        for name, model in models.items():
+            model.zero_grad(set_to_none=True)
+            fn = _step_fn(model, batches)
+            with metered(model) as meter:
+                fn() if name == "plain" else guards[name].run_step(fn)
+            out[name]["peaks"].append(meter.peak_bytes)
+            out[name]["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, guard in guards.items():
+        out[name]["history"] = guard.history
+        guard.detach()
+    return out
+
+
 def side_by_side_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
-    """The plain model, `none` with calm forwards and `none` with them off, step by step
-    in turn (each rank in the same order): per model and step the local gradients, per
-    guard its records and the independent meter's peak of each step."""
+    """`none` at a huge budget, side by side (`_side_by_side`), over SHAPES' steps."""
     init_gloo(rank, world_size, store_path)
     try:
-        models = {name: _model() for name in ("plain", "calm", "hooked")}
-        guards = {name: spikeguard.attach(models[name], budget=HUGE, policy="none")
-                  for name in ("calm", "hooked")}
-        guards["hooked"].calm.enabled = False
-        out = {name: {"grads": [], "peaks": []} for name in models}
-        for step, sizes in enumerate(SHAPES[rank]):
-            batches = _data(rank, step, sizes)
-            for name, model in models.items():
-                model.zero_grad(set_to_none=True)
-                fn = _step_fn(model, batches)
-                with metered(model) as meter:   # the guard's host copies marked as host
-                    fn() if name == "plain" else guards[name].run_step(fn)
-                out[name]["peaks"].append(meter.peak_bytes)
-                out[name]["grads"].append({n: p.grad.clone()
-                                           for n, p in model.named_parameters()})
-        for name, guard in guards.items():
-            out[name]["history"] = guard.history
-            guard.detach()
+        steps = [_data(rank, step, sizes) for step, sizes in enumerate(SHAPES[rank])]
+        out = _side_by_side("none", HUGE, steps)
         torch.save(out, Path(out_dir) / f"side_by_side_rank{rank}.pt")
     except BaseException:
         torch.distributed.destroy_process_group()
@@ -84,7 +90,8 @@ def out_of_memory_worker(rank: int, world_size: int, store_path: str, out_dir: s
     """`none` under a budget its calm steps fit, calm forwards on or off: two steps, then a
     third whose first forward on rank 0 starts beside a device tensor that leaves it half
     the room that forward grew by on the step before (the same shapes), so it runs out
-    inside the forward (and the attempt, freed, leaves room for what the peer waits in). Saved: each rank's line, and its record of calm forwards."""
+    inside the forward (and the attempt, freed, leaves room for what the peer waits in).
+    Saved: each rank's line, and its record of calm forwards."""
     init_gloo(rank, world_size, store_path)
     try:
         batches = _data(rank, 0, (4, 8))
@@ -141,33 +148,16 @@ def _calm_peak(rank: int) -> int:
 def adaptive_spike_worker(rank: int, world_size: int, store_path: str, out_dir: str,
                           factor: float) -> None:
     """Adaptive at `factor` x this rank's calm all-kept peak, calm forwards on and off, and
-    the plain model, step by step in turn: 5 calm steps, then a step whose second
-    micro-batch on every rank is one token repeated (every copy of it routed to the same
-    experts: a spike on the rank that holds them), then a calm one.
-    Saved as in `side_by_side_worker`, with the budget."""
+    the plain model, step by step in turn (`_side_by_side`): 5 calm steps, then a step
+    whose micro-batches on every rank are one token repeated (every copy of it routed to
+    the same experts: a spike on the rank that holds them), then a calm one. Saved with
+    the budget."""
     init_gloo(rank, world_size, store_path)
     try:
         budget = int(factor * _calm_peak(rank))
-        models = {name: _model() for name in ("plain", "calm", "hooked")}
-        guards = {name: spikeguard.attach(models[name], budget=budget, policy="adaptive")
-                  for name in ("calm", "hooked")}
-        guards["hooked"].calm.enabled = False
-        out = {name: {"grads": [], "peaks": []} for name in models}
-        for step in range(7):
-            batches = _data(rank, step, (4, 4))
-            if step == 5:
-                batches = [torch.full_like(t, 7) for t in batches]
-            for name, model in models.items():
-                model.zero_grad(set_to_none=True)
-                fn = _step_fn(model, batches)
-                with metered(model) as meter:   # the guard's host copies marked as host
-                    fn() if name == "plain" else guards[name].run_step(fn)
-                out[name]["peaks"].append(meter.peak_bytes)
-                out[name]["grads"].append({n: p.grad.clone()
-                                           for n, p in model.named_parameters()})
-        for name, guard in guards.items():
-            out[name]["history"] = guard.history
-            guard.detach()
+        steps = [_data(rank, step, (4, 4)) for step in range(7)]
+        steps[5] = [torch.full_like(t, 7) for t in steps[5]]
+        out = _side_by_side("adaptive", budget, steps)
         out["budget"] = budget
         torch.save(out, Path(out_dir) / f"adaptive_{factor}_rank{rank}.pt")
     except BaseException:
