@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from spikeguard.errors import DeviceOutOfMemory
 from spikeguard.parallel.exchange_journal import ExchangeJournal
 from spikeguard.parallel.release import handed, let_go
 from spikeguard.runtime.agreement import ABORT, NONE, NOTE_FIELDS, Note
@@ -78,11 +79,31 @@ class GroupAgreement:
         return self.gather(note)[0]
 
     def settle_forward(self, note: Note) -> list[Note]:
+        """This rank's forward attempt failed (and was freed): what its peers wait in, then
+        one flag point with `note`; every rank's notes."""
+        return self._settling(self._settle_forward, note)
+
+    def settle_backward(self, note: Note, micro_batch: Optional[int] = None) -> list[Note]:
+        """This rank's backward failed (its attempt freed): likewise, for the backward of
+        `micro_batch` (None: the one left incomplete)."""
+        return self._settling(lambda n: self._settle_backward(n, micro_batch), note)
+
+    def _settling(self, settle, note: Note) -> list[Note]:
+        """`settle(note)`, or the job's end where this rank cannot allocate even what it
+        owes (an exchange's zero rows, a flag point's row: the attempt's freeing gave back
+        nothing its caller still holds, a loss kept across the step). Its peers wait in a
+        collective it cannot make, so only the job's end reaches them with its note."""
+        try:
+            return settle(note)
+        except (torch.OutOfMemoryError, DeviceOutOfMemory):
+            return self.end_job(note)
+
+    def _settle_forward(self, note: Note) -> list[Note]:
         if self.journal is not None:
             return self.journal.settle_forward(note, self.device)
         return self.end_job(note)
 
-    def settle_backward(self, note: Note, micro_batch: Optional[int] = None) -> list[Note]:
+    def _settle_backward(self, note: Note, micro_batch: Optional[int]) -> list[Note]:
         if self.journal is not None:
             return self.journal.settle_backward(note, self.device, micro_batch)
         return self.end_job(note)

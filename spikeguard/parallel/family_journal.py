@@ -223,14 +223,14 @@ class FamilyAgreement(GroupAgreement):
         self._end_span(keep=True)
         return super().gather(note, vote, promise)
 
-    def settle_forward(self, note: Note) -> list[Note]:
+    def _settle_forward(self, note: Note) -> list[Note]:
         """This rank's forward attempt failed (and was freed): its segment's exchanges with
         zeros, then one flag point; where the segment cannot be settled, the job ends."""
         if not (self.open and self._settle(self.segment)):
             return self.end_job(note)
         return self.flag_point(note)
 
-    def settle_backward(self, note: Note, micro_batch: Optional[int] = None) -> list[Note]:
+    def _settle_backward(self, note: Note, micro_batch: Optional[int]) -> list[Note]:
         """This rank's backward failed (its attempt freed): the rest of the backward's
         collectives with zeros, by the template of an earlier step's (family_backward),
         then one flag point; where the rest is not known, the job ends."""

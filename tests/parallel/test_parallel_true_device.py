@@ -17,6 +17,8 @@ again, on both ranks. And where nothing fits, every rank ends with the same line
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -116,3 +118,18 @@ def test_forward_oom_on_one_rank_reruns_the_micro_batch_on_both(tmp_path):
         assert not differ, f"rank {rank}: gradients differ from the uninterrupted job: {differ}"
         assert forced["meter_peak"] <= forced["budget"], (rank, forced["meter_peak"])
         assert record["peak_bytes"] <= forced["budget"], (rank, record)
+
+
+def test_a_rank_that_cannot_settle_its_backward_ends_the_job_with_one_line(tmp_path):
+    """Rank 0's backward is refused while its caller still holds the attempt's graph and
+    the device is full: it cannot allocate the zero rows of the exchanges its peer waits
+    in, nor its flag point's row. It ends the job (its note in the job's store, the groups
+    aborted): both ranks end with the same line, naming rank 0's backward, within
+    seconds; no torch error escapes either rank."""
+    run_spawned(workers.unsettled_backward_worker, WORLD, (str(tmp_path),),
+                store_path=tmp_path / "store", timeout_s=SPAWN_TIMEOUT_S)
+    r0, r1 = [json.loads((tmp_path / f"unsettled_rank{r}.json").read_text())
+              for r in range(WORLD)]
+    assert r0["ended"] is not None and r0["ended"] == r1["ended"], (r0, r1)
+    assert r0["ended"].startswith("rank 0 ran out of memory in backward of micro-batch 0"), r0
+    assert r0["seconds"] < 60 and r1["seconds"] < 60, (r0, r1)

@@ -11,7 +11,9 @@ gradients (expert slice plus the all-reduced replicated ones) and the step recor
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -213,3 +215,42 @@ def forced_forward_oom_worker(rank: int, world_size: int, store_path: str, out_d
         torch.distributed.destroy_process_group()
         raise
     close_gloo()
+
+
+UNSETTLED_BUDGET = 256 << 20
+
+
+def unsettled_backward_worker(rank: int, world_size: int, store_path: str,
+                              out_dir: str) -> None:
+    """Rank 0's caller keeps each micro-batch's loss (and so its whole graph) and, as its
+    backward starts, fills the device to the limit: the backward is refused, and freeing
+    the attempt frees nothing the caller still holds, so rank 0 cannot make even the zero
+    rows its peer waits in, nor a flag point's row. Saved: each rank's line (or the type
+    of whatever else ended its step) and how long the step took to end."""
+    init_gloo(rank, world_size, store_path)
+    from spikeguard.runtime.agreement import JobEnds
+    model = _warm_model(rank, world_size)
+    guard = spikeguard.attach(model, budget=UNSETTLED_BUDGET, policy="adaptive")
+    held, ballast = [], []
+
+    def fill(grad):
+        ballast.append(torch.empty(UNSETTLED_BUDGET - guard.ledger.in_use(), dtype=torch.uint8))
+
+    def fn():
+        for x, y in _data(rank):
+            loss = model(x, y).loss / world_size
+            if rank == 0:
+                held.append(loss)
+                loss.register_hook(fill)
+            loss.backward()
+    start = time.perf_counter()
+    try:
+        guard.run_step(fn)
+        result = {"ended": None}
+    except JobEnds as err:
+        result = {"ended": str(err)}
+    except BaseException as err:   # noqa: BLE001 (what the test must not see)
+        result = {"ended": None, "raised": type(err).__name__, "text": str(err)[:300]}
+    result["seconds"] = time.perf_counter() - start
+    (Path(out_dir) / f"unsettled_rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)   # the job's groups are aborted: nothing to tear down
