@@ -5,6 +5,7 @@
     .venv/bin/python scripts/calm_overhead.py --profile adaptive      # cProfile of one policy
     .venv/bin/python scripts/calm_overhead.py --hf qwen3_moe --clock cpu   # a transformers model
     .venv/bin/python scripts/calm_overhead.py --titan deepseek_v3 --clock cpu   # a torchtitan one
+    .venv/bin/torchrun --nproc-per-node 1 scripts/calm_overhead.py --titan deepseek_v3 --fsdp
 
 The built-in `small` model, 1 micro-batch of 8 x 128 tokens per rank (the bench's calm
 step), forward and backward, no optimizer step (so routing stays where it is, and every
@@ -24,7 +25,10 @@ waiting in collectives. `--hf NAME` measures a transformers MoE model instead (h
 sizes: 4 layers, 8 experts, top-2, width 128; under torchrun laid out with transformers' own
 `DistributedConfig(fsdp_size=N, ep_size=N)`), 8 x 128 tokens per rank likewise; `--titan
 NAME` a torchtitan one (spikeguard.integrations.titan_models, the same sizes; under torchrun
-torchtitan's own expert parallelism over the N ranks). CPU figures: the device is emulated.
+torchtitan's own expert parallelism over the N ranks); with `--fsdp` laid out as
+torchtitan's Trainer lays it out (its own parallelize function: FSDP2 over the N ranks, one
+included, and its EP over them where N > 1; spikeguard.integrations.titan_models
+`build_titan_fsdp_model`). CPU figures: the device is emulated.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from spikeguard.parallel.launch_utils import run_under_torchrun
 POLICIES = ("plain", "none", "adaptive")
 
 
-def _setup(group, hf: str, titan: str = ""):
+def _setup(group, hf: str, titan: str = "", fsdp: bool = False):
     cfg = model_config("small")
     corpus = load_corpus(None)
     rank = group.rank() if group is not None else 0
@@ -58,7 +62,7 @@ def _setup(group, hf: str, titan: str = ""):
     if hf:
         return cfg, batches, _hf_models(hf, group)
     if titan:
-        return cfg, batches, _titan_models(titan, group, cfg.seq_len)
+        return cfg, batches, _titan_models(titan, group, cfg.seq_len, fsdp)
     models = {}
     for p in POLICIES:
         model = build_model(cfg, seed=0)
@@ -82,11 +86,16 @@ def _hf_models(name: str, group) -> dict:
     return models
 
 
-def _titan_models(name: str, group, seq_len: int) -> dict:
-    from spikeguard.integrations.titan_models import TitanSizes, build_titan_model
+def _titan_models(name: str, group, seq_len: int, fsdp: bool) -> dict:
+    from spikeguard.integrations.titan_models import (TitanSizes, build_titan_fsdp_model,
+                                                      build_titan_model)
     warnings.filterwarnings("ignore", message="In CPU autocast")   # as titan_ratios does
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     sizes = TitanSizes(d_model=128, num_layers=4, d_expert=128, seq_len=seq_len)
     ep = group.size() if group is not None else 1
+    if fsdp:
+        return {p: build_titan_fsdp_model(name, sizes, group.size(), seed=0, ep=ep)
+                for p in POLICIES}
     return {p: build_titan_model(name, sizes, seed=0, ep=ep) for p in POLICIES}
 
 
@@ -99,7 +108,8 @@ def _step(model, batches) -> None:
             # a transformers model: the labels are the window itself (it shifts them)
             w_BT = torch.cat([idx_BT, targets_BT[:, -1:]], dim=1)
             model(input_ids=w_BT, labels=w_BT).loss.backward()
-        elif type(model).__module__.startswith("torchtitan"):
+        elif any(c.__module__.startswith("torchtitan") for c in type(model).__mro__):
+            # (FSDP2 makes the model's class a subclass of torchtitan's)
             from spikeguard.integrations.titan_models import lm_loss
             lm_loss(model, idx_BT, targets_BT).backward()
         else:
@@ -132,14 +142,19 @@ def main() -> None:
                         "mixtral, olmoe) instead of the built-in small")
     parser.add_argument("--titan", default="", help="a torchtitan MoE (deepseek_v3, qwen3) "
                         "instead of the built-in small")
+    parser.add_argument("--fsdp", action="store_true", help="with --titan, under torchrun "
+                        "(one rank included): FSDP2 as torchtitan's Trainer applies it")
     args = parser.parse_args()
     if args.reps < 1 or args.threads < 1 or args.budget_factor <= 0 or (args.hf and args.titan):
         parser.exit(2, "calm_overhead.py: --reps and --threads take 1 or more, "
                     "--budget-factor a positive number; --hf or --titan, not both\n")
+    if args.fsdp and not (args.titan and "WORLD_SIZE" in os.environ):
+        parser.exit(2, "calm_overhead.py: --fsdp goes with --titan, under torchrun "
+                    "(--nproc-per-node 1 for one rank)\n")
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+    if "WORLD_SIZE" in os.environ and (int(os.environ["WORLD_SIZE"]) > 1 or args.fsdp):
         # the models live in _measure's frame: gone before the group is closed
         run_under_torchrun(lambda group: _measure(args, parser, group))
     else:
@@ -148,7 +163,7 @@ def main() -> None:
 
 def _measure(args, parser, group) -> None:
     try:   # an unknown model type: one line, exit 2
-        cfg, batches, models = _setup(group, args.hf, args.titan)
+        cfg, batches, models = _setup(group, args.hf, args.titan, args.fsdp)
     except UsageError as err:
         parser.exit(2, f"calm_overhead.py: {err}\n")
     budget = _budget(models, batches, group, args.budget_factor)
@@ -196,6 +211,9 @@ def _measure(args, parser, group) -> None:
                    sum(r["calm_left"] for r in g.history[1:]) / max(1, len(g.history) - 1))
     if rank0:
         where = f"EP={group.size()}" if group is not None else "one process"
+        if args.fsdp:
+            where = "FSDP2 on one rank" if group.size() == 1 else \
+                f"FSDP2 over {group.size()} ranks, EP={group.size()}"
         name = args.hf or args.titan or "small"
         print(f"calm step of {name}, 8 x {cfg.seq_len} tokens per rank, {where}, "
               f"{args.reps} rounds, {args.threads} thread(s), {args.clock} clock, "

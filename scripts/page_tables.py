@@ -46,6 +46,8 @@ CALM_TITAN = (".venv/bin/python scripts/calm_overhead.py --titan deepseek_v3 --r
               "--clock cpu")
 CALM_TITAN_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --titan "
                  "deepseek_v3 --reps 100 --clock cpu")
+CALM_TITAN_FSDP = (".venv/bin/torchrun --nproc-per-node 1 scripts/calm_overhead.py --titan "
+                   "deepseek_v3 --fsdp --reps 100 --clock cpu --budget-factor 1.25")
 CALM_HF_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --hf qwen3_moe "
               "--reps 100 --clock cpu")
 
@@ -558,6 +560,8 @@ MORE = [
     Block("calm-overhead-pp", CALM_PP, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-titan", CALM_TITAN, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-titan-ep", CALM_TITAN_EP, calm_overhead, timeout_s=1200,
+          links=("scripts",)),
+    Block("calm-overhead-titan-fsdp", CALM_TITAN_FSDP, calm_overhead, timeout_s=1200,
           links=("scripts",)),
     Block("bench-prose", "make bench", bench_prose, source="docs/bench.json"),
     Block("bench-pp-prose", "make bench-pp", bench_pp_prose, source="docs/bench_pp.json"),

@@ -187,4 +187,46 @@ def lm_loss(model: nn.Module, x_BT: torch.Tensor, y_BT: torch.Tensor) -> torch.T
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), y_BT.flatten())
 
 
-__all__ = ["TitanSizes", "build_titan_model", "lm_loss", "FAMILIES"]
+
+
+def build_titan_fsdp_model(name: str, sizes: TitanSizes, world: int, seed: int = 0,
+                           ep: int = 1, param_dtype: str = "float32") -> nn.Module:
+    """`build_titan_model` laid out as torchtitan's Trainer lays it out, inside a process
+    group of `world` ranks (one included: torchtitan applies FSDP2 there too): torchtitan's
+    own parallelize function (its EP over `ep` ranks where `ep` > 1, then FSDP2 over
+    `world`: the embedding, each block, the norm and head together, the root), with
+    FSDP2's public switch to a plain SUM reduce-scatter (torchtitan sets a gradient divide
+    factor of 1, which FSDP2 makes a PREMUL_SUM that gloo refuses; the factor stays 1)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims, parallel_dims
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    cfg = titan_config(name, sizes)
+    if ep > 1:
+        cfg = _with_expert_parallel(cfg, ep)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cfg.build()
+        model.init_states()
+    if ep > 1:
+        dims = _parallel_dims(ep)
+    else:
+        if not torch.cuda.is_available():
+            parallel_dims.device_type = "cpu"   # as _parallel_dims
+        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
+                            world_size=world, spmd_backend=SPMD_BACKEND)
+        dims.build_mesh()
+    parallelize = parallelize_qwen3 if name == "qwen3" else parallelize_deepseekv3
+    model = parallelize(model, parallel_dims=dims,
+                        training=TrainingConfig(mixed_precision_param=param_dtype),
+                        parallelism=ParallelismConfig(spmd_backend=SPMD_BACKEND),
+                        compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+__all__ = ["TitanSizes", "build_titan_model", "build_titan_fsdp_model", "lm_loss", "FAMILIES"]

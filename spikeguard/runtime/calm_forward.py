@@ -52,9 +52,15 @@ exchanges, a family's flag points at its units, the net's end-of-attempt flag po
 none of them is the layers' guard code), so each rank runs calm or not on its own. Not
 where the layers cast the group's whole-layer fallback vote (transformers' EP with some
 rank adaptive: a collective at every layer), in a pipeline (its residency may evict any
-older micro-batch's layer), where the model has FSDP2 units, or while a caller's own
-callable stands in for a method of the guard, its planner or its window
-(`seams_replaced`).
+older micro-batch's layer), or while a caller's own callable stands in for a method of
+the guard, its planner or its window (`seams_replaced`). FSDP2 units (torchtitan applies
+them even on one rank, transformers under its DistributedConfig) change nothing of this:
+their all-gathers, reshards and flag points are module hooks of FSDP2's and of the
+family's journal, not the layers' guard code, and the bytes they add above each layer's
+decision are in the walk's own procedure (`needs_no_eviction` reads the window's FSDP2
+terms per layer, as the hooked path's proof does; tests/integrations/
+test_integrations_titan_fsdp.py: calm forwards on one rank and two, EP included,
+bitwise and under the budget).
 
 A calm layer still moves the device's position label to itself and notes its entry's
 figure (two calls), so that an out-of-memory line names the layer as the hooked path's
@@ -83,10 +89,8 @@ class CalmForwards:
                  seams_own: Callable[[], bool]):
         self.hookless = hookless
         self.position = position
-        # `supported`: the model has no FSDP2 unit (left to the hooked path, whose
-        # per-layer proof reads FSDP2's bytes still to come) and its layers cast no
-        # whole-layer fallback vote (a collective each rank's hooked forward makes at every
-        # layer: a calm rank would skip it). Tests that study the hooked path on the later
+        # `supported`: the layers cast no whole-layer fallback vote (a collective each
+        # rank's hooked forward makes at every layer: a calm rank would skip it). Tests that study the hooked path on the later
         # steps of one process turn `enabled` off.
         self.enabled = supported and hookless.enabled
         # False while a caller has put its own callable in place of a method of the

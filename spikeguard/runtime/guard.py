@@ -38,7 +38,7 @@ from spikeguard.memory.static import StaticWalk, optimizer_state_bytes
 from spikeguard.plan.cost import CostModel
 from spikeguard.plan.forecast import Forecast
 from spikeguard.runtime.calm_forward import CalmForwards, seams_replaced
-from spikeguard.runtime.fsdp import fsdp_states, model_fsdp_bytes, reset_after_failed_attempt
+from spikeguard.runtime.fsdp import model_fsdp_bytes, reset_after_failed_attempt
 from spikeguard.runtime.doors import net_door, window_door
 from spikeguard.runtime.device_state import (
     HEAD_LAYER, PHASE_FORWARD, PHASE_IDLE, PHASE_NAMES, PHASE_OPTIMIZER, GradSnapshot,
@@ -130,9 +130,8 @@ class Guard:
             self.adapter, self.moe_blocks, self.position, self.window, self.ledger, self.hookless,
             policy == "full", agreement if self.adapter.layer_fallback_agreed else None)
         self.layers.agree_at_attach(policy)
-        self.calm = CalmForwards(self.hookless, self.position, not (
-            fsdp_states(model) or self.layers.votes), lambda: not seams_replaced(
-                self, self.planner, self.window))
+        self.calm = CalmForwards(self.hookless, self.position, not self.layers.votes,
+                                 lambda: not seams_replaced(self, self.planner, self.window))
         # Whether some rank of the group is adaptive (then any rank may have to re-run a
         # step its peer failed, and keeps the gradients to put back); every rank attaches.
         self.group_adaptive = (agreement.any_rank(policy == "adaptive")
