@@ -46,6 +46,7 @@ from spikeguard.integrations.hf_window import region_action, run_region
 from spikeguard.integrations.titan_models import SPMD_BACKEND
 from spikeguard.memory.ledger import local_tensor
 from spikeguard.parallel.agreement import agreement_for
+from spikeguard.parallel.release import released
 from spikeguard.plan.catalogue import EXPERT_STAGES, Action, LayerPlan
 from spikeguard.runtime.adapter import BlockAdapter, preserved_rng
 from spikeguard.runtime.doors import WindowDoor
@@ -186,6 +187,12 @@ def titan_window(door: WindowDoor, layer: int, orig_forward, x_RD,
                       hookless=True)
 
 
+# torchtitan 0.3.0's token dispatcher methods that issue the rows' all-to-alls under its
+# EP (dispatch, combine): on CPU each returns once gloo let go of the rows it was handed
+# (spikeguard.parallel.release `released`), not freed on gloo's thread mid-step.
+RELEASED_EXCHANGES = ("_dispatch_token_exchange", "_combine_token_exchange")
+
+
 def refuse_wrappers(model: nn.Module, blocks: list[TitanBlock]) -> None:
     """torchtitan's own activation checkpointing, a compiled block, and an EP backend
     other than partial_dtensor are refused."""
@@ -252,6 +259,12 @@ class TitanAdapter(BlockAdapter):
         window = functools.partial(titan_window, door, self.layer_index(block), orig)
         window.__signature__ = inspect.signature(orig)
         experts.forward = window
+        dispatcher = self.part(block).dispatcher
+        if getattr(dispatcher, "ep_mesh", None) is not None:
+            for name in RELEASED_EXCHANGES:
+                exchange = getattr(dispatcher, name, None)
+                if callable(exchange):
+                    setattr(dispatcher, name, functools.partial(released, exchange))
 
     def uninstall(self, block: nn.Module) -> None:
         experts = self.part(block).experts
@@ -260,6 +273,8 @@ class TitanAdapter(BlockAdapter):
             experts.forward = own
         elif "forward" in vars(experts):
             del experts.forward
+        for name in RELEASED_EXCHANGES:   # the dispatcher's own methods again
+            vars(self.part(block).dispatcher).pop(name, None)
 
     # ---- what the planner needs ---------------------------------------------------------
     def byte_model(self, device) -> TitanRegionBytes:

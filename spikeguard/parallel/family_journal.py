@@ -50,7 +50,7 @@ from torch.distributed.fsdp import FSDPModule
 from spikeguard.parallel.agreement import GroupAgreement
 from spikeguard.parallel.expert_parallel import exchange
 from spikeguard.parallel.family_backward import Span, alike, counted_whole, remaining, replay
-from spikeguard.parallel.release import handed, let_go
+from spikeguard.parallel.release import handed, let_go, released
 from spikeguard.runtime.agreement import STEP, Note, PeerFailed
 from spikeguard.runtime.fsdp import gradient_sync
 
@@ -122,9 +122,9 @@ class FamilyAgreement(GroupAgreement):
 
         def combine_tokens(*args):
             if not (self.open and recording()):
-                return released_combine(combine, *args)
+                return released(combine, *args)
             self.segment.exchange, self.segment.issued = "combining", issued(impl)
-            out = released_combine(combine, *args)
+            out = released(combine, *args)
             self.segment.exchange = "combined"
             return out
         impl._dispatch_tokens, impl._combine_tokens = dispatch_tokens, combine_tokens
@@ -311,22 +311,6 @@ class FamilyAgreement(GroupAgreement):
         iteration state cleared (torch 2.13 `reset_iter_state`, on the root)."""
         if isinstance(self.model, FSDPModule):
             self.model.reset_iter_state()
-
-
-def released_combine(combine, expert_output, *rest):
-    """transformers' combine handed a view of the expert output (`exchange`'s way), and
-    returned once gloo let go of it: the functional all-to-all's work item holds its input
-    and output until gloo's worker thread drops it, after the wait; the expert output
-    (M rows) and the received rows, which nothing else holds, were freed on that thread
-    while the step went on (33 KB each in the tiny Qwen3-MoE of the tests, at a peak
-    that rose meanwhile). Both go with the work item; the input is what can be watched."""
-    if type(expert_output) is not torch.Tensor or not expert_output.is_contiguous():
-        return combine(expert_output, *rest)   # a copy would be handed: nothing to watch
-    view, marks = handed(expert_output)
-    out = combine(view, *rest)
-    del view
-    let_go(marks)
-    return out
 
 
 def issued(impl) -> Optional[int]:

@@ -236,3 +236,52 @@ def test_experts_calls_run_hookless_under_ep_and_change_nothing_but_the_hook(hoo
                 # bytes more or less (its per-expert counts: 16,304 measured against
                 # 16,344 modelled, seen), layer 0 of the first also what later ones share
                 assert abs(got - want) <= 0.04 * want, (rank, key, got, want)
+
+
+# ---- calm forwards of adaptive under torchtitan's EP -------------------------------------
+CALM_STEPS = 12
+
+
+def _calm_worker(rank, world, store, out_dir):
+    """Adaptive at 1.1x each rank's calm all-kept peak (the largest over the ranks), the
+    same batches every step: per step the forwards run calm, bitwise against the unguarded
+    layout, the device's peak against the budget."""
+    warnings.filterwarnings("ignore", message="In CPU autocast")
+    init_gloo(rank, world, store)
+    import spikeguard
+    from titan_helpers import HUGE, batches, bitwise, build, step
+    data = batches(30 + rank, batch=4, seq=64)
+    reference = step(build(ep=2), data)
+    model = build(ep=2)
+    probe = spikeguard.attach(model, budget=HUGE, policy="none")
+    step(model, data, probe)
+    peak = torch.tensor([probe.history[-1]["peak_bytes"]])
+    probe.detach()
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    guard = spikeguard.attach(model, budget=int(peak.item() * 1.1), policy="adaptive")
+    steps = []
+    for _ in range(CALM_STEPS):
+        same = bitwise(reference, step(model, data, guard))
+        record = guard.history[-1]
+        steps.append({"bitwise": same, "calm": record["calm_forwards"],
+                      "left": record["calm_left"], "peak": record["peak_bytes"],
+                      "budget": guard.budget_bytes, "reruns": record["safety_net_reruns"]})
+    guard.detach()
+    (out_dir / f"calm_{rank}.json").write_text(json.dumps(steps))
+    del model, guard
+    close_gloo()
+
+
+def test_adaptive_calm_steps_run_calm_on_both_ranks(tmp_path):
+    """Once every layer has its history, adaptive's calm steps run forwards calm on both
+    ranks (runtime/calm_forward.py: the start proof at each layer's predicted copies, each
+    layer checked against it once its counts are exchanged), every step bitwise, under
+    the budget, no re-run. At this size they run calm on most steps (a forward that finds
+    the device above its walk's figure at a layer leaves calm there: seen on a loaded
+    machine, where gloo's threads free the backward's exchange buffers later)."""
+    run_spawned(_calm_worker, 2, (tmp_path,), tmp_path / "store", timeout_s=200)
+    for rank in range(2):
+        steps = json.loads((tmp_path / f"calm_{rank}.json").read_text())
+        for s in steps:
+            assert s["bitwise"] and s["reruns"] == 0 and s["peak"] <= s["budget"], (rank, s)
+        assert sum(s["calm"] for s in steps[-6:]) >= 6, (rank, steps)   # of 12 forwards

@@ -10,16 +10,18 @@ is not late: nothing of the step runs meanwhile.)
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
+from spikeguard.parallel.release import use_count
 
 
 class OffThread(TorchDispatchMode):
@@ -69,7 +71,8 @@ def release_worker(rank: int, world_size: int, store_path: str, out_dir: str,
 def _counted(world_size: int, rounds: int) -> dict:
     from spikeguard.parallel.agreement import job_flag_point
     from spikeguard.parallel.family_backward import Span, replay
-    from spikeguard.parallel.family_journal import FamilyAgreement, released_combine
+    from spikeguard.parallel.family_journal import FamilyAgreement
+    from spikeguard.parallel.release import released
     from spikeguard.runtime.agreement import Note
 
     group = dist.group.WORLD
@@ -84,14 +87,20 @@ def _counted(world_size: int, rounds: int) -> dict:
     def combine(expert_output_MD, splits):
         return all_to_all_single_autograd(expert_output_MD, splits, splits, group) * 1
 
+    def titan_exchange(rows_ND, splits):
+        return all_to_all_single(rows_ND, splits, splits, group)
+
     steps = {
         "gather": lambda: agreement.gather(Note()),
         "job": lambda: job_flag_point(Note(), torch.device("cpu")),
         "zero_dispatch": lambda: agreement._zero_dispatch(impl),
         "zero_rows": lambda: agreement._exchange(impl, rows, rows),
         "replay": lambda: replay(span.ops),
-        "combine": lambda: released_combine(
+        "combine": lambda: released(
             combine, torch.ones(sum(rows), 64, requires_grad=True) * 2, rows).sum(),
+        # torchtitan's token exchange: the functional all-to-all, its output unwaited
+        "titan_exchange": lambda: released(
+            titan_exchange, torch.ones(sum(rows), 64) * 2, rows).sum(),
     }
     mode = OffThread()
     right = True
@@ -101,12 +110,31 @@ def _counted(world_size: int, rounds: int) -> dict:
                 mode.kind, mode.returned = kind, False
                 out = step()
                 mode.returned = True
-                if kind == "combine":
+                if kind in ("combine", "titan_exchange"):
                     right &= bool(out == 2 * 3 * world_size * 64)
                 del out
     dist.barrier()
     late = {kind: mode.late.get(kind, 0) for kind in steps}
-    return {"late": late, "ops": len(span.ops), "right": right}
+    return {"late": late, "ops": len(span.ops), "right": right,
+            "held": _held_after(released, titan_exchange, rows, rounds)}
+
+
+def _held_after(released, exchange, rows: list, rounds: int) -> dict:
+    """`rounds` of torchtitan's token exchange through `released`: how many returned while
+    gloo still held the rows handed in (the functional all-to-all's work item keeps them
+    until its output is waited: `released` waits it), and the slowest return."""
+    held, slowest = 0, 0.0
+    for _ in range(rounds):
+        rows_ND = torch.ones(sum(rows), 64)
+        storage = rows_ND.untyped_storage()
+        own = use_count(storage)
+        start = time.perf_counter()
+        out = released(exchange, rows_ND, rows)
+        slowest = max(slowest, time.perf_counter() - start)
+        held += use_count(storage) != own
+        del out
+    dist.barrier()
+    return {"held": held, "slowest_s": slowest}
 
 
 class _Impl:
