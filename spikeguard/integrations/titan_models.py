@@ -187,8 +187,6 @@ def lm_loss(model: nn.Module, x_BT: torch.Tensor, y_BT: torch.Tensor) -> torch.T
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), y_BT.flatten())
 
 
-
-
 def build_titan_fsdp_model(name: str, sizes: TitanSizes, world: int, seed: int = 0,
                            ep: int = 1, param_dtype: str = "float32") -> nn.Module:
     """`build_titan_model` laid out as torchtitan's Trainer lays it out, inside a process

@@ -90,8 +90,8 @@ class CalmForwards:
         self.hookless = hookless
         self.position = position
         # `supported`: the layers cast no whole-layer fallback vote (a collective each
-        # rank's hooked forward makes at every layer: a calm rank would skip it). Tests that study the hooked path on the later
-        # steps of one process turn `enabled` off.
+        # rank's hooked forward makes at every layer: a calm rank would skip it). Tests
+        # that study the hooked path on the later steps of one process turn `enabled` off.
         self.enabled = supported and hookless.enabled
         # False while a caller has put its own callable in place of a method of the
         # guard, its planner or its window (`seams_replaced`: the oracle bench's plan
