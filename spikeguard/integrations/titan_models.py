@@ -139,6 +139,15 @@ def build_titan_model(name: str, sizes: TitanSizes, seed: int = 0, ep: int = 1) 
     """A torchtitan `name` at `sizes`, random weights from `seed` (the same on every rank).
     With `ep` > 1 (inside a process group of `ep` ranks) torchtitan's own expert
     parallelism is applied: its all-to-all dispatcher, the experts sharded over `ep`."""
+    model = _built(name, sizes, seed, ep)
+    if ep > 1:
+        model.parallelize(_parallel_dims(ep))
+    return model
+
+
+def _built(name: str, sizes: TitanSizes, seed: int, ep: int) -> nn.Module:
+    """torchtitan's `name` built from its config (EP's sharding configs where `ep` > 1),
+    its weights initialised from `seed`, not yet laid out."""
     cfg = titan_config(name, sizes)
     if ep > 1:
         cfg = _with_expert_parallel(cfg, ep)
@@ -146,8 +155,6 @@ def build_titan_model(name: str, sizes: TitanSizes, seed: int = 0, ep: int = 1) 
         torch.manual_seed(seed)
         model = cfg.build()
         model.init_states()
-    if ep > 1:
-        model.parallelize(_parallel_dims(ep))
     return model
 
 
@@ -201,13 +208,7 @@ def build_titan_fsdp_model(name: str, sizes: TitanSizes, world: int, seed: int =
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
-    cfg = titan_config(name, sizes)
-    if ep > 1:
-        cfg = _with_expert_parallel(cfg, ep)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cfg.build()
-        model.init_states()
+    model = _built(name, sizes, seed, ep)
     if ep > 1:
         dims = _parallel_dims(ep)
     else:
