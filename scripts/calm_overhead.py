@@ -19,7 +19,8 @@ a 95% interval of that median (spikeguard/bench/spread.py: order statistics, no 
 distribution; a cost "under 2%" is shown only where the interval's low end is >= 0.98), the
 range, and the rounds that would resolve +-0.01; then the bytes adaptive evicted per step, the
 layers it ran hookless (spikeguard/runtime/hookless.py) and the forwards it ran calm, as
-the plain model's own (spikeguard/runtime/calm_forward.py: one process only).
+the plain model's own (spikeguard/runtime/calm_forward.py), with those that left calm at a
+layer.
 `--clock cpu` times this process's CPU only: steadier on a shared machine, blind to
 waiting in collectives. `--hf NAME` measures a transformers MoE model instead (hf_bench's
 sizes: 4 layers, 8 experts, top-2, width 128; under torchrun laid out with transformers' own

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
-from spikeguard.parallel.release import use_count
+from spikeguard.parallel.release import released, use_count
 
 
 class OffThread(TorchDispatchMode):
@@ -72,7 +72,6 @@ def _counted(world_size: int, rounds: int) -> dict:
     from spikeguard.parallel.agreement import job_flag_point
     from spikeguard.parallel.family_backward import Span, replay
     from spikeguard.parallel.family_journal import FamilyAgreement
-    from spikeguard.parallel.release import released
     from spikeguard.runtime.agreement import Note
 
     group = dist.group.WORLD
@@ -116,10 +115,10 @@ def _counted(world_size: int, rounds: int) -> dict:
     dist.barrier()
     late = {kind: mode.late.get(kind, 0) for kind in steps}
     return {"late": late, "ops": len(span.ops), "right": right,
-            "held": _held_after(released, titan_exchange, rows, rounds)}
+            "held": _held_after(titan_exchange, rows, rounds)}
 
 
-def _held_after(released, exchange, rows: list, rounds: int) -> dict:
+def _held_after(exchange, rows: list, rounds: int) -> dict:
     """`rounds` of torchtitan's token exchange through `released`: how many returned while
     gloo still held the rows handed in (the functional all-to-all's work item keeps them
     until its output is waited: `released` waits it), and the slowest return."""
