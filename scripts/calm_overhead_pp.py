@@ -12,9 +12,11 @@ an optimizer step, so every step is calm and the machine's noise hits all alike;
 round warms up and is dropped. Budget per rank: its calm step's true peak (a probe
 pipeline under policy none) times `--budget-factor`. Prints, per rank, the median of the
 per-round ratios plain/this with a 95% interval of that median (spikeguard/bench/spread.py),
-their range and the rounds that would resolve +-0.01, and the layers adaptive ran hookless a step
-(runtime/hookless.py: under a pipeline, proven against the forwards its stage runs before
-each micro-batch's backward too). `--clock cpu` times each process's CPU only: steadier
+their range and the rounds that would resolve +-0.01, the forwards that ran calm a step
+(runtime/calm_forward.py: under none every forward of shapes seen before; under adaptive
+none, a pipeline's residency reading what the hooked path models), and the layers
+adaptive ran hookless a step (runtime/hookless.py: under a pipeline, proven against the
+forwards its stage runs before each micro-batch's backward too). `--clock cpu` times each process's CPU only: steadier
 on a shared machine, blind to the waits of the schedule's sends and the all-to-alls.
 CPU figures: the device is emulated.
 """
@@ -111,8 +113,11 @@ def _measure(args) -> None:
             if rep:
                 times[p].append(seconds)
     history = pranks["adaptive"].guards[0].history[1:]
+    calm = {p: statistics.mean(r["calm_forwards"] for r in pranks[p].guards[0].history[1:])
+            for p in ("none", "adaptive")}
     mine = {"rank": rank, "stage": pranks["plain"].stage_ids[0], "budget": budget,
-            "times": times, "hookless": statistics.mean(r["hookless_layers"] for r in history),
+            "times": times, "calm": calm,
+            "hookless": statistics.mean(r["hookless_layers"] for r in history),
             "cut": [statistics.mean(r["decisions"][k] for r in history)
                     for k in ("recompute", "offload")]
             + [statistics.mean(r["evicted_bytes"] for r in history) / 2**20]}
@@ -131,9 +136,10 @@ def _report(ranks: list, args, cfg) -> None:
           f"rank's calm true peak; CPU, emulated device")
     print("| rank (stage) | plain ms | none: plain/this [95%] (range, rounds for +-0.01) "
           "| adaptive: plain/this [95%] (range, rounds for +-0.01) "
+          "| calm forwards / step, none / adaptive "
           "| adaptive hookless layers / step | adaptive recompute / offload ops, "
           "evicted MiB / step |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in ranks:
         t = r["times"]
         cells = []
@@ -142,7 +148,8 @@ def _report(ranks: list, args, cfg) -> None:
             cells.append(f"{s['median']:.3f} [95% {interval(s)}] ({s['min']:.3f}-{s['max']:.3f}, "
                          f"{needed(s)})")
         print(f"| {r['rank']} ({r['stage']}) | {statistics.median(t['plain']) * 1e3:.1f} | "
-              f"{cells[0]} | {cells[1]} | {r['hookless']:.1f} | "
+              f"{cells[0]} | {cells[1]} | {r['calm']['none']:.1f} / {r['calm']['adaptive']:.1f} "
+              f"| {r['hookless']:.1f} | "
               f"{r['cut'][0]:.1f} / {r['cut'][1]:.1f}, {r['cut'][2]:.2f} |")
     sys.stdout.flush()
 

@@ -47,10 +47,12 @@ def host_memory_marked(meter: LiveMeter):
 
 
 @contextlib.contextmanager
-def metered(*modules):
+def metered(*modules, alive=()):
     """A LiveMeter entered with the modules' state as its baseline (a DTensor's local
-    shard: the meter sees local tensors only) and the guard's host memory marked."""
+    shard: the meter sees local tensors only), and the tensors `alive` from before (a
+    pipeline stage's receive buffers, made at its first step), and the guard's host
+    memory marked."""
     meter = LiveMeter(baseline_tensors=[getattr(t, "_local_tensor", t) for m in modules
-                                        for t in model_state_tensors(m)])
+                                        for t in model_state_tensors(m)] + list(alive))
     with host_memory_marked(meter), meter:
         yield meter

@@ -175,10 +175,15 @@ class Residency:
         now = self.position()
         return tuple(sorted(set(now.older) - set(self.schedule_positions[forward].older)))
 
-    def at_forward(self, forward: int) -> "Residency":
+    def at_forward(self, forward: int, held: Optional[dict[int, int]] = None) -> "Residency":
         """This residency as forward `forward` will read it, reading today's figures (the
-        older ones' bytes now, on the device and the host), with a log of its own."""
-        return replace(self, micro_batch=lambda: forward, log=[], _seen=set())
+        older ones' bytes now, on the device and the host; `held`: micro-batch -> the
+        bytes it will hold then, in place of its figure now), with a log of its own."""
+        device_bytes = self.device_bytes
+        if held:
+            device_bytes = lambda mb: held[mb] if mb in held else self.device_bytes(mb)
+        return replace(self, micro_batch=lambda: forward, device_bytes=device_bytes, log=[],
+                       _seen=set())
 
     # ---- eviction of resident micro-batches ----------------------------------------
     def _evict_order(self) -> list[int]:

@@ -26,10 +26,18 @@ What a calm forward does not do, and why that is safe:
     at each layer: below) and the growth measured on the last forward of the same
     shapes; a forward that still runs out is re-run by the safety net, with every layer
     recomputed whole (never calm);
-  * nothing is modelled in the ledger: outside a pipeline another micro-batch's decisions
-    evict only their own layers (runtime/hooks.py `evict`), so nothing needs these (what
-    its backward will add above its forward's end is left for a forward that runs before
-    that backward, as the last hooked forward predicted it: `window.pending_backward`);
+  * nothing is modelled in the ledger per layer: outside a pipeline another micro-batch's
+    decisions evict only their own layers (runtime/hooks.py `evict`), so nothing needs
+    these. In a pipeline the later forwards' proofs and reserves read what each resident
+    micro-batch holds (plan/residency.py `device_bytes`, runtime/hookless_walk.py: what a
+    backward frees before a later forward): a calm forward models what it left on the
+    device, its growth from start to end, as one entry (op "forward", layer -1), let go
+    of when its backward reaches the first layer's input (`window.calm_models`). Nothing
+    of it is evictable (no hook held it), as a hookless layer's is not: the start proof
+    walked the forwards the stage runs before its backward (`later_forwards_fit`), as
+    the hooked path's proof at a first layer does. What its backward will add above its
+    forward's end is left for a forward that runs before that backward, as the last
+    hooked forward predicted it (`window.pending_backward`);
   * the forecast, the layer peaks and the cost model learn nothing from it: they keep
     what the last forward of the same shapes run with hooks taught them (a calm forward
     holds the same);
@@ -49,16 +57,16 @@ layer kept everything, as the walk that cleared them assumed of them, and nothin
 theirs was evictable: the hooked path's covered layers are no different. A calm forward
 makes the same collectives as a hooked one (the dispatcher's counts exchanges and
 exchanges, a family's flag points at its units, the net's end-of-attempt flag point:
-none of them is the layers' guard code), so each rank runs calm or not on its own. Not
-where the layers cast the group's whole-layer fallback vote (transformers' EP with some
-rank adaptive: a collective at every layer), in a pipeline (its residency may evict any
-older micro-batch's layer), or while a caller's own callable stands in for a method of
-the guard, its planner or its window (`seams_replaced`). FSDP2 units (torchtitan applies
-them even on one rank, transformers under its DistributedConfig) change nothing of this:
-their all-gathers, reshards and flag points are module hooks of FSDP2's and of the
-family's journal, not the layers' guard code, and the bytes they add above each layer's
-decision are in the walk's own procedure (`needs_no_eviction` reads the window's FSDP2
-terms per layer, as the hooked path's proof does; tests/integrations/
+none of them is the layers' guard code), so each rank runs calm or not on its own; a
+pipeline's stages alike (each stage's guard proves its own forwards). Not where the
+layers cast the group's whole-layer fallback vote (transformers' EP with some rank
+adaptive: a collective at every layer), or while a caller's own callable stands in for a
+method of the guard, its planner or its window (`seams_replaced`). FSDP2 units
+(torchtitan applies them even on one rank, transformers under its DistributedConfig)
+change nothing of this: their all-gathers, reshards and flag points are module hooks of
+FSDP2's and of the family's journal, not the layers' guard code, and the bytes they add
+above each layer's decision are in the walk's own procedure (`needs_no_eviction` reads
+the window's FSDP2 terms per layer, as the hooked path's proof does; tests/integrations/
 test_integrations_titan_fsdp.py: calm forwards on one rank and two, EP included,
 bitwise and under the budget).
 
@@ -128,7 +136,7 @@ class CalmForwards:
         in_use = h.ledger.in_use()
         grads = max(h.window.grads_to_come.values(), default=0)
         if self._proven(inputs, args, kwargs, in_use, grads, whole_recompute):
-            with self._running():
+            with self._running(in_use):
                 yield
             self.ran_calm = not self._left
             if self._left:   # beyond the walk: these shapes run hooked again, once
@@ -158,7 +166,7 @@ class CalmForwards:
                 whole_recompute: bool) -> bool:
         h = self.hookless
         if not (self.enabled and h.enabled and self.seams_own()) or whole_recompute \
-                or not torch.is_grad_enabled() or h.window.forecast.residency is not None:
+                or not torch.is_grad_enabled():
             return False
         if h.window.policy == "adaptive" and not any(
                 _covers(s, (in_use, grads)) for s in self._kept.get(inputs, ())):
@@ -210,9 +218,9 @@ class CalmForwards:
         self._kept.clear()
 
     @contextlib.contextmanager
-    def _running(self):
-        """The forward inside runs calm: the layers' and the windows' guard code steps
-        aside (runtime/layers.py, the adapters' windows)."""
+    def _running(self, in_use: int):
+        """The forward inside runs calm, from the device at `in_use`: the layers' and the
+        windows' guard code steps aside (runtime/layers.py, the adapters' windows)."""
         self.position.calm = True
         self._left = False
         self._top = innermost_saved_tensor_hooks()
@@ -234,6 +242,10 @@ class CalmForwards:
             # hooked forward predicted (same shapes): a later forward that runs before
             # that backward leaves room for it (window.backward_done drops it).
             w.pending_backward[self.position.ctx.micro_batch] = w.last_backward_excess
+        if w.forecast.residency is not None:   # a pipeline: the module doc
+            mb, ledger = self.position.ctx.micro_batch, self.hookless.ledger
+            w.calm_models[mb] = ledger.acquire_modelled(
+                mb, EMBED_LAYER, {"forward": max(0, ledger.in_use() - in_use)})
         if step is not None:   # both ends ran with no hook, as a hooked calm forward's do
             step.hookless_ends += 2
             step.calm_forwards += 1

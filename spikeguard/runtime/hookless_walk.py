@@ -66,13 +66,19 @@ def later_forwards_fit(proof, layer: int, in_use: int, per_layer: int, walk: Wal
                                                   resident, own_routed)
     head = int(w.forecast.head_bytes_per_token * w.num_tokens)
     whole = sum(sizes) + head + walk.layer_part
+    # What this micro-batch holds once its forward has ended, as the in-use below counts
+    # it: each later forward's reserve reads it among its older residents, whose backward
+    # frees it before that forward's own (its bytes now, only part of its forward's, made
+    # the walk of stage 0's warm-up fail where the same forward, deciding, fits).
+    mb = w.ctx.micro_batch
+    held = {mb: proof.ledger.bytes_by(micro_batch=mb) + start + head - in_use}
     start += head + walk.layer_part
     offsets = [0, *itertools.accumulate(sizes)]
     for i, forward in enumerate(later):
         freed = residency.freed_before(forward)
         base = start + i * whole + (grads if freed else 0) - sum(
-            proof.ledger.bytes_by(micro_batch=mb) for mb in freed)
-        forecast = replace(w.forecast, residency=residency.at_forward(forward))
+            proof.ledger.bytes_by(micro_batch=m) for m in freed)
+        forecast = replace(w.forecast, residency=residency.at_forward(forward, held))
         for later_layer, at in enumerate(walks):
             there = Walk(at.routed, at.layer_part, at.seen, resident, forecast,
                          0 if freed else grads)

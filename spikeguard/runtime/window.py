@@ -90,6 +90,10 @@ class DecisionWindow:
         # The last finished forward's entry in pending_backward (None before the first):
         # what the hookless proof expects of a forward still running (same shapes).
         self.last_backward_excess: Optional[int] = None
+        # mb -> the ledger's keys modelling what a calm forward of it holds, in a pipeline
+        # (runtime/calm_forward.py): let go of when its backward is done, or when it runs
+        # again.
+        self.calm_models: dict[int, tuple] = {}
 
     # ---- what the guard tells the window ----------------------------------------------
     def begin_micro_batch(self, num_tokens: int, grads_to_come: dict[int, int]) -> None:
@@ -99,6 +103,7 @@ class DecisionWindow:
         # A new attempt (or a net re-run) of this micro-batch predicts its backward afresh.
         self.pending_backward.pop(self.ctx.micro_batch, None)
         self._backward_peak.pop(self.ctx.micro_batch, None)
+        self.ledger.release_all(self.calm_models.pop(self.ctx.micro_batch, ()))
         self.grads_to_come = grads_to_come
         self.num_tokens = num_tokens
 
@@ -108,6 +113,7 @@ class DecisionWindow:
     def backward_done(self, micro_batch: int, grad=None) -> None:
         """Backward has reached the first layer's input: its working set is behind it."""
         self.pending_backward.pop(micro_batch, None)
+        self.ledger.release_all(self.calm_models.pop(micro_batch, ()))
 
     def others_bytes(self, micro_batch: int) -> int:
         """What the ledger attributes to the other micro-batches on the device now."""

@@ -60,6 +60,13 @@ def test_the_forwards_that_may_evict_a_micro_batch_are_those_before_its_backward
     assert third.position().forward == 2 and third.position().older == (1,)
     third.reserve(0, 8 * MiB)
     assert residency.log == [] and len(third.log) == 1
+    # F2's reserve beside its backward: the forward before it (F3), less what micro-batch
+    # 1, older, holds then (B1 frees it first): read now, it holds nothing yet; `held`
+    # gives what it will hold once its forward is done (hookless_walk.py)
+    assert third.reserve(0, 8 * MiB).backward_bytes == 8 * MiB
+    held = residency.at_forward(2, {1: 3 * MiB})
+    assert held.reserve(0, 8 * MiB).backward_bytes == 5 * MiB
+    assert residency.at_forward(2, {0: 3 * MiB}).reserve(0, 8 * MiB).backward_bytes == 8 * MiB
     at["k"] = 3
     assert residency.later_forwards() == ()
     last = Residency(positions(order[1], 1), micro_batch=lambda: 1)
