@@ -58,10 +58,14 @@ theirs was evictable: the hooked path's covered layers are no different. A calm 
 makes the same collectives as a hooked one (the dispatcher's counts exchanges and
 exchanges, a family's flag points at its units, the net's end-of-attempt flag point:
 none of them is the layers' guard code), so each rank runs calm or not on its own; a
-pipeline's stages alike (each stage's guard proves its own forwards). Not where the
-layers cast the group's whole-layer fallback vote (transformers' EP with some rank
-adaptive: a collective at every layer), or while a caller's own callable stands in for a
-method of the guard, its planner or its window (`seams_replaced`). FSDP2 units
+pipeline's stages alike (each stage's guard proves its own forwards). Where the layers
+cast the group's whole-layer fallback vote (transformers' EP with some rank adaptive: a
+collective at a layer's entry until every rank has promised that no later layer of the
+attempt needs it), a calm layer casts its vote too, no, with that promise (its start
+proof found every layer keeping everything), and where a peer's yes carries the group it
+runs whole as they do, still calm: its windows see the full region, as a hooked layer's
+do (runtime/layers.py). Not while a caller's own callable stands in for a method of the
+guard, its planner or its window (`seams_replaced`). FSDP2 units
 (torchtitan applies them even on one rank, transformers under its DistributedConfig)
 change nothing of this: their all-gathers, reshards and flag points are module hooks of
 FSDP2's and of the family's journal, not the layers' guard code, and the bytes they add
@@ -93,14 +97,12 @@ from spikeguard.runtime.position import Position
 class CalmForwards:
     """Says which forwards run calm, runs them so, and keeps the evidence it stands on."""
 
-    def __init__(self, hookless: HooklessLayers, position: Position, supported: bool,
+    def __init__(self, hookless: HooklessLayers, position: Position,
                  seams_own: Callable[[], bool]):
         self.hookless = hookless
         self.position = position
-        # `supported`: the layers cast no whole-layer fallback vote (a collective each
-        # rank's hooked forward makes at every layer: a calm rank would skip it). Tests
-        # that study the hooked path on the later steps of one process turn `enabled` off.
-        self.enabled = supported and hookless.enabled
+        # Tests that study the hooked path on the later steps turn `enabled` off.
+        self.enabled = hookless.enabled
         # False while a caller has put its own callable in place of a method of the
         # guard, its planner or its window (`seams_replaced`: the oracle bench's plan
         # table, gpu_check's blind prevention, a test's forced plan or watcher): every

@@ -130,7 +130,7 @@ class Guard:
             self.adapter, self.moe_blocks, self.position, self.window, self.ledger, self.hookless,
             policy == "full", agreement if self.adapter.layer_fallback_agreed else None)
         self.layers.agree_at_attach(policy)
-        self.calm = CalmForwards(self.hookless, self.position, not self.layers.votes,
+        self.calm = CalmForwards(self.hookless, self.position,
                                  lambda: not seams_replaced(self, self.planner, self.window))
         # Whether some rank of the group is adaptive (then any rank may have to re-run a
         # step its peer failed, and keeps the gradients to put back); every rank attaches.

@@ -6,7 +6,9 @@ the window (the device's figure there is what the layer's growth is measured fro
 layer runs whole under a non-reentrant checkpoint when every layer is recomputed (policy
 "full", or the safety net's re-run) or when the window finds it cannot fit even at the
 least plan. The flag `in_full_region` is set inside the checkpointed function, so
-backward's recompute takes the same path as the forward did.
+backward's recompute takes the same path as the forward did. Where the group votes on
+each fallback (`falls_back`), a calm layer (runtime/calm_forward.py) votes too, and runs
+whole, still calm, where a peer's vote carries.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class GuardedLayers:
         if self.position.calm:   # proven before the forward began (runtime/calm_forward.py)
             self.position.enter_layer(layer_idx)   # an out-of-memory line names the layer
             self.window.enter_layer(self.ledger.in_use())   # should it leave calm in there
+            if self.votes and self.agreement.vote(False, _calm_promise):
+                return self._whole(layer, orig_forward, layer_idx, args, kwargs)
             return orig_forward(*args, **kwargs)
         if not self.position.in_forward:
             return self._body(layer, orig_forward, layer_idx, args, kwargs)
@@ -70,12 +74,18 @@ class GuardedLayers:
     def _body(self, layer, orig_forward, layer_idx, args, kwargs):
         if torch.is_grad_enabled() and (self.full_recompute or (
                 self.position.in_forward and self.falls_back(layer_idx))):
-            kwargs = self.adapter.recompute_kwargs(layer, kwargs)
-            return checkpoint(functools.partial(self._full_region, orig_forward, layer_idx), *args,
-                              use_reentrant=False, **kwargs,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                                           self.adapter.layer_policy))
+            return self._whole(layer, orig_forward, layer_idx, args, kwargs)
         return orig_forward(*args, **kwargs)
+
+    def _whole(self, layer, orig_forward, layer_idx, args, kwargs):
+        """The layer recomputed whole: a non-reentrant checkpoint that saves its inputs
+        (the windows inside see `in_full_region`, in the forward and in backward's
+        recompute alike, calm or not)."""
+        kwargs = self.adapter.recompute_kwargs(layer, kwargs)
+        return checkpoint(functools.partial(self._full_region, orig_forward, layer_idx), *args,
+                          use_reentrant=False, **kwargs,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                       self.adapter.layer_policy))
 
     def agree_at_attach(self, policy: str) -> None:
         """Where a layer recomputed whole re-issues a collective (BlockAdapter), "full" on
@@ -117,3 +127,11 @@ class GuardedLayers:
                 # checkpoint, so no forward hook of the block runs): the block's aux loss
                 # would keep the recomputed graph alive past backward.
                 forget_aux_loss(self.blocks[layer_idx])
+
+
+def _calm_promise() -> bool:
+    """A calm forward's promise at its layers' votes: its start proof found every layer
+    keeping everything, so none of its layers needs the whole-layer fallback (a prediction
+    under expert parallelism, as a hooked layer's promise is: runtime/window.py
+    `promise`)."""
+    return True

@@ -89,7 +89,8 @@ def world_max(value: int) -> int:
 def record(guard) -> dict:
     r = guard.history[-1]
     return {"decisions": r["decisions"], "peak": r["peak_bytes"], "budget": r["budget_bytes"],
-            "reruns": r.get("safety_net_reruns", 0), "full_layers": r.get("full_layers", 0)}
+            "reruns": r.get("safety_net_reruns", 0), "full_layers": r.get("full_layers", 0),
+            "calm": r["calm_forwards"]}
 
 
 def guarded(policy: str, budget) -> tuple:
@@ -197,6 +198,7 @@ def _walks(steps_seen: bool) -> list:
     layer decided. `steps_seen` False: the walk's bound without what layers were seen to
     leave (runtime/routed_history.py `LayerSteps`)."""
     model, guard = guarded("adaptive", HUGE)
+    guard.calm.enabled = False   # the hooked path's walks (a calm forward decides nothing)
     h = guard.hookless
     walks, decided = [], {}
     real_fit, real_proven = h.needs_no_eviction, h.proven
@@ -285,29 +287,34 @@ def check_votes(state: dict) -> dict:
             guard.window.promise = promise
         per_step = []
         count_votes(guard.layers.agreement, per_step)
-        meter_peaks, hookless = [], []
+        meter_peaks, hookless, calm = [], [], []
         for _ in range(3):
             per_step.append(0)
             with metered(model) as meter:
                 g = run(model, batches(), guard)
             meter_peaks.append(meter.peak_bytes)
             hookless.append(guard.history[-1]["hookless_layers"])
+            calm.append(guard.history[-1]["calm_forwards"])
         out[name] = {"votes": per_step, "meter_peaks": meter_peaks, "hookless": hookless,
-                     "differ": differ(state["ref"], g), **record(guard)}
+                     "calm_forwards": calm, "differ": differ(state["ref"], g), **record(guard)}
         guard.detach()
     return out
 
 
 def check_fallback(state: dict) -> dict:
-    """Adaptive's whole-layer fallback forced on rank 1 only, layer 1: agreed by the
-    group (both recompute it), no hang, gradients bitwise."""
+    """Adaptive's whole-layer fallback forced on rank 1 only, layer 1, on the third of
+    three steps of the same batches: agreed by the group (both recompute it), no hang,
+    gradients bitwise. Rank 0's forwards run calm by then (runtime/calm_forward.py): its
+    calm layers cast their votes too, and it runs layer 1 whole, still calm."""
     model, guard = guarded("adaptive", HUGE)
+    step = [0]
     if dist.get_rank() == 1:
-        guard.window.layer_cannot_fit = lambda layer: layer == 1
+        guard.window.layer_cannot_fit = lambda layer: step[0] == 2 and layer == 1
         # ... and, as its entry checks would, promises nothing before layer 1 (its vote
         # is then cast in every micro-batch: runtime/window.py `promise`)
-        guard.window.promise = lambda layer: layer > 1
-    g = run(model, batches(), guard)
+        guard.window.promise = lambda layer: step[0] != 2 or layer > 1
+    for step[0] in range(3):
+        g = run(model, batches(), guard)
     out = {"differ": differ(state["ref"], g), **record(guard)}
     guard.detach()
     return out
