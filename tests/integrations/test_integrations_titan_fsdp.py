@@ -67,19 +67,29 @@ def _policy_peaks(model, data, reference) -> dict:
 
 
 def _adaptive_runs(model, data, reference, peaks, fractions=FRACTIONS) -> list[dict]:
-    """4 steps of adaptive at each budget: per step, bitwise, re-runs, peak, budget."""
+    """4 steps of adaptive at each budget: per step, bitwise, re-runs, peak, budget; above
+    the all-saved peak, where forwards run calm, the last step's peak by the independent
+    meter too (tests/meter.py: the local shards of the model's state as its baseline)."""
     import spikeguard
+    from host_marks import metered
     from titan_helpers import bitwise, step
     out = []
     for fraction in fractions:
         budget = int(peaks["full"] + fraction * (peaks["none"] - peaks["full"]))
         guard = spikeguard.attach(model, budget=budget, policy="adaptive")
-        for _ in range(STEPS):
-            same = bitwise(reference, step(model, data, guard))
+        for k in range(STEPS):
+            meter = None
+            if fraction > 1 and k == STEPS - 1:
+                with metered(model) as meter:
+                    grads = step(model, data, guard)
+            else:
+                grads = step(model, data, guard)
+            same = bitwise(reference, grads)
             record = guard.history[-1]
             out.append({"fraction": fraction, "bitwise": same, "budget": budget,
                         "reruns": len(record["safety_net"]), "peak": guard.meter.peak(),
-                        "decisions": record["decisions"], "calm": record["calm_forwards"]})
+                        "decisions": record["decisions"], "calm": record["calm_forwards"],
+                        "meter_peak": None if meter is None else meter.peak_bytes})
         guard.detach()
     return out
 
@@ -95,6 +105,12 @@ def _check(runs: list[dict]) -> None:
     # of the last step's; under EP the walk's predictions hold on some steps)
     above = [r for r in runs if r["fraction"] > 1]
     assert above and sum(r["calm"] for r in above) > 0, above
+    # ... and the device's peak is the independent meter's: more by at most 2% (gloo's
+    # threads and scratch inside one op are the meter's blind spots), never less
+    for run in above:
+        if run["meter_peak"] is not None:
+            seen = run["meter_peak"]
+            assert seen <= run["peak"] <= seen + max(0.02 * seen, 32 * 1024), run
 
 
 @pytest.mark.slow

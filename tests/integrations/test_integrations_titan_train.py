@@ -7,7 +7,8 @@ tokenizer made here; spikeguard is on only through the config (`with_spikeguard`
 `--spikeguard.budget/--spikeguard.policy` on torchtitan's command line). Peaks are the
 independent meter's: the device's own peak counter read after every optimizer step
 (titan_train_registry.py), not the guard's history. Shown:
-  * one rank, FSDP2: `full` peaks below everything kept (`none`); at a budget halfway
+  * one rank, FSDP2: `full` peaks below everything kept (`none`, its forwards calm
+    from the second step, as under EP=2 below); at a budget halfway
     between, adaptive runs every step with no safety-net re-run and its true peak under
     the budget, and `none` dies in one line (exit 3); an allocation forced into step 2's
     backward (one no plan foresees): the step-level net re-runs that step, and torchtitan
@@ -72,6 +73,9 @@ def test_one_rank_fsdp2_adaptive_between_full_and_all_kept(assets, tmp_path):
     _ok(kept)
     _ok(full)
     assert "Applied FSDP to the model" in kept.output   # torchtitan's FSDP2, one rank
+    # inside torchtitan's own Trainer `none`'s forwards run calm (runtime/calm_forward.py)
+    # once a forward of their shapes ran hooked: one micro-batch a step
+    assert kept.reports[0]["calm"] == [0, 1, 1, 1], kept.reports
     kept_peak, full_peak = kept.peak(), full.peak()
     assert full_peak < kept_peak, (full_peak, kept_peak)
     budget = (full_peak + kept_peak) // 2
@@ -99,6 +103,7 @@ def test_one_rank_fsdp2_adaptive_between_full_and_all_kept(assets, tmp_path):
 def test_ep2_forced_spike_none_dies_adaptive_survives(assets, tmp_path):
     calm = _job(assets, tmp_path, "calm", "none", HUGE, *EP2, nproc=2)
     _ok(calm)
+    assert [r["calm"] for r in calm.reports] == [[0, 1, 1, 1]] * 2, calm.reports
     # the calm all-kept peak, worst rank, once the optimizer's state exists (step 2 on)
     budget = int(1.04 * max(calm.peak(rank, steps=[1, 2, 3]) for rank in (0, 1)))
 

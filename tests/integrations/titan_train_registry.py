@@ -85,7 +85,8 @@ def _install_meter(optimizers, model_parts):
         out = {"peaks": peaks, "budget": guard.budget_bytes if guard else None,
                "reruns": [r["safety_net_reruns"] for r in history],
                "record_peaks": [r["peak_bytes"] for r in history],   # the guard's own
-               "decisions": [r.get("decisions") for r in history]}
+               "decisions": [r.get("decisions") for r in history],
+               "calm": [r["calm_forwards"] for r in history]}
         path = f"{os.environ['SPIKEGUARD_TEST_REPORT']}.{os.environ.get('RANK', '0')}.json"
         with open(path, "w") as f:
             json.dump(out, f)
