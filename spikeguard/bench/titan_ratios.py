@@ -26,8 +26,10 @@ The budget is the calm step's true peak with everything kept, its optimizer step
 (worst rank), x 1.04. Each
 segment's tokens/s over the ceiling's in the same round: the median with its quartiles and
 the rounds a +-0.01 would need (spikeguard.bench.spread; a measurement, never asserted).
-Peaks are the device's whole count over each step and its optimizer step (AdamW). Needs
-`pip install 'spikeguard[titan]'`.
+Peaks are the device's whole count over each step and its optimizer step (AdamW). The
+guard's rows count the forwards that ran calm (runtime/calm_forward.py: no hook, no
+per-layer bookkeeping) among rank 0's timed ones: each segment attaches a fresh guard, whose
+first forwards run hooked. Needs `pip install 'spikeguard[titan]'`.
 """
 
 from __future__ import annotations
@@ -150,7 +152,9 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
             cpu_s = time.process_time() - cpu_start   # this rank's CPU, before the barrier
             torch.distributed.barrier()
             seconds = time.perf_counter() - start
-            moved = {} if guard is None else moved_of(guard.history)
+            moved = {} if guard is None else {
+                **moved_of(guard.history),
+                "calm": sum(h["calm_forwards"] for h in guard.history)}
             if guard is not None:
                 guard.detach()
             if meter is not None:
@@ -158,7 +162,7 @@ def _worker(rank, world, store, out, reps, steps, spike_every, batch, seq):
                 meter.close()
             rows.append({"rep": rep, "setting": setting, "s": seconds, "cpu_s": cpu_s,
                          "peak": peak,
-                         "tokens": steps * 2 * batch * seq, **moved})
+                         "tokens": steps * 2 * batch * seq, "steps": steps, **moved})
     (Path(out) / f"{rank}.json").write_text(json.dumps({"budget": budget, "rows": rows}))
     del model, opt, guard, probe, meter
     close_gloo()
@@ -205,15 +209,16 @@ def main(argv=None) -> int:
 
 
 def table(rows: list[dict], peaks: dict, budget: int = 0) -> list[str]:
-    """The markdown table from rank 0's rows and the worst rank's peaks; decisions and
-    evictions are rank 0's, summed over the timed rounds' steps. An unguarded torchtitan
+    """The markdown table from rank 0's rows and the worst rank's peaks; decisions,
+    evictions and calm forwards are rank 0's, summed over the timed rounds' steps (two
+    micro-batches a step). An unguarded torchtitan
     AC row whose peak passed `budget` ran out (on a device, at the allocation)."""
     ceiling = {r["rep"]: r["s"] for r in rows if r["setting"] == "ceiling"}
     ceiling_cpu = {r["rep"]: r.get("cpu_s") for r in rows if r["setting"] == "ceiling"}
     lines = ["| setting | tokens/s (rank 0) | vs ceiling | rounds for +-0.01 | vs ceiling, "
              "rank 0's CPU [95%] | peak (worst rank) | save / recompute / offload (rank 0) "
-             "| evicted (rank 0) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| evicted (rank 0) | calm forwards (rank 0) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in [s for s in SETTINGS if any(r["setting"] == s for r in rows)]:
         mine = [r for r in rows if r["setting"] == s and r["rep"] > 0]
         tps = statistics.median(r["tokens"] / r["s"] for r in mine)
@@ -228,9 +233,11 @@ def table(rows: list[dict], peaks: dict, budget: int = 0) -> list[str]:
         timed = s != "ceiling" and not out and all(r.get("cpu_s") is not None for r in mine)
         cpu = _cpu_cell(ratio_spread([r["cpu_s"] for r in mine],
                                      [ceiling_cpu[r["rep"]] for r in mine])) if timed else "-"
+        calm = f"{sum(r['calm'] for r in guarded)} of {2 * sum(r['steps'] for r in guarded)}" \
+            if guarded and all("calm" in r for r in guarded) else "-"
         lines.append(f"| {s} | {tps:.0f} | {'ran out' if out else cell(vs)} | "
                      f"{'-' if s == 'ceiling' else needed(vs)} | {cpu} | {peak} | "
-                     + " | ".join(decision_cells(moved)) + " |")
+                     + " | ".join(decision_cells(moved)) + f" | {calm} |")
     return lines
 
 

@@ -86,7 +86,8 @@ def test_titan_table_shows_each_ratio_with_its_spread_and_rounds():
     cpu = {"ceiling": [5.0, 1.0, 1.0, 1.0], "none": [5.0, 1.05, 1.0, 1.1],
            "full": [5.0, 1.5, 1.6, 1.4], "adaptive": [5.0, 1.1, 1.0, 1.2]}
     rows = [{"rep": rep, "setting": s, "s": seconds[s][rep], "cpu_s": cpu[s][rep],
-             "tokens": 100, **(moved if s == "adaptive" else {})}
+             "tokens": 100, "steps": 2,
+             **(moved | {"calm": rep % 2} if s == "adaptive" else {})}
             for rep in range(4) for s in seconds]
     lines = table(rows, {s: 2**20 for s in SETTINGS})
     assert "rounds for +-0.01" in lines[0] and "evicted" in lines[0] and "CPU" in lines[0]
@@ -97,8 +98,9 @@ def test_titan_table_shows_each_ratio_with_its_spread_and_rounds():
         lo, hi = on_cpu["ci95"]
         assert f"| {spread.cell(want)} | {spread.needed(want)} | {on_cpu['median']:.3f} " \
                f"[{lo:.2f}-{hi:.2f}] ({spread.needed(on_cpu)}) |" in by[s]
-    assert by["adaptive"].endswith("| 45 / 0 / 3 | 3 MiB (3 MiB back) |")   # 3 timed rounds
-    assert by["ceiling"].endswith("| - | - | 1.00 MiB | - | - |")   # no rounds, no CPU ratio
+    # 3 timed rounds of 2 steps, 2 micro-batches each: 12 forwards, reps 1 and 3 one calm
+    assert by["adaptive"].endswith("| 45 / 0 / 3 | 3 MiB (3 MiB back) | 2 of 12 |")
+    assert by["ceiling"].endswith("| - | - | 1.00 MiB | - | - | - |")   # no rounds, no CPU
 
 
 def test_the_medians_interval_is_the_order_statistics_of_a_binomial_by_hand():

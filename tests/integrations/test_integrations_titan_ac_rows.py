@@ -60,10 +60,14 @@ def test_every_row_is_in_the_table_with_its_spread_and_peak(capsys):
     rows = {line.split(" | ")[0].strip("| "): line.strip("|").split(" | ")
             for line in out.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(SETTINGS) <= set(rows)
+    # the guard's rows count calm forwards among rank 0's 8 timed (2 rounds x 2 steps x 2
+    # micro-batches); none's fresh guard runs each step's second forward calm at least
+    calm_none = rows["none"][-1].strip()
+    assert calm_none.endswith(" of 8") and int(calm_none.split()[0]) >= 2, rows["none"]
     for s in TITAN_AC:
-        name, tokens, ratio, needed, cpu, peak, decisions, evicted = \
+        name, tokens, ratio, needed, cpu, peak, decisions, evicted, calm = \
             (c.strip() for c in rows[s])
-        assert float(tokens) > 0 and needed.startswith("~")
+        assert float(tokens) > 0 and needed.startswith("~") and calm == "-"
         if ratio != "ran out":   # rank 0's CPU: median [95% interval] (rounds for +-0.01)
             median, rest = cpu.split(" [")
             low, high = (float(v) for v in rest.split("]")[0].split("-"))
