@@ -46,33 +46,33 @@ What a calm forward does not do, and why that is safe:
     and, in backward, the head rather than a layer.
 Under expert parallelism a rank's counts move from layer to layer and are known only
 once exchanged. Under none nothing depends on them. Under adaptive the start proof walks
-each layer at the copies it predicts (runtime/routed_history.py: the most of that layer's
-last 16 forwards, plus 5%), as the hooked path's proof at a micro-batch's first layer
-does, and the calm forward checks each layer against that walk once its counts are in
-(`keeps`): a layer that routes more copies than the walk put it at, or finds the device
-above the figure the walk put its decision at, leaves calm there (a spike, or a layer
-grown past its history): that layer decides as on the hooked path, and the forward runs
-hooked from it on (the tracker's pair entered until the forward returns). Every earlier
-layer kept everything, as the walk that cleared them assumed of them, and nothing of
-theirs was evictable: the hooked path's covered layers are no different. A calm forward
-makes the same collectives as a hooked one (the dispatcher's counts exchanges and
-exchanges, a family's flag points at its units, the net's end-of-attempt flag point:
-none of them is the layers' guard code), so each rank runs calm or not on its own; a
-pipeline's stages alike (each stage's guard proves its own forwards). Where the layers
-cast the group's whole-layer fallback vote (transformers' EP with some rank adaptive: a
-collective at a layer's entry until every rank has promised that no later layer of the
-attempt needs it), a calm layer casts its vote too, no, with that promise (its start
-proof found every layer keeping everything), and where a peer's yes carries the group it
-runs whole as they do, still calm: its windows see the full region, as a hooked layer's
-do (runtime/layers.py). Not while a caller's own callable stands in for a method of the
-guard, its planner or its window (`seams_replaced`). FSDP2 units
-(torchtitan applies them even on one rank, transformers under its DistributedConfig)
-change nothing of this: their all-gathers, reshards and flag points are module hooks of
-FSDP2's and of the family's journal, not the layers' guard code, and the bytes they add
-above each layer's decision are in the walk's own procedure (`needs_no_eviction` reads
-the window's FSDP2 terms per layer, as the hooked path's proof does; tests/integrations/
-test_integrations_titan_fsdp.py: calm forwards on one rank and two, EP included,
-bitwise and under the budget).
+each layer at the copies it predicts (runtime/routed_history.py: the most of that
+layer's last 16 forwards, a spike's of its last 4, plus 5%), as the hooked path's proof
+at a micro-batch's first layer does, and the calm forward checks each layer against that
+walk once its counts are in (`keeps`): a layer that routes more copies than the walk put
+it at, or finds the device above the figure the walk put its decision at, leaves calm
+there (a spike, or a layer grown past its history): that layer decides as on the hooked
+path, and the forward runs hooked from it on (the tracker's pair entered until the
+forward returns). Every earlier layer kept everything, as the walk that cleared them
+assumed of them, and nothing of theirs was evictable: the hooked path's covered layers
+are no different. A calm forward makes the same collectives as a hooked one (the
+dispatcher's counts exchanges and exchanges, a family's flag points at its units, the
+net's end-of-attempt flag point: none of them is the layers' guard code), so each rank
+runs calm or not on its own; a pipeline's stages alike (each stage's guard proves its
+own forwards). Where the layers cast the group's whole-layer fallback vote
+(transformers' EP with some rank adaptive: a collective at a layer's entry until every
+rank has promised that no later layer of the attempt needs it), a calm layer casts its
+vote too, no, with that promise (its start proof found every layer keeping everything),
+and where a peer's yes carries the group it runs whole as they do, still calm: its
+windows see the full region, as a hooked layer's do (runtime/layers.py). Not while a
+caller's own callable stands in for a method of the guard, its planner or its window
+(`seams_replaced`). FSDP2 units (torchtitan applies them even on one rank, transformers
+under its DistributedConfig) change nothing of this: their all-gathers, reshards and
+flag points are module hooks of FSDP2's and of the family's journal, not the layers'
+guard code, and the bytes they add above each layer's decision are in the walk's own
+procedure (`needs_no_eviction` reads the window's FSDP2 terms per layer, as the hooked
+path's proof does; tests/integrations/test_integrations_titan_fsdp.py: calm forwards on
+one rank and two, EP included, bitwise and under the budget).
 
 A calm layer still moves the device's position label to itself and notes its entry's
 figure (two calls), so that an out-of-memory line names the layer as the hooked path's
@@ -114,7 +114,12 @@ class CalmForwards:
         # adds no more than one of them (the proof alone is a prediction: at 0.85x it
         # passed where the window's own decisions moved something, and the head's
         # backward ran out). A micro-batch after another's backward starts higher with
-        # less to add, so a few are kept, none below another.
+        # less to add, so a few are kept, none below another. A hooked forward that cut
+        # something (`_cuts`) voids what was seen of its shapes; one that kept everything
+        # but not every layer hookless (a proof that fell short: its walk at a spike's
+        # counts still remembered) voids nothing, and adds nothing (as evidence at step 1
+        # of PP=2 x EP=2 it started calm forwards on 4 forwards of history that left calm
+        # and ran stage 0 with 7 layers of 8 hookless, not 8).
         self._kept: dict[tuple, list[tuple[int, int]]] = {}
         # Under expert parallelism (adaptive), layer -> (the device's figure at its
         # decision, its routed copies) where the running calm forward's start proof walked
@@ -145,13 +150,14 @@ class CalmForwards:
                 self._kept.pop(inputs, None)
             return
         step = h.window.recorder()
-        before = None if step is None else (step.hookless_layers, step.evicted_bytes)
+        before = None if step is None else (_cuts(step), step.hookless_layers)
         with h.ends.hooked_forward(args, kwargs, whole_recompute):
             yield
         if before is not None and not whole_recompute and self.enabled:
-            kept = (step.hookless_layers - before[0] == h.window.num_layers
-                    and step.evicted_bytes == before[1])
-            self._note(inputs, (in_use, grads) if kept else None)
+            if _cuts(step) != before[0]:   # it cut something: what was seen stands no more
+                self._note(inputs, None)
+            elif step.hookless_layers - before[1] == h.window.num_layers:
+                self._note(inputs, (in_use, grads))
 
     def _note(self, inputs: tuple, state) -> None:
         """A hooked forward of `inputs` from `state` kept everything (None: it did not,
@@ -262,6 +268,15 @@ class CalmForwards:
         if step is not None:
             step.hookless_layers += 1
         return call(*inputs)
+
+
+def _cuts(step) -> tuple:
+    """What a step's record counts of a forward cutting anything: the plans of the attempt
+    under way that recompute or offload an op, the bytes evicted, the layers recomputed
+    whole at entry. A hooked forward that leaves them all as they were kept everything,
+    hookless or not."""
+    return (step.attempt["recompute"], step.attempt["offload"], step.evicted_bytes,
+            step.full_layers)
 
 
 def _covers(seen: tuple[int, int], now: tuple[int, int]) -> bool:

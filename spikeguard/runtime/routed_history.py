@@ -14,6 +14,20 @@ skew that makes one spikes every layer alike), plus `ROUTED_SLACK`; with fewer t
 forecast's bound). A prediction, not a proof: a spike that starts in a later layer only
 is missed (tests/runtime/test_runtime_routed_history.py shows the budget kept and the
 gradients bitwise there).
+
+A spike itself (once a layer has `ROUTED_HISTORY` forwards behind it, a count above
+`SPIKE_RISE` x the most of those that were no spike: its calm range) is remembered for
+`SPIKE_MEMORY` forwards only, not `ROUTED_HISTORY`: a spike under way is foreseen by the
+rise above, and one remembered as long as the calm range kept the forwards after it
+walked at its counts: torchtitan's
+deepseek_v3 at EP=2, 1.04x the calm peak, a spike every 4th step
+(spikeguard.bench.titan_ratios), ran every calm step for 8 steps after a spike hooked, 57
+of rank 0's 336 forwards calm (CPU, emulated device). Not before the history is full: a
+rank's count moves 2x between micro-batches of a short run (PP=2 x EP=2, 284-732 copies),
+and a high one forgotten early made the next high one read as a rise, scaling the later
+layers' walk (stage 0 then proved 7 of 8 layers, not 8: tests/parallel/test_parallel_pp.py).
+A spike that lasts stays in: each of its forwards is within `SPIKE_MEMORY` of the last,
+and once it has outlasted the history it is the calm range.
 """
 
 from __future__ import annotations
@@ -26,6 +40,10 @@ from typing import Optional
 ROUTED_HISTORY = 16
 ROUTED_HISTORY_MIN = 4
 ROUTED_SLACK = 0.05
+# A spike (a count above this x what the history predicted from) is remembered for this
+# many forwards of its layer (module doc).
+SPIKE_RISE = 1.25
+SPIKE_MEMORY = 4
 
 
 class RoutedHistory:
@@ -41,10 +59,13 @@ class RoutedHistory:
 
     def note(self, micro_batch: int, layer: int, num_routed: int) -> None:
         past = self._past.setdefault(layer, deque(maxlen=ROUTED_HISTORY))
-        rise = num_routed / max(past) if len(past) >= ROUTED_HISTORY_MIN and max(past) else None
+        enough = len(past) >= ROUTED_HISTORY_MIN
+        most = _most(past) if enough else 0
+        rise = num_routed / most if most else None
         so_far = self._rise.get(micro_batch, 1.0)
         self._rise[micro_batch] = None if so_far is None or rise is None else max(so_far, rise)
-        past.append(num_routed)
+        full = len(past) == ROUTED_HISTORY   # a calm range to tell a spike from
+        past.append((num_routed, full and num_routed > SPIKE_RISE * _calm_most(past)))
 
     def predict(self, micro_batch: int, layer: int) -> Optional[int]:
         """A micro-batch none of whose layers decided yet has seen no rise (1)."""
@@ -52,7 +73,7 @@ class RoutedHistory:
         rise = self._rise.get(micro_batch, 1.0)
         if rise is None or past is None or len(past) < ROUTED_HISTORY_MIN:
             return None
-        return int(max(past) * rise * (1 + ROUTED_SLACK)) + 1
+        return int(_most(past) * rise * (1 + ROUTED_SLACK)) + 1
 
     def predict_all(self, micro_batch: int, layers) -> Optional[list[int]]:
         """`predict` for each of `layers`, or None where one has too little history."""
@@ -61,6 +82,19 @@ class RoutedHistory:
 
     def forget_micro_batch(self, micro_batch: int) -> None:
         self._rise.pop(micro_batch, None)
+
+
+def _most(past: deque) -> int:
+    """The most of a layer's remembered (count, spike) forwards: a spike's among its last
+    `SPIKE_MEMORY` only (module doc)."""
+    return max(n for age, (n, spike) in enumerate(reversed(past))
+               if not spike or age < SPIKE_MEMORY)
+
+
+def _calm_most(past: deque) -> int:
+    """The most of a layer's remembered forwards that were no spike (all of them where
+    every one was: a spike that outlasted the history is the calm range now)."""
+    return max((n for n, spike in past if not spike), default=0) or max(n for n, _ in past)
 
 
 class LayerSteps:

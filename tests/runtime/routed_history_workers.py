@@ -77,7 +77,7 @@ def _run(rank: int, out_dir: str) -> None:
         guard.calm.enabled = name == "calm"
         _favour_rank0(guard.model, layers)
         _favour_rank0(plain, layers)
-        calm_most = {ly: max(past) for ly, past in history._past.items()}
+        calm_most = {ly: max(n for n, _ in past) for ly, past in history._past.items()}
         # per step: [layer deciding, later layer, predicted routed, at its decision (else at
         # its entry, before its router ran)] and what each layer routed
         predicted, routed = [], []

@@ -5,8 +5,9 @@ Against the same guard with calm forwards off (`guard.calm.enabled = False`, eve
 through the hooked path): the same gradients (torch.equal, and the plain model's), the
 same true peak (tests/meter.py) and device peak, the same decisions, hookless layers and
 routed counts in the record. Where adaptive's own decisions on the hooked path moved
-something, the next forward of those shapes runs hooked again; a step that fails after a
-calm forward re-runs hooked and keeps the gradients; a new shape, or a caller's own plan
+something, the next forward of those shapes runs hooked again (one that kept everything,
+unproven, leaves the evidence standing); a step that fails after a calm forward re-runs
+hooked and keeps the gradients; a new shape, or a caller's own plan
 seam on the guard, runs hooked.
 
     .venv/bin/python -m pytest tests/runtime/test_runtime_calm_forward.py -q
@@ -125,6 +126,25 @@ def test_where_adaptive_moved_something_its_forwards_stay_hooked():
         assert r["safety_net_reruns"] == 0
     for a, plain in zip(grads, _plain_grads(steps, optimizer=True)):
         _same(a, plain)
+
+
+def test_a_hooked_forward_that_kept_everything_unproven_leaves_the_evidence_standing():
+    """A hooked forward whose layers kept everything though not every one was proven
+    hookless (under expert parallelism: a walk at a spike's counts still remembered; here
+    the proof turned off for one step) neither adds evidence nor voids it: the step after
+    runs calm again (it ran hooked while such a forward voided the evidence)."""
+    steps = [_batches((4, 4))] * 5
+    model = build_model(TINY, seed=0)
+    guard = spikeguard.attach(model, budget="1GiB", policy="adaptive")
+    for k, batches in enumerate(steps):
+        guard.hookless.enabled = k != 3
+        model.zero_grad(set_to_none=True)
+        guard.run_step(_step_fn(model, batches, []))
+    records = guard.history
+    assert [r["calm_forwards"] for r in records] == [0, 1, 2, 0, 2], records
+    assert records[3]["hookless_layers"] == 0 and records[3]["decisions"]["save"] > 0
+    assert all(r["decisions"]["recompute"] == r["decisions"]["offload"] == 0
+               and r["evicted_bytes"] == 0 for r in records)
 
 
 def test_a_step_that_fails_after_a_calm_forward_re_runs_hooked():

@@ -23,7 +23,8 @@ import pytest
 
 from spikeguard.parallel.launch_utils import run_spawned
 from spikeguard.runtime.routed_history import (ROUTED_HISTORY, ROUTED_HISTORY_MIN,
-                                               ROUTED_SLACK, LayerSteps, RoutedHistory)
+                                               ROUTED_SLACK, SPIKE_MEMORY, SPIKE_RISE,
+                                               LayerSteps, RoutedHistory)
 
 import routed_history_workers
 
@@ -70,6 +71,76 @@ def test_only_the_last_forwards_count():
     h.note(99, 0, 1)
     h._rise[99] = 1.0
     assert h.predict(99, 1) == int(200 * (1 + ROUTED_SLACK)) + 1
+
+
+def _calm_history(h: RoutedHistory, count: int = 200, forwards: int = ROUTED_HISTORY):
+    for mb in range(forwards):
+        h.note(mb, 1, count)
+        h.forget_micro_batch(mb)
+
+
+def _predicted(h: RoutedHistory) -> int:
+    """Layer 1's prediction for a micro-batch none of whose layers decided yet."""
+    return h.predict(1000, 1)
+
+
+def test_a_spike_is_remembered_for_a_few_forwards_only():
+    h, calm = RoutedHistory(), int(200 * (1 + ROUTED_SLACK)) + 1
+    _calm_history(h)
+    h.note(50, 1, 400)   # 2x: a spike
+    spiked = int(400 * (1 + ROUTED_SLACK)) + 1
+    for k in range(SPIKE_MEMORY - 1):
+        assert _predicted(h) == spiked, k
+        h.note(60 + k, 1, 200)
+    assert _predicted(h) == spiked   # the spike is the SPIKE_MEMORY-th last forward
+    h.note(70, 1, 200)
+    assert _predicted(h) == calm     # aged out, 12 forwards before the history would
+
+
+def test_the_calm_range_is_remembered_whole():
+    h = RoutedHistory()
+    _calm_history(h)
+    high = int(200 * SPIKE_RISE)     # within the rise: the calm range, not a spike
+    h.note(50, 1, high)
+    _calm_history(h, forwards=ROUTED_HISTORY - 1)
+    assert _predicted(h) == int(high * (1 + ROUTED_SLACK)) + 1
+    h.note(70, 1, 200)               # ROUTED_HISTORY forwards later: gone
+    assert _predicted(h) == int(200 * (1 + ROUTED_SLACK)) + 1
+
+
+def test_before_the_history_is_full_a_high_count_is_the_calm_range():
+    h = RoutedHistory()
+    _calm_history(h, forwards=ROUTED_HISTORY - 1)
+    h.note(50, 1, 400)   # 2x, but the 16th forward: no calm range to tell it from yet
+    _calm_history(h, forwards=ROUTED_HISTORY - 1)
+    assert _predicted(h) == int(400 * (1 + ROUTED_SLACK)) + 1
+
+
+def test_a_spike_over_a_step_of_two_micro_batches_ages_out_after_its_last():
+    h, calm = RoutedHistory(), int(200 * (1 + ROUTED_SLACK)) + 1
+    _calm_history(h)
+    h.note(50, 1, 400)
+    h.note(51, 1, 390)   # a spike too: above the calm range, though not above the first
+    for k in range(SPIKE_MEMORY - 1):
+        h.note(60 + k, 1, 200)
+    assert _predicted(h) == int(390 * (1 + ROUTED_SLACK)) + 1
+    h.note(70, 1, 200)
+    assert _predicted(h) == calm
+
+
+def test_a_spike_that_lasts_stays_in_the_history():
+    h = RoutedHistory()
+    _calm_history(h)
+    # every forward at 2x from here on: predicted so, while the calm range ages out and
+    # after (then it is the calm range)
+    for mb in range(50, 50 + 2 * ROUTED_HISTORY):
+        h.note(mb, 1, 400)
+        h.forget_micro_batch(mb)
+        assert _predicted(h) == int(400 * (1 + ROUTED_SLACK)) + 1, mb
+    assert not any(spike for _, spike in h._past[1])   # the calm range now
+    # ... and a count like it is no rise for the micro-batch that routes it
+    h.note(99, 1, 400)
+    assert h.predict(99, 1) == int(400 * (1 + ROUTED_SLACK)) + 1
 
 
 # ---- what a layer leaves, entry to entry (LayerSteps) -------------------------------------
