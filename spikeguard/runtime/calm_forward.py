@@ -117,9 +117,9 @@ class CalmForwards:
         # less to add, so a few are kept, none below another. A hooked forward that cut
         # something (`_cuts`) voids what was seen of its shapes; one that kept everything
         # but not every layer hookless (a proof that fell short: its walk at a spike's
-        # counts still remembered) voids nothing, and adds nothing (as evidence at step 1
-        # of PP=2 x EP=2 it started calm forwards on 4 forwards of history that left calm
-        # and ran stage 0 with 7 layers of 8 hookless, not 8).
+        # counts still remembered) voids nothing, and adds nothing (taken as evidence,
+        # stage 0 of PP=2 x EP=2 ran 7 of its 8 layers hookless on its second step, not
+        # 8: tests/parallel/test_parallel_pp.py; the mechanism was not traced).
         self._kept: dict[tuple, list[tuple[int, int]]] = {}
         # Under expert parallelism (adaptive), layer -> (the device's figure at its
         # decision, its routed copies) where the running calm forward's start proof walked

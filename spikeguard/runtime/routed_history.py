@@ -19,15 +19,13 @@ A spike itself (once a layer has `ROUTED_HISTORY` forwards behind it, a count ab
 `SPIKE_RISE` x the most of those that were no spike: its calm range) is remembered for
 `SPIKE_MEMORY` forwards only, not `ROUTED_HISTORY`: a spike under way is foreseen by the
 rise above, and one remembered as long as the calm range kept the forwards after it
-walked at its counts: torchtitan's
-deepseek_v3 at EP=2, 1.04x the calm peak, a spike every 4th step
-(spikeguard.bench.titan_ratios), ran every calm step for 8 steps after a spike hooked, 57
-of rank 0's 336 forwards calm (CPU, emulated device). Not before the history is full: a
-rank's count moves 2x between micro-batches of a short run (PP=2 x EP=2, 284-732 copies),
-and a high one forgotten early made the next high one read as a rise, scaling the later
-layers' walk (stage 0 then proved 7 of 8 layers, not 8: tests/parallel/test_parallel_pp.py).
-A spike that lasts stays in: each of its forwards is within `SPIKE_MEMORY` of the last,
-and once it has outlasted the history it is the calm range.
+walked at its counts. torchtitan's deepseek_v3 at EP=2, 1.04x the calm peak, a spike
+every 4th step (spikeguard.bench.titan_ratios), ran every calm step for 8 steps after a
+spike hooked, 57 of rank 0's 336 forwards calm (CPU, emulated device). Not before the
+history is full: until then the calm range is not known (a rank's count moves 2x between
+the micro-batches of `small` at PP=2 x EP=2, 284-732 copies), and a high count is taken
+as part of it. A spike that lasts stays in: each of its forwards is within
+`SPIKE_MEMORY` of the last, and once it has outlasted the history it is the calm range.
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ from typing import Optional
 ROUTED_HISTORY = 16
 ROUTED_HISTORY_MIN = 4
 ROUTED_SLACK = 0.05
-# A spike (a count above this x what the history predicted from) is remembered for this
-# many forwards of its layer (module doc).
+# A spike (a count above this x its layer's calm range, once the history is full) is
+# remembered for this many forwards of its layer (module doc).
 SPIKE_RISE = 1.25
 SPIKE_MEMORY = 4
 
