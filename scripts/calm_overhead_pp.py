@@ -14,10 +14,12 @@ pipeline under policy none) times `--budget-factor`. Prints, per rank, the media
 per-round ratios plain/this with a 95% interval of that median (spikeguard/bench/spread.py),
 their range and the rounds that would resolve +-0.01, the forwards that ran calm a step
 (runtime/calm_forward.py: under none every forward of shapes seen before; under adaptive
-none, a pipeline's residency reading what the hooked path models), and the layers
+those whose start proof also walks the forwards the stage runs before their backward,
+each calm forward's bytes modelled in the ledger for the residency), and the layers
 adaptive ran hookless a step (runtime/hookless.py: under a pipeline, proven against the
-forwards its stage runs before each micro-batch's backward too). `--clock cpu` times each process's CPU only: steadier
-on a shared machine, blind to the waits of the schedule's sends and the all-to-alls.
+forwards its stage runs before each micro-batch's backward too). `--clock cpu` times each
+process's CPU only: steadier on a shared machine, blind to the waits of the schedule's
+sends and the all-to-alls.
 CPU figures: the device is emulated.
 """
 
