@@ -83,6 +83,7 @@ labelled per layer (the labels stay at the head's backward).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -120,7 +121,14 @@ class CalmForwards:
         # counts still remembered) voids nothing, and adds nothing (taken as evidence,
         # stage 0 of PP=2 x EP=2 ran 7 of its 8 layers hookless on its second step, not
         # 8: tests/parallel/test_parallel_pp.py; the mechanism was not traced).
-        self._kept: dict[tuple, list[tuple[int, int]]] = {}
+        # Each is `_Seen`: once its step has ended, a forward may start as far above it as
+        # that step stayed under the budget (`step_done`), since starting higher by some
+        # bytes puts every figure of the same forward and backward that much higher; the
+        # device's figure at a forward's start moves by a few bytes from step to step
+        # (a pipeline's buffers, freed by the process group's thread as it goes), and
+        # compared exactly one forward of four ran hooked at random (CI, PP=2 x EP=2).
+        self._kept: dict[tuple, list[_Seen]] = {}
+        self._unconfirmed: list[_Seen] = []   # noted in the step under way
         # Under expert parallelism (adaptive), layer -> (the device's figure at its
         # decision, its routed copies) where the running calm forward's start proof walked
         # it: a layer beyond either leaves calm (`keeps`). None: nothing to check (one
@@ -165,10 +173,19 @@ class CalmForwards:
         if state is None:
             self._kept.pop(inputs, None)
             return
-        seen = [s for s in self._kept.get(inputs, ()) if not _covers(state, s)]
-        if not any(_covers(s, state) for s in seen):
-            seen.append(state)
+        new = _Seen(*state)
+        seen = [s for s in self._kept.get(inputs, ()) if not new.dominates(s)]
+        if not any(s.dominates(new) for s in seen):
+            seen.append(new)
+            self._unconfirmed.append(new)
         self._kept[inputs] = seen[-4:]
+
+    def step_done(self, peak: int, budget: int) -> None:
+        """The step ended with the device's peak at `peak` under `budget`: each forward
+        noted in it ran, with its backward, that far under the limit (`_Seen.slack`)."""
+        for seen in self._unconfirmed:
+            seen.slack = max(0, budget - peak)
+        self._unconfirmed.clear()
 
     def _proven(self, inputs, args, kwargs, in_use: int, grads: int,
                 whole_recompute: bool) -> bool:
@@ -177,7 +194,7 @@ class CalmForwards:
                 or not torch.is_grad_enabled():
             return False
         if h.window.policy == "adaptive" and not any(
-                _covers(s, (in_use, grads)) for s in self._kept.get(inputs, ())):
+                s.covers(in_use, grads) for s in self._kept.get(inputs, ())):
             return False
         if not h.ends.calm_from_start(args, kwargs, in_use):
             return False
@@ -224,6 +241,7 @@ class CalmForwards:
     def forget(self) -> None:
         """An attempt failed: what the hooked forwards showed is no evidence any more."""
         self._kept.clear()
+        self._unconfirmed.clear()
 
     @contextlib.contextmanager
     def _running(self, in_use: int):
@@ -279,9 +297,24 @@ def _cuts(step) -> tuple:
             step.full_layers)
 
 
-def _covers(seen: tuple[int, int], now: tuple[int, int]) -> bool:
-    """A forward from `seen` (in-use, gradients to come) is at least as tight as `now`."""
-    return now[0] <= seen[0] and now[1] <= seen[1]
+@dataclasses.dataclass
+class _Seen:
+    """A hooked forward that kept everything: the device's figure at its start, the
+    gradient bytes its backward was to add, and `slack`, how far under the budget its step's
+    peak stayed (0 until that step has ended: its backward had not run)."""
+    in_use: int
+    grads: int
+    slack: int = 0
+
+    def covers(self, in_use: int, grads: int) -> bool:
+        """A forward from `in_use` with `grads` to add stays where this one did, give or
+        take its slack: what it starts above and adds above this one fits the slack."""
+        return max(0, in_use - self.in_use) + max(0, grads - self.grads) <= self.slack
+
+    def dominates(self, other: "_Seen") -> bool:
+        """Every forward `other` covers, this one covers."""
+        return (self.in_use >= other.in_use and self.grads >= other.grads
+                and self.slack >= other.slack)
 
 
 def seams_replaced(*objects) -> bool:

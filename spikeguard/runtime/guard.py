@@ -260,6 +260,7 @@ class Guard:
         step = self._recorder
         if self.policy == "adaptive" and not step.reruns:
             self.layer_room.calibrate(self.meter)
+        self.calm.step_done(step.peak_bytes, self.budget_bytes)
         phase, layer = decode_where(step.peak_where)
         self.history.append(step.finish(
             step=len(self.history), policy=self.policy,

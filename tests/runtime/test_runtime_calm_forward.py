@@ -92,10 +92,11 @@ def test_a_calm_forward_changes_nothing_but_the_guards_own_work(policy):
     off, grads_off, peaks_off = _train(policy, "1GiB", False, steps)
     # Under none the first step's second micro-batch is calm already (nothing of none
     # depends on what the device holds); under adaptive a forward is calm once a hooked
-    # one of its shapes kept everything from as high a start (the second step's first
-    # micro-batch starts 8 bytes above the first step's: hooked once more), by the third.
+    # one of its shapes kept everything from as high a start, or higher by less than its
+    # step stayed under the budget (the second step's first micro-batch starts 8 bytes
+    # above the first step's), from the second step on.
     calm = [r["calm_forwards"] for r in on.history]
-    assert calm[0] == (0 if policy == "adaptive" else 1) and calm[-1] == 2, calm
+    assert calm == ([0, 2, 2] if policy == "adaptive" else [1, 2, 2]), calm
     assert [r["calm_forwards"] for r in off.history] == [0, 0, 0]
     for a, b, plain in zip(grads_on, grads_off, _plain_grads(steps)):
         _same(a, b)
@@ -141,7 +142,9 @@ def test_a_hooked_forward_that_kept_everything_unproven_leaves_the_evidence_stan
         model.zero_grad(set_to_none=True)
         guard.run_step(_step_fn(model, batches, []))
     records = guard.history
-    assert [r["calm_forwards"] for r in records] == [0, 1, 2, 0, 2], records
+    # The second step's first forward starts 8 bytes above the first step's, inside the
+    # room that step left under the budget: calm (compared to the byte, it ran hooked)
+    assert [r["calm_forwards"] for r in records] == [0, 2, 2, 0, 2], records
     assert records[3]["hookless_layers"] == 0 and records[3]["decisions"]["save"] > 0
     assert all(r["decisions"]["recompute"] == r["decisions"]["offload"] == 0
                and r["evicted_bytes"] == 0 for r in records)
