@@ -46,6 +46,19 @@ def _processes_are_marked(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _matplotlib_font_cache():
+    """matplotlib builds its font cache at its first import on a machine (it runs fc-list):
+    built here, before any test's process check, so that whichever test first draws a plot
+    (tests/test_pages.py renders docs/bench.md's) does not count it as a process of its own
+    (seen on a fresh ~/.cache: "started 2 process(es)")."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:   # an extra (pyproject.toml): its tests skip without it
+        pass
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
