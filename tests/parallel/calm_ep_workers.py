@@ -164,3 +164,47 @@ def adaptive_spike_worker(rank: int, world_size: int, store_path: str, out_dir: 
         torch.distributed.destroy_process_group()
         raise
     close_gloo()
+
+
+# A router bias that only selects (top-k on scores + bias; the weights stay the scores'):
+# every token of every rank then picks ep rank 0's experts, twice that rank's calm share.
+SPIKE_BIAS = 100.0
+
+
+def _forced_spike(model, on: bool) -> None:
+    """Every router's bias toward ep rank 0's experts (`on`), or none (an even split is
+    left to the data)."""
+    for block in model.moe_blocks():
+        bias = block.router.expert_bias_E
+        with torch.no_grad():
+            bias.zero_()
+            if on:
+                bias[:bias.numel() // torch.distributed.get_world_size()] = SPIKE_BIAS
+
+
+def spike_memory_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                        factor: float, calm_steps: int, after: int) -> None:
+    """Adaptive at `factor` x this rank's calm all-kept peak, one guard: `calm_steps` calm
+    steps of 2 micro-batches (the routed history fills at 16 forwards), then a step whose
+    first micro-batch every rank routes to ep rank 0's experts, then `after` calm steps.
+    Saved: the records and the budget."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        budget = int(factor * _calm_peak(rank))
+        model = _model()
+        guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+        spike = calm_steps
+
+        def steer(i, ended):
+            _forced_spike(model, not ended and i == 0 and step == spike)
+
+        for step in range(calm_steps + 1 + after):
+            model.zero_grad(set_to_none=True)
+            guard.run_step(_step_fn(model, _data(rank, step, (4, 4)), steer))
+        torch.save({"history": guard.history, "budget": budget},
+                   Path(out_dir) / f"spike_memory_{factor}_rank{rank}.pt")
+        guard.detach()
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()

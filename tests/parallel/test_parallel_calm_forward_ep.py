@@ -16,7 +16,9 @@ all-kept peak: calm forwards once the history and the evidence stand; a spike (o
 repeated) leaves calm at the layer past the start proof's walk, and there decides and
 moves (offloads: bytes really moved) what the hooked path does; every step's true peak
 under the budget, no re-run, bitwise (seen failing with the check off, and with the
-tracker's pair not entered on leaving).
+tracker's pair not entered on leaving). After a spike (every token of both ranks sent
+to one rank's experts, at 1.1x), forwards run calm again once the routed history has let
+it go (4 forwards, not the 16 of its calm range).
 
     .venv/bin/python -m pytest tests/parallel/test_parallel_calm_forward_ep.py -q
 """
@@ -136,3 +138,32 @@ def _moved(record) -> tuple:
     """What a step decided and what it really moved (an offload needs the tracker's hook:
     a forward that left calm without it would decide the same and move nothing)."""
     return (record["decisions"], record["offloaded_bytes"], record["evicted_bytes"])
+
+
+def test_after_a_spike_forwards_run_calm_again_once_its_memory_has_passed(tmp_path):
+    """A spike is remembered by the routed history for 4 forwards, not 16
+    (runtime/routed_history.py SPIKE_MEMORY): at 1.1x of each rank's calm all-kept peak,
+    with the history full (9 calm steps of 2 micro-batches), every token of both ranks
+    routed to ep rank 0's experts in one forward (twice that rank's calm share) makes its
+    decisions move something, and the start proof walked at the spike's counts fails. The
+    step after it runs hooked (the spike's forward voided the evidence, then it is still
+    remembered), and from the second step after every forward of rank 0 runs calm again.
+    With the spike remembered 16 forwards, 4 of the 5 steps after ran one forward hooked
+    and one ran both ([0, 0, 1, 1, 0, 1, 1] after the spike, against [0, 0, 2, 2, 2, 2, 2];
+    seen failing so). At 1.25x the walk passes at the spike's counts: no difference.
+    Every step's true peak under the budget, no re-run, on both ranks."""
+    calm_steps, after = 9, 6
+    run_spawned(workers.spike_memory_worker, WORLD, (str(tmp_path), 1.1, calm_steps, after),
+                store_path=tmp_path / "store", timeout_s=SPAWN_TIMEOUT_S)
+    outs = [torch.load(tmp_path / f"spike_memory_1.1_rank{r}.pt", weights_only=False)
+            for r in range(WORLD)]
+    for rank, out in enumerate(outs):
+        for record in out["history"]:
+            assert record["peak_bytes"] <= out["budget"], (rank, record)
+            assert record["safety_net_reruns"] == 0, (rank, record)
+    history = outs[0]["history"]
+    spike = history[calm_steps]
+    assert spike["decisions"]["recompute"] + spike["decisions"]["offload"] \
+        + spike["evicted_bytes"] > 0, spike
+    calm = [r["calm_forwards"] for r in history]
+    assert calm[calm_steps + 2:] == [2] * (after - 1), calm
