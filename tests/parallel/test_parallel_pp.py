@@ -294,9 +294,10 @@ def test_pp_ep_calm_adaptive_saves_everywhere_when_keeping_everything_fits(pp2ep
                 # decision, not as that forward finds them (2-3 of 8 at the forecast's
                 # bound before that). On the second step, rank 1's second forward follows a
                 # calm first one (its start within the first step's room: calm_forward.py
-                # `_Seen`), whose one ledger entry the walk of its later forward reads
-                # less kindly than a hooked forward's layers: one layer of 8 runs hooked,
-                # keeping everything
+                # `_Seen`), and its walk of its later forward falls short where it held
+                # after a hooked first one: one layer of 8 runs hooked, keeping everything
+                # (not traced: the calm forward's one ledger entry, 800,640 B, is no
+                # smaller than the hooked one's layers, 792,544 B)
                 if step >= 2:
                     assert record["hookless_layers"] == layers, where
                     calm.append(record["calm_forwards"])
@@ -305,7 +306,7 @@ def test_pp_ep_calm_adaptive_saves_everywhere_when_keeping_everything_fits(pp2ep
         # residency: every one on some step, and all but two over the last two. Not every
         # one on every step: the device's figure at a forward's start moves with what the
         # process group's thread has sent and freed, and a start walked higher can fall
-        # short (seen once in 12 runs: 2 of 4 on a step of stage 1). Compared to the
+        # short (seen once in about a dozen runs: 2 of 4 on a step of stage 1). Compared to the
         # byte, one forward of four ran hooked under CI's load
         assert MICRO_BATCHES in calm and sum(calm) >= 2 * MICRO_BATCHES - 2, (rank, calm)
 
