@@ -110,9 +110,10 @@ class CalmForwards:
         # layer then reaches it.
         self.seams_own = seams_own
         # Inputs' signature -> [(device's figure at the start, gradient bytes its backward
-        # was to add)] of hooked forwards of those shapes that kept every layer whole and
-        # hookless, with no eviction: under adaptive a calm forward starts no higher and
-        # adds no more than one of them (the proof alone is a prediction: at 0.85x it
+        # was to add, slack)] of hooked forwards of those shapes that kept every layer whole
+        # and hookless, with no eviction: under adaptive a calm forward starts no higher and
+        # adds no more than one of them, but for its slack (the proof alone is a
+        # prediction: at 0.85x it
         # passed where the window's own decisions moved something, and the head's
         # backward ran out). A micro-batch after another's backward starts higher with
         # less to add, so a few are kept, none below another. A hooked forward that cut
