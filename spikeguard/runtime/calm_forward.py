@@ -109,25 +109,24 @@ class CalmForwards:
         # table, gpu_check's blind prevention, a test's forced plan or watcher): every
         # layer then reaches it.
         self.seams_own = seams_own
-        # Inputs' signature -> [(device's figure at the start, gradient bytes its backward
-        # was to add, slack)] of hooked forwards of those shapes that kept every layer whole
-        # and hookless, with no eviction: under adaptive a calm forward starts no higher and
-        # adds no more than one of them, but for its slack (the proof alone is a
-        # prediction: at 0.85x it
-        # passed where the window's own decisions moved something, and the head's
-        # backward ran out). A micro-batch after another's backward starts higher with
-        # less to add, so a few are kept, none below another. A hooked forward that cut
-        # something (`_cuts`) voids what was seen of its shapes; one that kept everything
-        # but not every layer hookless (a proof that fell short: its walk at a spike's
-        # counts still remembered) voids nothing, and adds nothing (taken as evidence,
-        # stage 0 of PP=2 x EP=2 ran 7 of its 8 layers hookless on its second step, not
-        # 8: tests/parallel/test_parallel_pp.py; the mechanism was not traced).
-        # Each is `_Seen`: once its step has ended, a forward may start as far above it as
-        # that step stayed under the budget (`step_done`), since starting higher by some
-        # bytes puts every figure of the same forward and backward that much higher; the
-        # device's figure at a forward's start moves by a few bytes from step to step
-        # (a pipeline's buffers, freed by the process group's thread as it goes), and
-        # compared exactly one forward of four ran hooked at random (CI, PP=2 x EP=2).
+        # Inputs' signature -> [(device's figure at the start, gradient bytes its backward was
+        # to add, slack)] of hooked forwards of those shapes that kept every layer whole and
+        # hookless, with no eviction: under adaptive a calm forward starts no higher and adds
+        # no more than one of them, but for its slack (the proof alone is a prediction: at
+        # 0.85x it passed where the window's own decisions moved something, and the head's
+        # backward ran out). A micro-batch after another's backward starts higher with less to
+        # add, so a few are kept, none below another. A hooked forward that cut something
+        # (`_cuts`) voids what was seen of its shapes; one that kept everything but not every
+        # layer hookless (a proof that fell short: its walk at a spike's counts still
+        # remembered) voids nothing, and adds nothing (taken as evidence, stage 0 of PP=2 x
+        # EP=2 ran 7 of its 8 layers hookless on its second step, not 8:
+        # tests/parallel/test_parallel_pp.py; the mechanism was not traced). Each is `_Seen`:
+        # once its step has ended, a forward may start as far above it as that step stayed
+        # under the budget (`step_done`), since starting higher by some bytes puts every figure
+        # of the same forward and backward that much higher; the device's figure at a forward's
+        # start moves by a few bytes from step to step (a pipeline's buffers, freed by the
+        # process group's thread as it goes), and compared exactly one forward of four ran
+        # hooked at random (CI, PP=2 x EP=2).
         self._kept: dict[tuple, list[_Seen]] = {}
         self._unconfirmed: list[_Seen] = []   # noted in the step under way
         # Under expert parallelism (adaptive), layer -> (the device's figure at its

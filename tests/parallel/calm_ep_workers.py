@@ -16,6 +16,7 @@ from spikeguard.parallel import parallelize_experts
 from spikeguard.parallel.launch_utils import close_gloo, init_gloo
 
 from host_marks import metered
+from pp_workers import SPIKE_BIAS   # a selection-only bias: every token picks those experts
 
 CFG = model_config("tiny")
 HUGE = 1 << 40
@@ -164,11 +165,6 @@ def adaptive_spike_worker(rank: int, world_size: int, store_path: str, out_dir: 
         torch.distributed.destroy_process_group()
         raise
     close_gloo()
-
-
-# A router bias that only selects (top-k on scores + bias; the weights stay the scores'):
-# every token of every rank then picks ep rank 0's experts, twice that rank's calm share.
-SPIKE_BIAS = 100.0
 
 
 def _forced_spike(model, on: bool) -> None:
