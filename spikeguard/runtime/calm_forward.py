@@ -44,33 +44,33 @@ What a calm forward does not do, and why that is safe:
   * the device's position labels follow the layers' entries in the forward but not the
     backward (they stay at the head's), so a calm step's record names its peak's phase
     and, in backward, the head rather than a layer.
-Under expert parallelism a rank's counts move from layer to layer and are known only
-once exchanged. Under none nothing depends on them. Under adaptive the start proof walks
-each layer at the copies it predicts (runtime/routed_history.py: the most of that
-layer's last 16 forwards, a spike's of its last 4, plus 5%), as the hooked path's proof
-at a micro-batch's first layer does, and the calm forward checks each layer against that
-walk once its counts are in (`keeps`): a layer that routes more copies than the walk put
-it at, or finds the device above the figure the walk put its decision at, leaves calm
-there (a spike, or a layer grown past its history): that layer decides as on the hooked
-path, and the forward runs hooked from it on (the tracker's pair entered until the
-forward returns). Every earlier layer kept everything, as the walk that cleared them
-assumed of them, and nothing of theirs was evictable: the hooked path's covered layers
-are no different. A calm forward makes the same collectives as a hooked one (the
-dispatcher's counts exchanges and exchanges, a family's flag points at its units, the
-net's end-of-attempt flag point: none of them is the layers' guard code), so each rank
-runs calm or not on its own; a pipeline's stages alike (each stage's guard proves its
-own forwards). Where the layers cast the group's whole-layer fallback vote
-(transformers' EP with some rank adaptive: a collective at a layer's entry until every
-rank has promised that no later layer of the attempt needs it), a calm layer casts its
-vote too, no, with that promise (its start proof found every layer keeping everything),
-and where a peer's yes carries the group it runs whole as they do, still calm: its
-windows see the full region, as a hooked layer's do (runtime/layers.py). Not while a
-caller's own callable stands in for a method of the guard, its planner or its window
-(`seams_replaced`). FSDP2 units (torchtitan applies them even on one rank, transformers
-under its DistributedConfig) change nothing of this: their all-gathers, reshards and
-flag points are module hooks of FSDP2's and of the family's journal, not the layers'
-guard code, and the bytes they add above each layer's decision are in the walk's own
-procedure (`needs_no_eviction` reads the window's FSDP2 terms per layer, as the hooked
+Under expert parallelism a rank's counts move from layer to layer and are known only once
+exchanged. Under none nothing depends on them. Under adaptive the start proof walks each
+layer at the copies it predicts (runtime/routed_history.py: the most of that layer's last
+16 forwards, a spike's of its last 4, plus 5%), as the hooked path's proof at a
+micro-batch's first layer does, and the calm forward checks each layer against that walk
+once its counts are in (`keeps`): a layer that routes more copies than the walk put it at,
+or finds the device above the figure the walk put its decision at by more than the walk's
+layers from there have room for, leaves calm there (a spike, or a layer grown past its
+history): that layer decides as on the hooked path, and the forward runs hooked from it on
+(the tracker's pair entered until the forward returns). Every earlier layer kept
+everything, as the walk that cleared them assumed of them, and nothing of theirs was
+evictable: the hooked path's covered layers are no different. A calm forward makes the
+same collectives as a hooked one (the dispatcher's counts exchanges and exchanges, a
+family's flag points at its units, the net's end-of-attempt flag point: none of them is
+the layers' guard code), so each rank runs calm or not on its own; a pipeline's stages
+alike (each stage's guard proves its own forwards). Where the layers cast the group's
+whole-layer fallback vote (transformers' EP with some rank adaptive: a collective at a
+layer's entry until every rank has promised that no later layer of the attempt needs it),
+a calm layer casts its vote too, no, with that promise (its start proof found every layer
+keeping everything), and where a peer's yes carries the group it runs whole as they do,
+still calm: its windows see the full region, as a hooked layer's do (runtime/layers.py).
+Not while a caller's own callable stands in for a method of the guard, its planner or its
+window (`seams_replaced`). FSDP2 units (torchtitan applies them even on one rank,
+transformers under its DistributedConfig) change nothing of this: their all-gathers,
+reshards and flag points are module hooks of FSDP2's and of the family's journal, not the
+layers' guard code, and the bytes they add above each layer's decision are in the walk's
+own procedure (`needs_no_eviction` reads the window's FSDP2 terms per layer, as the hooked
 path's proof does; tests/integrations/test_integrations_titan_fsdp.py: calm forwards on
 one rank and two, EP included, bitwise and under the budget).
 
@@ -130,10 +130,11 @@ class CalmForwards:
         self._kept: dict[tuple, list[_Seen]] = {}
         self._unconfirmed: list[_Seen] = []   # noted in the step under way
         # Under expert parallelism (adaptive), layer -> (the device's figure at its
-        # decision, its routed copies) where the running calm forward's start proof walked
-        # it: a layer beyond either leaves calm (`keeps`). None: nothing to check (one
-        # process: exact counts; policy none: nothing of it depends on them).
-        self._bounds: Optional[dict[int, tuple[int, int]]] = None
+        # decision, its routed copies, the walk it was asked on) where the running calm
+        # forward's start proof walked it: a layer beyond either leaves calm (`keeps`).
+        # None: nothing to check (one process: exact counts; policy none: nothing of it
+        # depends on them).
+        self._bounds: Optional[dict[int, tuple]] = None
         self._stack: Optional[contextlib.ExitStack] = None   # the running calm forward's
         self._top = None      # autograd's innermost saved-tensor hooks at its start
         self._left = False    # it left calm at a layer
@@ -199,29 +200,47 @@ class CalmForwards:
         if not h.ends.calm_from_start(args, kwargs, in_use):
             return False
         self._bounds = None if h.exact_routing or h.window.policy == "none" else {
-            layer: (at, routed) for layer, at, routed in h.walked}
+            layer: (at, routed, walk) for layer, at, routed, walk in h.walked}
         self._shape = h.ends.first_shape(args, kwargs)
         return True
 
     def keeps(self, layer: int, num_routed: int) -> bool:
         """In a calm forward, at `layer`'s expert path, its routed copies `num_routed`
         known: does it stay calm? Always in one process and under none; under expert
-        parallelism where neither its copies nor the device's figure now pass where the
-        start proof's walk put them (then every later step of that walk, made from there,
-        still holds). Where not, the forward leaves calm here (`_leave`): this layer
-        decides as on the hooked path, and the layers after it run hooked (covered from
-        their entry where that decision proves them, as on the hooked path). A proof made
-        again here instead, as `hookless.proven` makes it, is not enough: it kept
-        everything where the hooked path's decision moved something (tiny, EP=2, 1.05x)."""
+        parallelism where its copies do not pass where the start proof's walk put them,
+        and the device's figure now does not either, or passes it by no more than the
+        walk's layers from here have room for (`_room_for`). Then every later step of
+        that walk, made from there, still holds. Where not, the forward leaves calm here
+        (`_leave`): this layer decides as on the hooked path, and the layers after it run
+        hooked (covered from their entry where that decision proves them, as on the hooked
+        path). A proof made again here instead, as `hookless.proven` makes it, is not
+        enough: it kept everything where the hooked path's decision moved something
+        (tiny, EP=2, 1.05x)."""
         bounds = self._bounds
         if bounds is None:
             return True
         h = self.hookless
-        at, routed = bounds.get(layer, (-1, -1))
-        if num_routed <= routed and h.ledger.in_use() <= at:
+        at, routed, _ = bounds.get(layer, (-1, -1, None))
+        if num_routed <= routed and self._room_for(layer, h.ledger.in_use() - at):
             h.routed.note(h.window.ctx.micro_batch, layer, num_routed)
             return True
         return not self._leave()
+
+    def _room_for(self, layer: int, over: int) -> bool:
+        """The device stands `over` bytes above where the start proof's walk put `layer`'s
+        decision: do that layer and every later one it walked still decide with no
+        eviction, each asked again on its own walk that much higher? Compared to the byte
+        instead, a calm forward left calm on a few bytes of the process group's buffers
+        (gloo's thread frees them when it gets to them; CI, transformers' EP: 1 calm
+        forward of 2). Not under a pipeline: the walk also read the forwards the stage
+        runs before this one's backward (`later_forwards_fit`), from its start."""
+        if over <= 0:
+            return True
+        h = self.hookless
+        if h.window.forecast.residency is not None:
+            return False
+        return all(h.needs_no_eviction(later, at + over, walk)
+                   for later, (at, _, walk) in self._bounds.items() if later >= layer)
 
     def _leave(self) -> bool:
         """Hooked from here to the forward's end: the tracker's pair entered (taken off

@@ -130,9 +130,9 @@ class HooklessLayers:
         self._carried: dict[tuple, dict[str, int]] = {}
         self.growth = 0   # in-use from the running layer's entry to its decision
         # The last walk's layers: (layer, the device's figure at its decision, its routed
-        # copies) as the walk put them (runtime/calm_forward.py checks a calm forward's
-        # layers against them under expert parallelism).
-        self.walked: list[tuple[int, int, int]] = []
+        # copies, the walk it was asked on) as the walk put them (runtime/calm_forward.py
+        # checks a calm forward's layers against them under expert parallelism).
+        self.walked: list[tuple[int, int, int, Walk]] = []
         self._whole = False   # the layer running now is covered from its entry
         self._decided = False   # the layer running now decided (it is not recomputed whole)
 
@@ -282,7 +282,7 @@ class HooklessLayers:
                     max(growth, seen[1]) - self.growth if later == layer + 1 else 0)
             if not self.needs_no_eviction(later, at_decision, there):
                 return False
-            self.walked.append((later, at_decision, there.routed))
+            self.walked.append((later, at_decision, there.routed, there))
             before = there.routed
         return w.forecast.residency is None or later_forwards_fit(
             self, layer, in_use, per_layer, walk, own_routed)

@@ -204,3 +204,40 @@ def spike_memory_worker(rank: int, world_size: int, store_path: str, out_dir: st
         torch.distributed.destroy_process_group()
         raise
     close_gloo()
+
+
+def ballast_worker(rank: int, world_size: int, store_path: str, out_dir: str,
+                   fraction: float) -> None:
+    """Adaptive at 1.1x this rank's calm all-kept peak, one guard, 8 steps of 2
+    micro-batches (both ranks run both forwards calm on step 6 with this data); on step 6 a
+    device tensor of `fraction` of the budget made as micro-batch 0's first MoE block
+    starts (after the calm forward's start proof, before the layer's check) and dropped as
+    its forward returns. Saved: the records, the independent meter's peaks, the budget."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        budget = int(1.1 * _calm_peak(rank))
+        model = _model()
+        guard = spikeguard.attach(model, budget=budget, policy="adaptive")
+        ballast, peaks, on = [], [], [False]
+
+        def crowd(module, args):
+            if on[0]:
+                ballast.append(torch.ones(int(fraction * budget), dtype=torch.uint8))
+
+        def watch(i, ended):
+            on[0] = step == 6 and i == 0 and not ended
+            ballast.clear()
+
+        model.blocks[0].moe.register_forward_pre_hook(crowd)
+        for step in range(8):
+            model.zero_grad(set_to_none=True)
+            with metered(model) as meter:
+                guard.run_step(_step_fn(model, _data(rank, step, (4, 4)), watch))
+            peaks.append(meter.peak_bytes)
+        torch.save({"history": guard.history, "peaks": peaks, "budget": budget},
+                   Path(out_dir) / f"ballast_{fraction}_rank{rank}.pt")
+        guard.detach()
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
