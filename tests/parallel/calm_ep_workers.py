@@ -6,6 +6,7 @@ Every rank builds the same `tiny` model (seed 0) and shards its experts over the
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -24,6 +25,20 @@ HUGE = 1 << 40
 # it has not seen (a hooked forward) while rank 1's is calm, so the ranks run calm and
 # hooked forwards side by side and their collectives must still meet.
 SHAPES = {0: [(4, 8), (4, 8), (6, 8)], 1: [(4, 8), (4, 8), (4, 8)]}
+
+
+@contextlib.contextmanager
+def _gloo(rank: int, world_size: int, store_path: str):
+    """The default group around a worker's body: closed on success (close_gloo), destroyed
+    where the body raised, so that the spawn reports the error instead of a peer waiting
+    in the closing barrier."""
+    init_gloo(rank, world_size, store_path)
+    try:
+        yield
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    close_gloo()
 
 
 def _data(rank: int, step: int, sizes) -> list:
@@ -75,15 +90,10 @@ def _side_by_side(policy: str, budget: int, steps: list) -> dict:
 
 def side_by_side_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
     """`none` at a huge budget, side by side (`_side_by_side`), over SHAPES' steps."""
-    init_gloo(rank, world_size, store_path)
-    try:
+    with _gloo(rank, world_size, store_path):
         steps = [_data(rank, step, sizes) for step, sizes in enumerate(SHAPES[rank])]
         out = _side_by_side("none", HUGE, steps)
         torch.save(out, Path(out_dir) / f"side_by_side_rank{rank}.pt")
-    except BaseException:
-        torch.distributed.destroy_process_group()
-        raise
-    close_gloo()
 
 
 def out_of_memory_worker(rank: int, world_size: int, store_path: str, out_dir: str,
@@ -93,8 +103,7 @@ def out_of_memory_worker(rank: int, world_size: int, store_path: str, out_dir: s
     the room that forward grew by on the step before (the same shapes), so it runs out
     inside the forward (and the attempt, freed, leaves room for what the peer waits in).
     Saved: each rank's line, and its record of calm forwards."""
-    init_gloo(rank, world_size, store_path)
-    try:
+    with _gloo(rank, world_size, store_path):
         batches = _data(rank, 0, (4, 8))
         probe_model = _model()
         probe = spikeguard.attach(probe_model, budget=HUGE, policy="none")
@@ -130,10 +139,6 @@ def out_of_memory_worker(rank: int, world_size: int, store_path: str, out_dir: s
                     "calm": [r["calm_forwards"] for r in guard.history]},
                    Path(out_dir) / f"oom_{'calm' if calm else 'hooked'}_rank{rank}.pt")
         guard.detach()
-    except BaseException:
-        torch.distributed.destroy_process_group()
-        raise
-    close_gloo()
 
 
 def _calm_peak(rank: int) -> int:
@@ -153,18 +158,13 @@ def adaptive_spike_worker(rank: int, world_size: int, store_path: str, out_dir: 
     whose micro-batches on every rank are one token repeated (every copy of it routed to
     the same experts: a spike on the rank that holds them), then a calm one. Saved with
     the budget."""
-    init_gloo(rank, world_size, store_path)
-    try:
+    with _gloo(rank, world_size, store_path):
         budget = int(factor * _calm_peak(rank))
         steps = [_data(rank, step, (4, 4)) for step in range(7)]
         steps[5] = [torch.full_like(t, 7) for t in steps[5]]
         out = _side_by_side("adaptive", budget, steps)
         out["budget"] = budget
         torch.save(out, Path(out_dir) / f"adaptive_{factor}_rank{rank}.pt")
-    except BaseException:
-        torch.distributed.destroy_process_group()
-        raise
-    close_gloo()
 
 
 def _forced_spike(model, on: bool) -> None:
@@ -184,8 +184,7 @@ def spike_memory_worker(rank: int, world_size: int, store_path: str, out_dir: st
     steps of 2 micro-batches (the routed history fills at 16 forwards), then a step whose
     first micro-batch every rank routes to ep rank 0's experts, then `after` calm steps.
     Saved: the records and the budget."""
-    init_gloo(rank, world_size, store_path)
-    try:
+    with _gloo(rank, world_size, store_path):
         budget = int(factor * _calm_peak(rank))
         model = _model()
         guard = spikeguard.attach(model, budget=budget, policy="adaptive")
@@ -200,10 +199,6 @@ def spike_memory_worker(rank: int, world_size: int, store_path: str, out_dir: st
         torch.save({"history": guard.history, "budget": budget},
                    Path(out_dir) / f"spike_memory_{factor}_rank{rank}.pt")
         guard.detach()
-    except BaseException:
-        torch.distributed.destroy_process_group()
-        raise
-    close_gloo()
 
 
 def ballast_worker(rank: int, world_size: int, store_path: str, out_dir: str,
@@ -213,8 +208,7 @@ def ballast_worker(rank: int, world_size: int, store_path: str, out_dir: str,
     device tensor of `fraction` of the budget made as micro-batch 0's first MoE block
     starts (after the calm forward's start proof, before the layer's check) and dropped as
     its forward returns. Saved: the records, the independent meter's peaks, the budget."""
-    init_gloo(rank, world_size, store_path)
-    try:
+    with _gloo(rank, world_size, store_path):
         budget = int(1.1 * _calm_peak(rank))
         model = _model()
         guard = spikeguard.attach(model, budget=budget, policy="adaptive")
@@ -237,7 +231,3 @@ def ballast_worker(rank: int, world_size: int, store_path: str, out_dir: str,
         torch.save({"history": guard.history, "peaks": peaks, "budget": budget},
                    Path(out_dir) / f"ballast_{fraction}_rank{rank}.pt")
         guard.detach()
-    except BaseException:
-        torch.distributed.destroy_process_group()
-        raise
-    close_gloo()
