@@ -173,10 +173,11 @@ def test_a_whole_layer_fallback_forced_on_one_rank_is_taken_by_both(found, rank)
     assert got["differ"] == []
     # layer 1 recomputed whole on both ranks, in both micro-batches; layer 0 kept
     assert got["decisions"] == {"save": 2, "recompute": 2, "offload": 0}
-    # Rank 0's forwards of that step run calm, at least one: a calm forward leaves calm at a
-    # layer where the device's figure passes the start walk's, which gloo's own buffers can
-    # do under load (CI, 12-07: 1 of 2; 2 of 2 alone here), so the vote and the whole layer
-    # are shown from a calm layer in either case
+    # Rank 0's forwards of that step run calm, at least one: a calm forward left calm where
+    # the device's figure passed the start walk's by a few bytes of gloo's own buffers
+    # (CI, 12-07: 1 of 2; 2 of 2 alone here); since 2ef613f it stays within the walk's
+    # room, but the assertion was kept. The vote and the whole layer are shown from a calm
+    # layer in either case
     if rank == 0:
         assert got["calm"] >= 1, got
 

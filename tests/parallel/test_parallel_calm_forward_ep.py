@@ -180,8 +180,8 @@ def test_a_calm_forward_stays_calm_above_its_walk_by_what_its_walk_has_room_for(
     calm (`CalmForwards._room_for`; compared to the byte, as before, it left calm there:
     seen failing so). A third of the budget passes that room: the forward leaves calm at
     that layer and decides there (and the step's other forward, of the same shapes, runs
-    hooked once). Every step's true peak (the guard's record and the
-    independent meter) under the budget, with no re-run, on both ranks."""
+    hooked once). Every step's true peak (the guard's record and the independent meter)
+    under the budget, with no re-run, on both ranks."""
     run_spawned(workers.ballast_worker, WORLD, (str(tmp_path), fraction),
                 store_path=tmp_path / "store", timeout_s=SPAWN_TIMEOUT_S)
     outs = [torch.load(tmp_path / f"ballast_{fraction}_rank{r}.pt", weights_only=False)
