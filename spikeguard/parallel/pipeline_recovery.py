@@ -17,11 +17,11 @@ schedule: from there on each of its stage actions is a *ghost*:
 - the schedule's own sends and receives run unchanged (they are outside the stage's
   forward and backward), with the ghost's tensors.
 
-At the step's end every rank makes the stage's flag point and then one all-gather of
-notes over the whole job (`step_end`): every rank then holds the same notes, and every
-rank re-runs the step with full recompute, or every rank ends the job with the same line
-(spikeguard.runtime.step). Nothing can hang by construction: every rank runs every action
-of the schedule.
+At the step's end every rank makes one all-gather of notes over the whole job
+(`step_end`; a note not yet told to the EP peers goes there): every rank then holds the
+same notes, and every rank re-runs the step with full recompute, or every rank ends the
+job with the same line (spikeguard.runtime.step). Nothing can hang by construction:
+every rank runs every action of the schedule.
 """
 
 from __future__ import annotations
@@ -171,12 +171,13 @@ class PipelineRecovery:
 
     # ---- the step's end -----------------------------------------------------------------
     def step_end(self) -> list[Note]:
-        """The stage's flag point, then one all-gather of each rank's worst note over the
-        whole job: every rank returns the same notes (empty: the step stands)."""
-        notes = list(self.notes)
-        if self.agreement is not None:
-            notes += self.agreement.flag_point(self.owed or Note())
-            self.owed = None
+        """One all-gather of each rank's worst note over the whole job: every rank returns
+        the same notes (empty: the step stands). A note still owed to the EP peers goes
+        in it too: every rank of the stage played the whole schedule (a ghost makes every
+        exchange its peers wait in), so none of them waits in an exchange here, and the
+        all-gather tells them as a stage's flag point would (one collective fewer a step)."""
+        notes = list(self.notes)   # the owed note is among them (`_note`)
+        self.owed = None
         mine = torch.tensor(worst(notes).as_list() if notes else Note().as_list(),
                             dtype=torch.int64, device=self.stages[0].device)
         out = torch.empty(dist.get_world_size() * NOTE_FIELDS, dtype=torch.int64,
