@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -340,5 +341,15 @@ def seams_replaced(*objects) -> bool:
     """Whether a caller has put a callable of its own in place of a method of one of
     `objects` (an instance attribute shadowing its class's method: `guard.decide = ...`,
     `guard.planner.fixed = ...`); the guard's own parts set none."""
-    return any(callable(v) and callable(getattr(type(o), k, None))
-               for o in objects for k, v in vars(o).items())
+    for o in objects:
+        own = vars(o)
+        if any(callable(own[k]) for k in own.keys() & _methods(type(o))):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _methods(cls: type) -> frozenset:
+    """The names of `cls`'s callable attributes (asked at every forward: a set of them
+    met with an instance's names costs a set intersection, not a lookup per name)."""
+    return frozenset(k for k in dir(cls) if callable(getattr(cls, k, None)))

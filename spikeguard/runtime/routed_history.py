@@ -54,16 +54,20 @@ class RoutedHistory:
         # Micro-batch -> the most its layers so far routed over their own past maximum
         # (>= 1: a spike under way), None once a layer of it had too little history.
         self._rise: dict[int, Optional[float]] = {}
+        # Layer -> `_most` of its past as it stands: asked by every later layer's
+        # prediction (a pipeline's start proofs: 20-30 a calm step), changed by `note` only.
+        self._most: dict[int, int] = {}
 
     def note(self, micro_batch: int, layer: int, num_routed: int) -> None:
         past = self._past.setdefault(layer, deque(maxlen=ROUTED_HISTORY))
         enough = len(past) >= ROUTED_HISTORY_MIN
-        most = _most(past) if enough else 0
+        most = self._most_of(layer, past) if enough else 0
         rise = num_routed / most if most else None
         so_far = self._rise.get(micro_batch, 1.0)
         self._rise[micro_batch] = None if so_far is None or rise is None else max(so_far, rise)
         full = len(past) == ROUTED_HISTORY   # a calm range to tell a spike from
         past.append((num_routed, full and num_routed > SPIKE_RISE * _calm_most(past)))
+        self._most.pop(layer, None)
 
     def predict(self, micro_batch: int, layer: int) -> Optional[int]:
         """A micro-batch none of whose layers decided yet has seen no rise (1)."""
@@ -71,7 +75,13 @@ class RoutedHistory:
         rise = self._rise.get(micro_batch, 1.0)
         if rise is None or past is None or len(past) < ROUTED_HISTORY_MIN:
             return None
-        return int(_most(past) * rise * (1 + ROUTED_SLACK)) + 1
+        return int(self._most_of(layer, past) * rise * (1 + ROUTED_SLACK)) + 1
+
+    def _most_of(self, layer: int, past: deque) -> int:
+        most = self._most.get(layer)
+        if most is None:
+            most = self._most[layer] = _most(past)
+        return most
 
     def predict_all(self, micro_batch: int, layers) -> Optional[list[int]]:
         """`predict` for each of `layers`, or None where one has too little history."""

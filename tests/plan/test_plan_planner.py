@@ -58,6 +58,33 @@ def test_device_bytes_of_every_plan(planner):
         assert planner.fixed(plan, NUM_ROUTED).device_bytes == _device_bytes(plan, NUM_ROUTED)
 
 
+def _offload_bytes(plan: LayerPlan, num_routed: int) -> int:
+    per = SHAPE.bytes_per_token()
+    return num_routed * sum(per[op] for op in OPS if plan.action(op) is Action.OFFLOAD)
+
+
+def test_fits_is_whether_some_plan_fits_both_passes_whatever_the_costs():
+    """`fits` (the hookless proofs' question) against brute force over the menu, on a grid
+    around every plan's thresholds, with the backward's room and without; and with two
+    cost models far apart, whose rankings differ: the answer reads bytes only."""
+    planners = [Planner(SHAPE, _cost()), Planner(SHAPE, CostModel(
+        stage_s_per_token={"gate_up": 1e-12, "silu": 1e-6, "act": 1e-12, "down": 1e-6},
+        d2h_s_per_byte=1e-6, h2d_s_per_byte=1e-6))]
+    assert [r.plan for r in planners[0].ranked()] != [r.plan for r in planners[1].ranked()]
+    for n in (0, 1, 37, NUM_ROUTED):
+        needs = sorted({_device_bytes(p, n) for p in valid_plans()})
+        totals = sorted({_device_bytes(p, n) + _offload_bytes(p, n) for p in valid_plans()})
+        heads = sorted({max(0, b + d) for b in needs for d in (-1, 0, 1)})
+        rooms = [None] + sorted({max(0, b + d) for b in totals for d in (-1, 0)})
+        for head in heads:
+            for room in rooms:
+                want = any(_device_bytes(p, n) <= head and (
+                    room is None or _device_bytes(p, n) + _offload_bytes(p, n) <= room)
+                    for p in valid_plans())
+                for planner in planners:
+                    assert planner.fits(n, head, room) is want, (n, head, room)
+
+
 @pytest.mark.parametrize("extra", [0, 1, 10**9])
 def test_all_save_when_it_fits(planner, extra):
     headroom = _all_save_bytes(NUM_ROUTED) + extra
