@@ -48,6 +48,8 @@ CALM_TITAN_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py
                  "deepseek_v3 --reps 100 --clock cpu")
 CALM_TITAN_FSDP = (".venv/bin/torchrun --nproc-per-node 1 scripts/calm_overhead.py --titan "
                    "deepseek_v3 --fsdp --reps 100 --clock cpu --budget-factor 1.25")
+FLAG_COST = ("for n in 2 4; do .venv/bin/torchrun --nproc-per-node $n scripts/flag_point_cost.py "
+             "--reps 40 || exit 1; done")
 CALM_HF_EP = (".venv/bin/torchrun --nproc-per-node 2 scripts/calm_overhead.py --hf qwen3_moe "
               "--reps 100 --clock cpu")
 
@@ -508,6 +510,13 @@ def calm_overhead(record: dict) -> str:
         "load")
 
 
+def flag_point_cost(record: dict) -> str:
+    return _indented(_lines(record["stdout"])) + "\n\n" + _example(
+        record, "ms: per collective, the median over rounds of (the blocks with one each - "
+        "the blocks alone) / blocks, [95%] that median's interval (order statistics); the "
+        "worst rank is the one whose median is highest; the figures move with the load")
+
+
 def snippet(record: dict) -> str:
     """What the page's example printed, as printed."""
     return _indented(_lines(record["stdout"])) + "\n\n" + _example(
@@ -558,6 +567,7 @@ MORE = [
     Block("calm-overhead-hf", CALM_HF, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-hf-ep", CALM_HF_EP, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-pp", CALM_PP, calm_overhead, timeout_s=1200, links=("scripts",)),
+    Block("flag-point-cost", FLAG_COST, flag_point_cost, timeout_s=600, links=("scripts",)),
     Block("calm-overhead-titan", CALM_TITAN, calm_overhead, timeout_s=1200, links=("scripts",)),
     Block("calm-overhead-titan-ep", CALM_TITAN_EP, calm_overhead, timeout_s=1200,
           links=("scripts",)),

@@ -156,6 +156,9 @@ EXAMPLES: dict = {
     "scripts/adaptive_ep_row.py --preset medium --batch-size 4 --reps 8 --fraction 0.7":
         Listed("two `medium` ranks for minutes here (about 9 GB each); the entry term it "
                "shows is held on `small` by tests/runtime/test_runtime_entry_exchange.py"),
+    "torchrun --nproc-per-node 4 scripts/flag_point_cost.py --reps 40":   # 40 rounds: ~1 min
+        Run(cap={"--reps": 1, "--iters": 2}, expect=("| flag point |", "| job notes |"),
+            timeout_s=180, long=True),
     "torchrun --nproc-per-node 2 scripts/hf_ep_span_cost.py --reps 7":
         Run(cap={"--reps": 1}, expect=("recording on", "recording every"), timeout_s=300,
             long=True),
