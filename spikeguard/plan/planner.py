@@ -211,7 +211,7 @@ class Planner:
         not, the menu's plans in menu order: whether one fits needs their bytes, never
         their seconds, so no ranking is made (the cost model moves every step, so a
         ranking is a fresh sort: a pipeline's start proofs, walking later forwards at the
-        most each layer routed lately, made one or two a calm step, 3% of its CPU)."""
+        most each layer routed lately, made one or two a calm step: 1% of its CPU)."""
         keep_all, keep_all_per_token = self._keep_all()
         if keep_all is not None:
             need = keep_all_per_token * num_routed + self.layer_bytes(keep_all)[0]
