@@ -36,6 +36,12 @@ What it misses, by construction:
   and optimizer step sees all three; enter it once around the whole step.
 Storages kept alive by a reference cycle count until the garbage collector frees them, as
 they would in an allocator.
+
+Where a storage is freed, it says too: `freed_elsewhere` lists (bytes, phase) of each
+counted storage freed on a thread other than the one that entered (the weakref callback
+runs on the freeing thread). A CPU backend's worker thread that dropped the last reference
+to a collective's tensor after the program did is one: the bytes were live longer than the
+program held them, by however long that thread waited to run.
 The peak is taken right after each op returns, when its inputs and outputs are both
 alive, which is what an allocator's peak is for op-granular kernels.
 
@@ -51,6 +57,7 @@ Overhead: `python tests/meter.py` times a small MLP step with and without the me
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 from typing import Callable, Iterable, Iterator, Optional
@@ -119,6 +126,8 @@ class LiveMeter(TorchDispatchMode):
         self.peak_bytes = 0
         self.phase = ""
         self.peak_phase = ""
+        self.freed_elsewhere: list[tuple[int, str]] = []
+        self._thread = threading.get_ident()
 
     # figures
 
@@ -148,6 +157,7 @@ class LiveMeter(TorchDispatchMode):
         for t in self._baseline:
             self._register(t, t.untyped_storage())
         self._baseline = []  # keep no tensor alive through the meter
+        self._thread = threading.get_ident()
         return super().__enter__()
 
     def _register(self, t: torch.Tensor, storage) -> None:
@@ -164,6 +174,8 @@ class LiveMeter(TorchDispatchMode):
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.live_bytes -= entry.num_bytes
+            if entry.num_bytes and threading.get_ident() != self._thread:
+                self.freed_elsewhere.append((entry.num_bytes, self.phase))
 
     def _resize(self, entry: _Entry, num_bytes: int) -> None:
         delta = num_bytes - entry.num_bytes

@@ -204,3 +204,20 @@ def test_a_wrapper_subclass_counts_its_inner_tensor_once():
         assert meter.live_bytes == meter.peak_bytes == B * H * F32
         del inner_BH, wrapped_BH
         assert meter.live_bytes == 0
+
+
+def test_a_storage_freed_on_another_thread_is_named():
+    """A storage whose last reference another thread drops (as a CPU backend's worker drops
+    a collective's tensors) is listed with its bytes and the phase; one freed here is not."""
+    with LiveMeter() as meter:
+        meter.phase = "forward"
+        here, there = torch.empty(10), torch.empty(25)
+        del here
+        held = [there]
+        del there
+        meter.phase = "backward"
+        worker = threading.Thread(target=held.clear)
+        worker.start()
+        worker.join()
+    assert meter.freed_elsewhere == [(25 * F32, "backward")]
+    assert meter.live_bytes == 0

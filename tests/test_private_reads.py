@@ -37,6 +37,11 @@ ALLOWED = {
     ("parallel/release.py", "_storage_Use_Count"),
     ("parallel/release.py", "_cdata"),
     ("parallel/release.py", "_pytree"),
+    # a functional collective's output waited (`waited`), and how many references its
+    # TensorImpl has: the one way to see that gloo's work item dropped the output it made
+    # (its own and its future's); torch 2.13 has no public query
+    ("parallel/release.py", "_c10d_functional"),
+    ("parallel/release.py", "_use_count"),
     # PipelineStage's received buffers and static metadata: a ghost action (a rank whose
     # step failed, playing the schedule to its end) must take and give exactly what the
     # schedule's sends and receives expect; no public accessor in torch 2.13

@@ -51,7 +51,7 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing
 from spikeguard.parallel.exchange_journal import Exchange, ExchangeJournal
 from spikeguard.parallel.gradients import sum_grads
-from spikeguard.parallel.release import SETTLE_S, handed, let_go
+from spikeguard.parallel.release import SETTLE_S, handed, let_go, waited
 from spikeguard.runtime.agreement import Note, PeerFailed
 from spikeguard.runtime.guard_arguments import attached_guard
 
@@ -177,13 +177,14 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
     at a layer that changed; 30 frees a step on another thread). The work item is handed a
     view of `x` (a storage reference of its own), and the exchange waits until the
     storage's count says the view is gone, so `x` is freed where the program drops it, on
-    this thread. A recompute that replays the cached exchange (the checkpoint policies)
-    holds no work item: the count is back at once. CPU tensors only (gloo, measured):
-    spikeguard.parallel.release."""
+    this thread. The output, which the work item holds longer than the input, is
+    returned once it is the caller's alone (`waited`). A recompute that replays the
+    cached exchange (the checkpoint policies) holds no work item: the counts are back at
+    once. CPU tensors only (gloo, measured): spikeguard.parallel.release."""
     views, marks = handed(x)
     out = torch.ops._c10d_functional.all_to_all_single(views, out_splits, in_splits, group_name)
-    out = torch.ops._c10d_functional.wait_tensor(out)
     del views
+    out = waited(out, settle_s)
     let_go(marks, settle_s)
     return out
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from spikeguard.memory.ledger import local_tensor
+from spikeguard.parallel.release import reduced
 
 
 def sum_grads(params: Iterable[torch.nn.Parameter], group) -> None:
@@ -32,7 +33,7 @@ def sum_grads(params: Iterable[torch.nn.Parameter], group) -> None:
         return
     has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
                             device=params[0].device)
-    dist.all_reduce(has_grad, group=group)
+    reduced(dist.all_reduce, has_grad, group=group)
     params = [p for p, n in zip(params, has_grad.tolist()) if n > 0]
     for p in params:
         if p.grad is None:
@@ -60,10 +61,10 @@ def clip_grads_(params: Iterable[torch.nn.Parameter], max_norm: float, *,
     parts = torch.as_tensor(sum((g.float() ** 2).sum() for g, s in zip(grads, kinds) if s),
                             dtype=torch.float32).clone()
     if shard_group is not None:
-        dist.all_reduce(parts, group=shard_group)
+        reduced(dist.all_reduce, parts, group=shard_group)
     total = torch.as_tensor(replicated, dtype=torch.float32) + parts
     if stage_group is not None:
-        dist.all_reduce(total, group=stage_group)
+        reduced(dist.all_reduce, total, group=stage_group)
     norm = total.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for g in grads:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from spikeguard.errors import DeviceOutOfMemory
+from spikeguard.parallel.agreement import gathered
 from spikeguard.runtime.agreement import (ABORT, NONE, NOTE_FIELDS, STEP, GroupFailure, Note,
                                           worst)
 from spikeguard.runtime.net import failure_note
@@ -182,7 +183,7 @@ class PipelineRecovery:
                             dtype=torch.int64, device=self.stages[0].device)
         out = torch.empty(dist.get_world_size() * NOTE_FIELDS, dtype=torch.int64,
                           device=mine.device)
-        dist.all_gather_single(out, mine)   # gloo: a flat output
+        gathered(out, mine, None)   # freed here, not on gloo's thread
         return [n for n in (Note(*row) for row in out.view(-1, NOTE_FIELDS).tolist())
                 if n.kind != NONE]
 

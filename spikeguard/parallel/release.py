@@ -60,6 +60,45 @@ def let_go(marks: list, settle_s: float = SETTLE_S) -> None:
             time.sleep(0)
 
 
+def reduced(collective, tensor: torch.Tensor, **kwargs) -> None:
+    """`collective(tensor, **kwargs)`, an in-place one (an all-reduce), handed a view of
+    `tensor` and returning once the backend has let go of it: a small tensor the caller
+    drops next (a mask, a norm's part) is freed on the caller's thread, not gloo's."""
+    views, marks = handed(tensor)
+    collective(views, **kwargs)
+    del views
+    let_go(marks)
+
+
+def waited(out: torch.Tensor, settle_s: float = SETTLE_S) -> torch.Tensor:
+    """A functional collective's output (`torch.ops._c10d_functional`), waited, returned
+    once the backend's work item holds none of it. gloo's work item keeps the output it
+    made (three references once complete, torch 2.13) and drops them on its worker thread
+    after the wait returns, and after the input handed it (which `let_go` watches): an
+    output the caller dropped meanwhile was freed on that thread (the built-in
+    dispatcher's rows, 1.9-2.6 MB on `small` at EP=2, in one run of three of 2 steps;
+    CPU, gloo), and the device's count at a later layer's entry held them or not with the
+    same data: rank 1 asked room there in one CI run of several
+    (tests/runtime/test_runtime_entry_exchange.py). The output's own use count says when:
+    the caller holds one reference (the returned tensor; a checkpoint policy caches a
+    detached alias, another tensor, and a replayed cache entry was never the backend's),
+    the backend the rest. A rarer late free is left, about 1 in 1,000 collectives, of an
+    output already the caller's alone here (tests/parallel/test_parallel_ep_release.py).
+    Waited at most `settle_s` seconds, as `let_go`; the caller must hold no other
+    reference to `out` (a view made before this call). CPU tensors only: NCCL's watchdog
+    keeps a work item's outputs until it polls, and a GPU allocator does not free on the
+    backend's threads (no wait there)."""
+    out = torch.ops._c10d_functional.wait_tensor(out)
+    if out.device.type != "cpu":
+        return out
+    deadline = time.monotonic() + settle_s
+    while out._use_count() > 1:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0)
+    return out
+
+
 def released(call, rows, *rest):
     """`call(rows, *rest)`, a call that issues one collective on `rows` (transformers'
     combine, torchtitan's token exchanges), handed a view of `rows` and returning once the

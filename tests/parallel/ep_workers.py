@@ -127,35 +127,55 @@ def bytes_worker(rank: int, world_size: int, store_path: str, out_dir: str, num_
 def exchange_release_worker(rank: int, world_size: int, store_path: str, out_dir: str,
                             rounds: int) -> None:
     """`rounds` exchanges through the EP dispatcher's autograd (forward and backward), each
-    with a tensor the caller then drops: saves how many were still alive at the drop (a
-    reference the backend kept past the exchange) and whether every exchange was right."""
-    import weakref
-
-    from spikeguard.parallel.expert_parallel import _Exchange
+    with a tensor the caller then drops, and a flag point of the dispatcher's journal:
+    saves how many inputs were still alive at the drop (a reference the backend kept past
+    the exchange), every storage the independent meter saw freed off this thread (an
+    output or a flag point's row the backend dropped after the program did), and whether
+    every exchange was right."""
+    from meter import LiveMeter
+    from spikeguard.parallel.exchange_journal import ExchangeJournal
+    from spikeguard.runtime.agreement import Note
 
     init_gloo(rank, world_size, store_path)
     try:
-        group_name = torch.distributed.group.WORLD.group_name
+        group = torch.distributed.group.WORLD
+        journal = ExchangeJournal(group, 2, 1)
         splits = [4] * world_size                  # rows to each rank; as many back
         late = {"forward": 0, "backward": 0}
         right = True
-        for i in range(rounds):
-            x = torch.full((sum(splits), 64), float(rank * 1000 + i), requires_grad=True)
-            sent = x * 1                           # the exchange's input, dropped below
-            alive = weakref.ref(sent)
-            y = _Exchange.apply(sent, splits, splits, group_name)
-            del sent
-            home = torch.arange(world_size).repeat_interleave(splits[0]).float().unsqueeze(1)
-            right &= bool((y == home * 1000 + i).all())          # row block s from rank s
-            late["forward"] += alive() is not None
-            grad = torch.full_like(y, float(rank + 1))
-            alive = weakref.ref(grad)
-            y.backward(grad)
-            del grad, y
-            late["backward"] += alive() is not None
-            right &= bool((x.grad == home + 1).all())   # block s's gradient from rank s
-        torch.save({"late": late, "right": right}, Path(out_dir) / f"release_rank{rank}.pt")
+        with LiveMeter() as meter:
+            for i in range(rounds):
+                right &= _exchange_round(rank, world_size, group.group_name, splits, i, late)
+                counts, notes = journal.flag_point(torch.ones(2 * world_size, dtype=torch.long),
+                                                   Note(), torch.device("cpu"))
+                right &= bool((counts == 1).all()) and not notes
+                del counts
+        torch.save({"late": late, "right": right, "elsewhere": meter.freed_elsewhere},
+                   Path(out_dir) / f"release_rank{rank}.pt")
     except BaseException:
         torch.distributed.destroy_process_group()
         raise
     close_gloo()
+
+
+def _exchange_round(rank: int, world_size: int, group_name: str, splits: list, i: int,
+                    late: dict) -> bool:
+    """One exchange forward and backward (exchange_release_worker); whether it was right."""
+    import weakref
+
+    from spikeguard.parallel.expert_parallel import _Exchange
+
+    x = torch.full((sum(splits), 64), float(rank * 1000 + i), requires_grad=True)
+    sent = x * 1                           # the exchange's input, dropped below
+    alive = weakref.ref(sent)
+    y = _Exchange.apply(sent, splits, splits, group_name)
+    del sent
+    home = torch.arange(world_size).repeat_interleave(splits[0]).float().unsqueeze(1)
+    right = bool((y == home * 1000 + i).all())          # row block s from rank s
+    late["forward"] += alive() is not None
+    grad = torch.full_like(y, float(rank + 1))
+    alive = weakref.ref(grad)
+    y.backward(grad)
+    del grad, y
+    late["backward"] += alive() is not None
+    return right and bool((x.grad == home + 1).all())   # block s's gradient from rank s

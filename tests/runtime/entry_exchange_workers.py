@@ -160,7 +160,8 @@ def _plain_and_guarded(rank: int, out_dir: str, fraction: float) -> None:
     torch.save({"expected": expected,
                 "grads": {n: p.grad for n, p in guard.model.named_parameters()},
                 "record": guard.history[-1], "rooms": rooms, "meter_peak": meter.peak_bytes,
-                "budget": guard.budget_bytes}, Path(out_dir) / f"grads_rank{rank}.pt")
+                "budget": guard.budget_bytes, "elsewhere": meter.freed_elsewhere},
+               Path(out_dir) / f"grads_rank{rank}.pt")
     guard.detach()
 
 
