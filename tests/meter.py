@@ -36,14 +36,14 @@ What it misses, by construction:
   and optimizer step sees all three; enter it once around the whole step.
 Storages kept alive by a reference cycle count until the garbage collector frees them, as
 they would in an allocator.
+The peak is taken right after each op returns, when its inputs and outputs are both
+alive, which is what an allocator's peak is for op-granular kernels.
 
 Where a storage is freed, it says too: `freed_elsewhere` lists (bytes, phase) of each
 counted storage freed on a thread other than the one that entered (the weakref callback
 runs on the freeing thread). A CPU backend's worker thread that dropped the last reference
 to a collective's tensor after the program did is one: the bytes were live longer than the
 program held them, by however long that thread waited to run.
-The peak is taken right after each op returns, when its inputs and outputs are both
-alive, which is what an allocator's peak is for op-granular kernels.
 
 Host memory (an offload pool's buffers) is excluded at creation, either by the `exclude`
 predicate, called once per new storage with the output tensor, or by running the code

@@ -17,6 +17,10 @@ tensors are freed where the program drops them, on its own thread:
     del views
     let_go(marks)
 
+A functional collective's output, which the work item keeps after the input, is waited
+for by its own use count (`waited`); an in-place collective on a tensor the caller drops
+next goes through `reduced`.
+
 CPU tensors only (gloo, measured); a GPU tensor gets no mark and no wait.
 """
 

@@ -6,10 +6,11 @@ wait has returned; a tensor nothing else held (the backward's contiguous gradien
 freed on that thread whenever it ran, and the emulated device's peak of a step moved from
 step to step with the same data and plans (docs/oracle.md, EP). `expert_parallel.exchange`
 returns once the backend holds no reference to the input: dropped by the caller, it is gone.
-The work item keeps its output longer than its input (its future holds it too), and the
-flag point's row was handed as it was: both were freed on gloo's thread after the program
-dropped them (rows 1.9-2.6 MB of `small` at EP=2 in one run of three; the flag point's
-240 B every time), and a layer's entry check on rank 1 saw them or not with the same data
+The work item keeps its output longer than its input (three references to it once
+complete, torch 2.13), and the flag point's row was handed as it was: both were freed on
+gloo's thread after the program dropped them (rows 1.9-2.6 MB of `small` at EP=2 in one
+run of three; the flag point's 240 B in about one round of four), and a layer's entry
+check on rank 1 saw them or not with the same data
 (tests/runtime/test_runtime_entry_exchange.py failed in one CI run). The independent meter
 (tests/meter.py) names every storage freed off the main thread: here 300 flag points and
 600 exchanges a rank leave at most 2. A rarer late release is left, about 1 in 1,000

@@ -137,12 +137,11 @@ def test_the_meters_true_peak_stays_under_the_budget(plain_and_guarded):
 def test_the_steps_storages_are_freed_on_its_own_thread(plain_and_guarded):
     """The guarded step's storages the meter counted are freed on the step's own thread:
     gloo's worker thread dropped the dispatcher's flag-point rows (4 of a rank's 8 in a
-    run) and exchange
-    outputs after the step did, and the device's count at a later layer's entry held them
-    or not with the same data (rank 1 asked room at an entry in one CI run of several,
-    1.9-2.6 MB of rows freed late in one local run of three; spikeguard.parallel.release
-    `waited`). One is allowed: a rarer release is left (about 1 in 1,000 collectives,
-    tests/parallel/test_parallel_ep_release.py)."""
+    run) and exchange outputs after the step did, and the device's count at a later
+    layer's entry held them or not with the same data (rank 1 asked room at an entry in
+    one CI run of several; 1.9-2.6 MB of rows freed late in one local run of three;
+    spikeguard.parallel.release `waited`). One is allowed: a rarer late release is left
+    (about 1 in 1,000 collectives, tests/parallel/test_parallel_ep_release.py)."""
     for rank in range(WORLD):
         elsewhere = plain_and_guarded(rank)["elsewhere"]
         assert len(elsewhere) <= 1, (rank, len(elsewhere), sum(b for b, _ in elsewhere),
