@@ -7,8 +7,11 @@ The calm pages (scripts/calm_overhead.py, calm_overhead_pp.py) time whole steps;
 EP, PP and transformers' EP rows cost more than the one-process rows, and a step there
 makes a few collectives of the failure protocol (spikeguard.runtime.agreement) beyond the
 plain model's: each a meeting of the ranks, whatever it carries. This script times each
-kind alone, the first two made by the guard's own code, the third written as
-`PipelineRecovery.step_end` writes it (that method needs the schedule's stages to call):
+kind alone, the first two made by the guard's own code, the third a plain all-gather of
+notes over the job, as `PipelineRecovery.step_end` wrote it until 12-07 (that method
+needs the schedule's stages to call; it now calls `agreement.gathered`, the group notes'
+call, which also waits for gloo to let go of its tensors: not timed here, nor the flag
+point's same wait since then; the README's page predates both):
 
     flag point   ExchangeJournal.flag_point: an all-to-all of L counts and one note per
                  rank of the EP group (spikeguard's own EP, a pipeline's stages: the end
@@ -96,7 +99,7 @@ def _collectives() -> dict:
     cpu = torch.device("cpu")
     job = torch.empty(world * len(Note().as_list()), dtype=torch.int64)
 
-    def job_notes():   # pipeline_recovery.step_end's all-gather, as it writes it
+    def job_notes():   # pipeline_recovery.step_end's all-gather, as it wrote it
         dist.all_gather_single(job, torch.tensor(Note().as_list(), dtype=torch.int64))
         job.tolist()
 

@@ -23,23 +23,21 @@ ALLOWED = {
     # torch's functional collectives: the op namespace and module have no public alias in
     # torch 2.13, and the autograd all-to-all lives only there.
     ("runtime/executor.py", "_c10d_functional"),
-    ("parallel/expert_parallel.py", "_c10d_functional"),
     ("parallel/expert_parallel.py", "_functional_collectives"),
-    ("parallel/exchange_journal.py", "_c10d_functional"),
     # whether code runs inside a backward (a recompute there replays the cached exchanges
     # and must record nothing): torch 2.13 has no public query
     ("parallel/exchange_journal.py", "_C"),
     ("parallel/exchange_journal.py", "_current_graph_task_id"),
     # how many references a storage has: the one way to see that gloo's worker has let go
-    # of a collective's tensors (release.py, for expert_parallel.exchange and the rest);
-    # torch 2.13 has no public query. Its views handed in a tree: torch's own tree map
+    # of a collective's tensors (release.py: its `exchange` and the rest); torch 2.13
+    # has no public query. Its views handed in a tree: torch's own tree map
     ("parallel/release.py", "_C"),
     ("parallel/release.py", "_storage_Use_Count"),
     ("parallel/release.py", "_cdata"),
     ("parallel/release.py", "_pytree"),
-    # a functional collective's output waited (`waited`), and how many references its
-    # TensorImpl has: the one way to see that gloo's work item dropped the output it made
-    # (its own and its future's); torch 2.13 has no public query
+    # the functional all-to-all (`exchange`), its output waited (`waited`), and how many
+    # references that output's TensorImpl has: the one way to see that gloo's work item
+    # dropped the output it made; torch 2.13 has no public query
     ("parallel/release.py", "_c10d_functional"),
     ("parallel/release.py", "_use_count"),
     # PipelineStage's received buffers and static metadata: a ghost action (a rank whose

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from spikeguard.parallel.release import handed, let_go, waited
+from spikeguard.parallel.release import exchange
 from spikeguard.runtime.agreement import NONE, NOTE_FIELDS, Note
 
 @dataclass
@@ -104,14 +104,10 @@ class ExchangeJournal:
         mine = torch.tensor(note.as_list(), dtype=torch.int64, device=device)
         send = torch.cat([counts_RL, mine.expand(R, NOTE_FIELDS)], dim=1).reshape(-1)
         width = L + NOTE_FIELDS
-        # gloo's work item drops `send` and its output on its own thread: waited for
-        # here, they are freed where this drops them (spikeguard.parallel.release)
-        views, marks = handed(send)
-        out = torch.ops._c10d_functional.all_to_all_single(
-            views, [width] * R, [width] * R, self.group.group_name)
-        del views
-        recv_RW = waited(out).view(R, width)
-        let_go(marks)
+        # through `exchange`: gloo's work item let go of `send` and the output on return,
+        # so they are freed where this drops them, not on gloo's thread
+        recv_RW = exchange(send, [width] * R, [width] * R, self.group.group_name)
+        recv_RW = recv_RW.view(R, width)
         notes = [Note(*row) for row in recv_RW[:, L:].tolist()]
         counts = recv_RW[:, :L] if counts_E is not None else None
         return counts, [n for n in notes if n.kind != NONE]
@@ -166,9 +162,4 @@ class ExchangeJournal:
         """One exchange with zeros for rows: `out_of` rows sent to each rank, `in_of`
         received from each (the argument order of all_to_all_single is the reverse)."""
         send = torch.zeros(sum(out_of), entry.width, dtype=entry.dtype, device=entry.device)
-        views, marks = handed(send)
-        out = torch.ops._c10d_functional.all_to_all_single(
-            views, list(in_of), list(out_of), self.group.group_name)
-        del views
-        waited(out)
-        let_go(marks)
+        exchange(send, list(in_of), list(out_of), self.group.group_name)

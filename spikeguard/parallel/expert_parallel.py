@@ -51,7 +51,7 @@ from spikeguard.model.moe import MoEBlock
 from spikeguard.model.router import Routing
 from spikeguard.parallel.exchange_journal import Exchange, ExchangeJournal
 from spikeguard.parallel.gradients import sum_grads
-from spikeguard.parallel.release import SETTLE_S, handed, let_go, waited
+from spikeguard.parallel.release import exchange
 from spikeguard.runtime.agreement import Note, PeerFailed
 from spikeguard.runtime.guard_arguments import attached_guard
 
@@ -142,13 +142,13 @@ class ExpertParallelDispatcher:
         return out_TD.index_add(0, dispatched.token_idx_N, weighted_ND)
 
     def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]):
-        """The exchange, its backward the reverse one, both through `exchange` below."""
+        """The exchange, its backward the reverse one, both through `release.exchange`."""
         return _Exchange.apply(x, out_splits, in_splits, self.group.group_name)
 
 
 class _Exchange(torch.autograd.Function):
-    """torch 2.13's own autograd of the functional all_to_all_single, but with `exchange`
-    in both directions: its registered backward hands gloo a temporary (the gradient made
+    """torch 2.13's own autograd of the functional all_to_all_single, but with
+    `release.exchange` in both directions: its registered backward hands gloo a temporary (the gradient made
     contiguous) that nothing else holds, so it is freed on gloo's worker thread."""
 
     @staticmethod
@@ -160,33 +160,6 @@ class _Exchange(torch.autograd.Function):
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
         return exchange(grad_out.contiguous(), in_splits, out_splits, ctx.group_name), None, None, None
-
-
-def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str,
-             settle_s: float = SETTLE_S) -> torch.Tensor:
-    """`all_to_all_single` and its wait as the raw functional ops (not
-    `_functional_collectives.all_to_all_single`, which wraps its output in an
-    AsyncCollectiveTensor in eager mode; these are the very ops the checkpoint policies
-    name), returning once the backend has let go of `x`.
-
-    gloo's work item holds the input until its worker thread drops it, which is after the
-    wait has returned: an input nothing else holds (the backward's) was freed on that
-    thread whenever it next ran, while this one went on allocating. On the emulated device
-    a step's peak then moved from step to step with the same data and plans, by up to one
-    exchange's rows (`medium`, EP=2, static policy `full`: 0 or +3.3-3.5 MB in a backward,
-    at a layer that changed; 30 frees a step on another thread). The work item is handed a
-    view of `x` (a storage reference of its own), and the exchange waits until the
-    storage's count says the view is gone, so `x` is freed where the program drops it, on
-    this thread. The output, which the work item holds longer than the input, is
-    returned once it is the caller's alone (`waited`). A recompute that replays the
-    cached exchange (the checkpoint policies) holds no work item: the counts are back at
-    once. CPU tensors only (gloo, measured): spikeguard.parallel.release."""
-    views, marks = handed(x)
-    out = torch.ops._c10d_functional.all_to_all_single(views, out_splits, in_splits, group_name)
-    del views
-    out = waited(out, settle_s)
-    let_go(marks, settle_s)
-    return out
 
 
 def _regroup_order(recv_counts_RL: torch.Tensor, R: int, L: int):

@@ -48,9 +48,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from spikeguard.parallel.agreement import GroupAgreement
-from spikeguard.parallel.expert_parallel import exchange
 from spikeguard.parallel.family_backward import Span, alike, counted_whole, remaining, replay
-from spikeguard.parallel.release import handed, let_go, released
+from spikeguard.parallel.release import exchange, handed, let_go, released
 from spikeguard.runtime.agreement import STEP, Note, PeerFailed
 from spikeguard.runtime.fsdp import gradient_sync
 

@@ -103,6 +103,36 @@ def waited(out: torch.Tensor, settle_s: float = SETTLE_S) -> torch.Tensor:
     return out
 
 
+def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str,
+             settle_s: float = SETTLE_S) -> torch.Tensor:
+    """`all_to_all_single` and its wait as the raw functional ops (not
+    `_functional_collectives.all_to_all_single`, which wraps its output in an
+    AsyncCollectiveTensor in eager mode; these are the very ops the checkpoint policies
+    name), returning once the backend has let go of `x`.
+
+    gloo's work item holds the input until its worker thread drops it, which is after the
+    wait has returned: an input nothing else holds (the backward's) was freed on that
+    thread whenever it next ran, while this one went on allocating. On the emulated device
+    a step's peak then moved from step to step with the same data and plans, by up to one
+    exchange's rows (`medium`, EP=2, static policy `full`: 0 or +3.3-3.5 MB in a backward,
+    at a layer that changed; 30 frees a step on another thread). The work item is handed a
+    view of `x` (a storage reference of its own), and the exchange waits until the
+    storage's count says the view is gone, so `x` is freed where the program drops it, on
+    this thread. The output, which the work item holds longer than the input, is
+    returned once it is the caller's alone (`waited`). A recompute that replays the
+    cached exchange (the checkpoint policies) holds no work item: the counts are back at
+    once. CPU tensors only (gloo, measured). The built-in dispatcher's exchanges both ways
+    (expert_parallel `_Exchange`), its journal's flag point and zero rows
+    (exchange_journal.py) and transformers' settlement rows (family_journal.py) are this
+    one call."""
+    views, marks = handed(x)
+    out = torch.ops._c10d_functional.all_to_all_single(views, out_splits, in_splits, group_name)
+    del views
+    out = waited(out, settle_s)
+    let_go(marks, settle_s)
+    return out
+
+
 def released(call, rows, *rest):
     """`call(rows, *rest)`, a call that issues one collective on `rows` (transformers'
     combine, torchtitan's token exchanges), handed a view of `rows` and returning once the

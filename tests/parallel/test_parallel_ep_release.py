@@ -4,7 +4,7 @@ backward, and so does the dispatcher's flag point.
 gloo's work item keeps the exchange's tensors until its worker thread drops it, after the
 wait has returned; a tensor nothing else held (the backward's contiguous gradient) was then
 freed on that thread whenever it ran, and the emulated device's peak of a step moved from
-step to step with the same data and plans (docs/oracle.md, EP). `expert_parallel.exchange`
+step to step with the same data and plans (docs/oracle.md, EP). `release.exchange`
 returns once the backend holds no reference to the input: dropped by the caller, it is gone.
 The work item keeps its output longer than its input (three references to it once
 complete, torch 2.13), and the flag point's row was handed as it was: both were freed on
@@ -35,7 +35,7 @@ import ep_workers
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
-def test_exchange_input_is_freed_when_dropped(tmp_path):
+def test_exchange_and_flag_point_tensors_are_freed_where_dropped(tmp_path):
     world = 2
     run_spawned(ep_workers.exchange_release_worker, world, (str(tmp_path), 300),
                 store_path=tmp_path / "store", timeout_s=150)
